@@ -1,0 +1,371 @@
+"""af.fuse: equality saturation + extraction of the fused forms of a program.
+
+A fused *pass* reads the fused axis once and carries a set of states. For each
+state it holds three derived expressions:
+
+- ``init``: the state over the first tile (its definition over block B),
+- ``rolling``: ``St(q, A u B)`` from the running states of the prefix A and the
+  raw tile B (FlashAttention-style),
+- ``merge``: ``St(q, A u B)`` from the finished partial states of A and B only
+  (FlashDecoding-style, also the cross-device combine).
+
+A state whose rolling form has no finite cost is not fusible: it (and what
+depends on it) moves to a later pass, where the states it needs are final.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import time
+
+from acefuse.rewrite.terms import Term, A, B, U, pretty, substitute
+from acefuse.rewrite.encode import encode, Encoding, StateDef, RED_OPS
+from acefuse.rewrite.egraph import EGraph, RunStats
+from acefuse.rewrite import schedules
+from acefuse.extract.extractor import Extractor, Reach
+from acefuse.extract import cost as C
+
+AB = U(A, B)
+J = Term("BJ")
+
+
+class FuseError(ValueError):
+    """The program cannot be fused as asked; the message says what to change."""
+
+
+@dataclass
+class FusionPass:
+    """One read of the fused axis and the states it carries."""
+
+    index: int
+    states: list                       # carried StateDefs (no refs), in update order
+    refs: list                         # reference states used by them
+    init: dict = field(default_factory=dict)
+    rolling: dict = field(default_factory=dict)
+    merge: dict = field(default_factory=dict)   # empty when the split schedule is not available
+    rolling_cost: dict = field(default_factory=dict)
+    merge_cost: dict = field(default_factory=dict)
+    stats: RunStats | None = None
+    egraph: object = None
+    known: tuple = ()                  # states finished in earlier passes
+
+    @property
+    def split_ok(self) -> bool:
+        return bool(self.states) and all(s.name in self.merge for s in self.states)
+
+
+@dataclass
+class Fusion:
+    program: object
+    axis: str
+    encoding: Encoding
+    passes: list
+    fusible: bool
+    reason: str
+    blocked: list                       # (state, reason) for every state that needed another pass
+    rules: list
+    seconds: float = 0.0
+    _chains: dict = field(default_factory=dict)
+    _certs: dict = field(default_factory=dict)
+
+    # -- summary ------------------------------------------------------------------------
+    @property
+    def states(self) -> list:
+        return [s for p in self.passes for s in p.states]
+
+    @property
+    def hbm_passes(self) -> dict:
+        """Reads of the input over the fused axis: plain evaluation vs the fused kernel
+        (a row longer than one tile; a row that fits one tile is read once)."""
+        ep = 1 if self.encoding.elementwise_outputs else 0
+        return {"unfused": self.encoding.unfused_passes, "fused": len(self.passes) + ep}
+
+    def state(self, name) -> StateDef:
+        return self.encoding.state(name)
+
+    # -- explanation ----------------------------------------------------------------------
+    def rule_chain(self, name: str, form: str = "rolling") -> list:
+        """The named rules needed to derive a correction, in the order they first fired
+        (reconstructed by ablation: a rule is in the chain when removing it loses the form)."""
+        key = (name, form)
+        if key not in self._chains:
+            self._chains[key] = _ablate(self, name, form)
+        return self._chains[key]
+
+    @property
+    def certificate(self) -> dict:
+        """Certificates of every derived rolling update and split merge (proofs/certify.py)."""
+        if not self._certs:
+            from acefuse.proofs.certify import certify
+            defs = list(self.encoding.states)
+            for p in self.passes:
+                known = {k: Term("Par", (f"{k}_final",)) for k in p.known}
+                pd = [_StateView(s, known) for s in defs if s.name not in p.known]
+                for s in p.states:
+                    self._certs[(s.name, "rolling")] = certify(pd, s.name, p.rolling[s.name])
+                    if s.name in p.merge:
+                        self._certs[(s.name, "merge")] = certify(pd, s.name, p.merge[s.name])
+        return self._certs
+
+    def explain(self, chains: bool = True) -> str:
+        enc = self.encoding
+        L = [f"program {self.program.name!r}, fused axis {self.axis!r}: "
+             + ("fusible" if self.fusible else "NOT fully fusible")]
+        if not self.fusible:
+            L.append(f"  not fusible because {self.reason}")
+        L.append("states (block-local definitions over a block S):")
+        for s in enc.states:
+            L.append(f"  {s.name:>4} = {_show(s.definition, 'S')}    [{s.op}; from {pretty(s.source)}]")
+        hp = self.hbm_passes
+        L.append(f"HBM passes over the input (rows longer than a tile): unfused {hp['unfused']}, "
+                 f"fused {hp['fused']}")
+        for p in self.passes:
+            L.append(f"pass {p.index}: carries {', '.join(s.name for s in p.states)}"
+                     + (f" (with {', '.join(p.known)} final from earlier passes)" if p.known else ""))
+            if p.stats:
+                L.append(f"  saturation {p.stats}")
+            for s in p.states:
+                L.append(f"  {s.name}:")
+                L.append(f"    init     {s.name}_B  = {pretty(p.init[s.name])}")
+                L.append(f"    rolling  {s.name}_AB = {pretty(p.rolling[s.name])}")
+                if chains:
+                    L.append(f"             rules: {' -> '.join(self.rule_chain(s.name, 'rolling')) or '(definition)'}")
+                if s.name in p.merge:
+                    L.append(f"    merge    {s.name}_AB = {pretty(p.merge[s.name])}")
+                    if chains:
+                        L.append(f"             rules: {' -> '.join(self.rule_chain(s.name, 'merge')) or '(definition)'}")
+            if not p.split_ok:
+                L.append("  split schedule: not available for this pass")
+        L.append("outputs:")
+        for k, t in enc.outputs.items():
+            kind = "epilogue, elementwise over " + self.axis if k in enc.elementwise_outputs else "finalize, per row"
+            L.append(f"  {k} = {_final_str(t)}    [{kind}]")
+        return "\n".join(L)
+
+    def to_json(self) -> dict:
+        enc = self.encoding
+        return {
+            "program": self.program.name,
+            "axis": self.axis,
+            "fusible": self.fusible,
+            "reason": self.reason or None,
+            "hbm_passes": self.hbm_passes,
+            "passes": [{
+                "index": p.index,
+                "known": list(p.known),
+                "split": p.split_ok,
+                "saturation": {"stop_reason": p.stats.stop_reason, "iterations": p.stats.iterations,
+                               "nodes": p.stats.nodes} if p.stats else None,
+                "states": [{
+                    "name": s.name, "op": s.op,
+                    "definition": _show(s.definition, "S"),
+                    "init": pretty(p.init[s.name]),
+                    "rolling": pretty(p.rolling[s.name]),
+                    "merge": pretty(p.merge[s.name]) if s.name in p.merge else None,
+                    "rules": {"rolling": self.rule_chain(s.name, "rolling"),
+                              "merge": self.rule_chain(s.name, "merge") if s.name in p.merge else []},
+                } for s in p.states],
+            } for p in self.passes],
+            "references": [{"name": s.name, "definition": _show(s.definition, "S")}
+                           for s in enc.states if s.op == "ref"],
+            "outputs": [{"name": k, "expr": _final_str(t),
+                         "kind": "epilogue" if k in enc.elementwise_outputs else "finalize"}
+                        for k, t in enc.outputs.items()],
+            "rules_used": sorted({r for p in self.passes for s in p.states
+                                  for f in ("rolling", "merge") if f == "rolling" or s.name in p.merge
+                                  for r in self.rule_chain(s.name, f)}),
+        }
+
+
+class _StateView:
+    """A state definition with earlier-pass states read as final values."""
+
+    def __init__(self, s: StateDef, known: dict):
+        self.name, self.op = s.name, s.op
+        self.definition = _known_to_final(s.definition, known)
+
+
+def _known_to_final(t: Term, known: dict) -> Term:
+    if t.op == "St" and t.args[0] in known:
+        return known[t.args[0]]
+    if not t.children:
+        return t
+    return Term(t.op, tuple(_known_to_final(a, known) if isinstance(a, Term) else a for a in t.args))
+
+
+def _show(t: Term, blk: str) -> str:
+    return pretty(t).replace("_A", "_" + blk).replace("sum_A(", f"sum_{blk}(").replace(
+        "max_A(", f"max_{blk}(").replace("min_A(", f"min_{blk}(")
+
+
+def _final_str(t: Term) -> str:
+    return pretty(t).replace("_J", "")
+
+
+def default_rules(extra=()) -> list:
+    from acefuse.rules import REGISTRY
+    return list(REGISTRY.values()) + list(extra)
+
+
+def _build(enc: Encoding, pass_states: list, known: set, rules, allow_unproved=False, check_proofs=True):
+    eg = EGraph(rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
+    finals = {k: Term("St", (k, J)) for k in known}
+    for s in pass_states:
+        d = _known_to_final(s.definition, finals)
+        for blk in (A, B, AB):
+            eg.union(Term("St", (s.name, blk)), _reblock(d, blk))
+    return eg
+
+
+def _reblock(t, blk):
+    if t.op == "BA":
+        return blk
+    if not t.children:
+        return t
+    return Term(t.op, tuple(_reblock(a, blk) if isinstance(a, Term) else a for a in t.args))
+
+
+def _closure(states, names):
+    """Names plus every state that (transitively) depends on one of them."""
+    out = set(names)
+    changed = True
+    while changed:
+        changed = False
+        for s in states:
+            if s.name not in out and any(d in out for d in s.deps):
+                out.add(s.name)
+                changed = True
+    return out
+
+
+def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved: bool = False,
+         check_proofs: bool = True) -> Fusion:
+    """Derive the fused forms of ``prog`` over ``axis`` (default: its only reduced axis).
+
+    ``rules`` adds user rules (each must pass its proof, see ``acefuse prove``);
+    ``allow_unproved=True`` is the loud opt-out for experiments.
+    """
+    from acefuse.lang import Program
+    if not isinstance(prog, Program):
+        raise FuseError(f"af.fuse expects a program made with af.program(...), got {type(prog).__name__}")
+    axis = _pick_axis(prog, axis)
+    t0 = time.perf_counter()
+    enc = encode(prog, axis)
+    schedule = schedule or schedules.DERIVE
+    all_rules = default_rules(rules)
+    remaining = list(enc.states)
+    known: set = set()
+    passes, blocked = [], []
+    while remaining:
+        eg = _build(enc, remaining, known, all_rules, allow_unproved, check_proofs)
+        stats = eg.saturate(schedule)
+        ex = Extractor(eg.serialized())
+        carried = [s for s in remaining if s.op != "ref"]
+        carried_names = frozenset(s.name for s in carried)
+        p = FusionPass(len(passes) + 1, [], [], stats=stats, egraph=eg, known=tuple(sorted(known)))
+        failed: set = set()
+        ok: list = []
+        for s in remaining:
+            if s.op == "ref" or s.name in failed:
+                continue
+            if _depends_on(enc, s.name, failed):
+                failed.add(s.name)
+                continue
+            cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
+                              and ex.blk.get(args[1]) == "AB")
+            earlier = frozenset(x.name for x in ok)
+            reach = Reach("rolling", carried_names - failed, earlier)
+            cost, term = ex.extract(cid, reach, target=s.name)
+            if term is None:
+                failed.add(s.name)
+                blocked.append((s.name, _why(enc, s, known)))
+                continue
+            p.rolling[s.name], p.rolling_cost[s.name] = term, cost
+            ok.append(s)
+        # split merges for the states that fuse
+        okn = frozenset(x.name for x in ok)
+        for i, s in enumerate(ok):
+            cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
+                              and ex.blk.get(args[1]) == "AB")
+            reach = Reach("split", okn, frozenset(x.name for x in ok[:i]))
+            cost, term = ex.extract(cid, reach, target=s.name)
+            if term is not None:
+                p.merge[s.name], p.merge_cost[s.name] = term, cost
+        if not ok:  # cannot happen: the first remaining reduction only reads final states
+            raise FuseError(f"program {prog.name!r}: no state of pass {len(passes) + 1} could be "
+                            f"formed over {axis!r} (states {[s.name for s in remaining]}); "
+                            "this is a bug in acefuse, please report it with the program")
+        finals_known = {k: Term("St", (k, J)) for k in known}
+        for s in ok:
+            p.init[s.name] = _reblock(_known_to_final(s.definition, finals_known), B)
+        p.states = ok
+        done = {s.name for s in ok}
+        p.refs = [s for s in remaining if s.op == "ref" and set(s.deps) <= done | known]
+        passes.append(p)
+        known |= done | {r.name for r in p.refs}
+        remaining = [s for s in remaining if s.name not in known]
+    fusible = len(passes) <= 1
+    reason = "; ".join(r for _, r in blocked)
+    return Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
+                  seconds=time.perf_counter() - t0)
+
+
+def _depends_on(enc, name, failed) -> bool:
+    s = enc.state(name)
+    for d in s.deps:
+        if d in failed or _depends_on(enc, d, failed):
+            return True
+    return False
+
+
+def _why(enc: Encoding, s: StateDef, known: set) -> str:
+    deps = [d for d in s.deps if d not in known]
+    dep_txt = ", ".join(f"{d} = {pretty(enc.state(d).source)}" for d in deps) or "nothing"
+    body = s.body
+    return (f"reduction `{pretty(s.source)}` (state {s.name}) reads {dep_txt} inside "
+            f"`{pretty(body) if body is not None else pretty(s.definition)}`, and no chain of rules turns "
+            f"its value over a block already read into that block's states (the raw elements are gone "
+            f"once the block is folded); it needs another pass over {enc.axis!r} after "
+            f"{', '.join(deps) or 'its inputs'} {'is' if len(deps) == 1 else 'are'} final")
+
+
+def _pick_axis(prog, axis):
+    red = prog.reduced_axes()
+    if axis is None:
+        if len(red) == 1:
+            return red[0]
+        if not red:
+            raise FuseError(f"program {prog.name!r} has no reduction; there is nothing to fuse "
+                            "(af.compile still makes an elementwise kernel)")
+        raise FuseError(f"program {prog.name!r} reduces over several axes {red}; "
+                        f"pick the one to fuse with axis=...")
+    if axis not in prog.axes:
+        raise FuseError(f"program {prog.name!r}: axis {axis!r} is not an axis of its inputs "
+                        f"({' '.join(prog.axes)}); pick one of them")
+    return axis
+
+
+def _ablate(f: Fusion, name: str, form: str) -> list:
+    """Rules without which the derived form of ``name`` is no longer reachable."""
+    p = next(p for p in f.passes if any(s.name == name for s in p.states))
+    target = p.rolling[name] if form == "rolling" else p.merge.get(name)
+    if target is None:
+        return []
+    if target == p.init.get(name) or _is_definition(f, name, target):
+        return []
+    fired = p.stats.matches if p.stats else {}
+    candidates = [r for r in f.rules if r.kind == "rewrite" and fired.get(r.name)]
+    remaining = [s for s in f.encoding.states if s.name not in p.known]
+    needed = []
+    for r in candidates:
+        rules = [x for x in f.rules if x.name != r.name]
+        eg = _build(f.encoding, remaining, set(p.known), rules, check_proofs=False)
+        eg.saturate(schedules.DERIVE)
+        if not eg.check(Term("St", (name, AB)), target):
+            needed.append(r.name)
+    order = p.stats.first_iteration if p.stats else {}
+    return sorted(needed, key=lambda n: (order.get(n, 99), n))
+
+
+def _is_definition(f, name, target) -> bool:
+    s = f.encoding.state(name)
+    return target == _reblock(s.definition, AB)

@@ -1,0 +1,193 @@
+"""The meaning of a term on concrete symbolic blocks, for three number systems.
+
+A *block* is a tuple of element indices (``(1, 2, 3)``). Element index ``0`` is
+the *ambient* element: the element at which a term outside every reduction is
+evaluated (``y = exp(x - m) / l`` is elementwise over the reduced axis).
+Reductions evaluate their body once per element of their block and combine
+the values with ``+``, ``max`` or ``min``.
+
+``evaluate(term, elem, backend, leaf, blocks)`` is the one recursive evaluator;
+what changes between the symbolic proof, the 50-digit random search and the
+float64 certificate check is only the backend (how ``+``, ``exp``, ... are
+computed) and ``leaf`` (what a leaf is worth at an element):
+
+* ``SympyBackend``  builds sympy expressions, and records the domain conditions
+  each partial operator needs (``log(x)`` needs ``x > 0``, ``a / b`` needs
+  ``b != 0``), so that a proof can compare the domains of both sides;
+* ``MpBackend``     computes with mpmath at 50 digits and raises ``Undefined``
+  outside the real domain (``log(-1)``, ``1 / 0``);
+* ``FloatBackend``  computes in IEEE float64 (numpy scalars), as a kernel would.
+"""
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+import sympy as sp
+
+from acefuse.rewrite.terms import Term, REDUCTIONS
+
+PRECISION_DIGITS = 50
+
+
+class Undefined(ArithmeticError):
+    """A partial operator was applied outside its real domain (log of <= 0, x / 0, ...)."""
+
+
+def is_leaf(t: Term) -> bool:
+    """Leaves whose value the caller decides: pattern variables, Elm, Par, St, Num with a variable payload."""
+    if t.op in ("?", "Elm", "Par", "St"):
+        return True
+    return t.op == "Num" and isinstance(t.args[0], Term)
+
+
+def evaluate(t: Term, elem: int, be, leaf, blocks):
+    """Value of ``t`` at ambient element ``elem``.
+
+    be:     a backend (SympyBackend, MpBackend, FloatBackend)
+    leaf:   leaf(term, elem) -> value for the leaves listed in ``is_leaf``
+    blocks: blocks(block_term) -> tuple of element indices
+    """
+    op = t.op
+    if is_leaf(t):
+        return leaf(t, elem)
+    if op == "Num":
+        return be.const(t.args[0])
+    if op == "Cnt":
+        return be.const(len(blocks(t.args[0])))
+    if op in REDUCTIONS:
+        elems = blocks(t.args[0])
+        if not elems:
+            raise ValueError(f"reduction {t!r} over an empty block")
+        vals = [evaluate(t.args[1], i, be, leaf, blocks) for i in elems]
+        return {"Sum": be.sum, "RMax": be.max, "RMin": be.min}[op](vals)
+    fn = _OPS.get(op)
+    if fn is None:
+        raise ValueError(f"cannot evaluate operator {op!r} in {t!r}")
+    vals = [evaluate(a, elem, be, leaf, blocks) for a in t.args]
+    return fn(be, *vals)
+
+
+_OPS = {
+    "Add": lambda be, a, b: be.add(a, b),
+    "Sub": lambda be, a, b: be.sub(a, b),
+    "Mul": lambda be, a, b: be.mul(a, b),
+    "Div": lambda be, a, b: be.div(a, b),
+    "Neg": lambda be, a: be.neg(a),
+    "Exp": lambda be, a: be.exp(a),
+    "Log": lambda be, a: be.log(a),
+    "Sqrt": lambda be, a: be.sqrt(a),
+    "Rsqrt": lambda be, a: be.rsqrt(a),
+    "Abs": lambda be, a: be.abs(a),
+    "Tanh": lambda be, a: be.tanh(a),
+    "Max2": lambda be, a, b: be.max([a, b]),
+    "Min2": lambda be, a, b: be.min([a, b]),
+}
+
+
+class SympyBackend:
+    """Exact arithmetic with sympy; records the domain conditions of partial operators.
+
+    ``conditions`` is a list of ``(kind, expr)`` with kind ``"pos"`` (expr > 0),
+    ``"nonneg"`` (expr >= 0) or ``"nonzero"`` (expr != 0).
+    """
+
+    def __init__(self):
+        self.conditions: list = []
+
+    def const(self, v):
+        if isinstance(v, int):
+            return sp.Integer(v)
+        v = float(v)
+        if math.isinf(v):
+            return sp.oo if v > 0 else -sp.oo
+        return sp.Integer(int(v)) if v.is_integer() else sp.Rational(v)
+
+    def add(self, a, b): return a + b
+    def sub(self, a, b): return a - b
+    def mul(self, a, b): return a * b
+    def neg(self, a): return -a
+    def exp(self, a): return sp.exp(a)
+    def abs(self, a): return sp.Abs(a)
+    def tanh(self, a): return sp.tanh(a)
+    def sum(self, vals): return sp.Add(*vals)
+    def max(self, vals): return sp.Max(*vals)
+    def min(self, vals): return sp.Min(*vals)
+
+    def div(self, a, b):
+        self.conditions.append(("nonzero", b))
+        return a / b
+
+    def log(self, a):
+        self.conditions.append(("pos", a))
+        return sp.log(a)
+
+    def sqrt(self, a):
+        self.conditions.append(("nonneg", a))
+        return sp.sqrt(a)
+
+    def rsqrt(self, a):
+        self.conditions.append(("pos", a))
+        return 1 / sp.sqrt(a)
+
+
+class MpBackend:
+    """mpmath at 50 significant digits; raises ``Undefined`` outside the real domain."""
+
+    def const(self, v): return mpmath.mpf(v)
+    def add(self, a, b): return a + b
+    def sub(self, a, b): return a - b
+    def mul(self, a, b): return a * b
+    def neg(self, a): return -a
+    def exp(self, a): return mpmath.exp(a)
+    def abs(self, a): return abs(a)
+    def tanh(self, a): return mpmath.tanh(a)
+    def sum(self, vals): return mpmath.fsum(vals)
+    def max(self, vals): return max(vals)
+    def min(self, vals): return min(vals)
+
+    def div(self, a, b):
+        if b == 0:
+            raise Undefined("division by zero")
+        return a / b
+
+    def log(self, a):
+        if a <= 0:
+            raise Undefined(f"log of non-positive {mpmath.nstr(a, 6)}")
+        return mpmath.log(a)
+
+    def sqrt(self, a):
+        if a < 0:
+            raise Undefined(f"sqrt of negative {mpmath.nstr(a, 6)}")
+        return mpmath.sqrt(a)
+
+    def rsqrt(self, a):
+        if a <= 0:
+            raise Undefined(f"rsqrt of non-positive {mpmath.nstr(a, 6)}")
+        return 1 / mpmath.sqrt(a)
+
+
+class FloatBackend:
+    """IEEE float64, as a kernel computes (inf/nan propagate; the caller checks finiteness)."""
+
+    def const(self, v): return np.float64(v)
+    def add(self, a, b): return a + b
+    def sub(self, a, b): return a - b
+    def mul(self, a, b): return a * b
+    def div(self, a, b): return a / b
+    def neg(self, a): return -a
+    def exp(self, a): return np.exp(a)
+    def log(self, a): return np.log(a)
+    def sqrt(self, a): return np.sqrt(a)
+    def rsqrt(self, a): return 1.0 / np.sqrt(a)
+    def abs(self, a): return np.abs(a)
+    def tanh(self, a): return np.tanh(a)
+    def sum(self, vals): return np.float64(math.fsum(float(v) for v in vals))
+    def max(self, vals): return np.float64(max(vals))
+    def min(self, vals): return np.float64(min(vals))
+
+
+def mp_context():
+    """A context manager that sets mpmath to the checker's precision."""
+    return mpmath.workdps(PRECISION_DIGITS)

@@ -1,0 +1,308 @@
+"""The one term IR of acefuse.
+
+Every stage speaks it: rule patterns (rules/), e-graph terms (rewrite/), extracted
+updates and merges (extract/), generated code (codegen/) and proofs (proofs/).
+A ``Term`` is an immutable operator application; leaves carry their payload in
+``args`` as plain Python values (str or float).
+
+Each operator is declared once in ``OPS`` with its egglog signature and a one-line
+docstring. Sorts: ``T`` (a real-valued term), ``Blk`` (a block of the reduced
+axis), ``String``/``f64`` (payloads).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    sig: tuple  # argument sorts
+    sort: str  # result sort
+    doc: str
+
+
+def _op(name, sig, sort, doc):
+    return name, Op(name, tuple(sig), sort, doc)
+
+
+OPS: dict[str, Op] = dict([
+    # --- blocks of the reduced axis -------------------------------------------
+    _op("BA", (), "Blk", "block A: the first part (the running prefix, or the left partial)"),
+    _op("BB", (), "Blk", "block B: the second part (the tile in registers, or the right partial)"),
+    _op("BU", ("Blk", "Blk"), "Blk", "the disjoint union of two blocks"),
+    _op("BJ", (), "Blk", "the whole fused axis: St(k, BJ) is the final value of state k"),
+    _op("Ax", ("String",), "Blk", "a whole named axis of the program (reductions as the user wrote them)"),
+    # --- leaves ---------------------------------------------------------------
+    _op("Num", ("f64",), "T", "a float constant"),
+    _op("Elm", ("String",), "T", "an opaque value that depends on the reduced element (a load, or a subprogram free of reductions)"),
+    _op("Par", ("String",), "T", "an opaque value that does not depend on the reduced element (per-row input, or a state finished in an earlier pass)"),
+    _op("St", ("String", "Blk"), "T", "state named k over a block: the block-local value of a reduction (or of a reference value built from reductions)"),
+    _op("Cnt", ("Blk",), "T", "the number of elements of a block (the block-local counterpart of size(axis))"),
+    _op("In", ("String",), "T", "an input tensor read at the current index (program level)"),
+    _op("Size", ("String",), "T", "the length of a named axis (program level)"),
+    _op("Idx", ("String",), "T", "the current index along a named axis (program level)"),
+    _op("Take", ("String", "T", "String"), "T", "gather: input tensor read with its axis replaced by an index term"),
+    # --- arithmetic -----------------------------------------------------------
+    _op("Add", ("T", "T"), "T", "a + b"),
+    _op("Sub", ("T", "T"), "T", "a - b"),
+    _op("Mul", ("T", "T"), "T", "a * b"),
+    _op("Div", ("T", "T"), "T", "a / b"),
+    _op("Neg", ("T",), "T", "-a"),
+    _op("Exp", ("T",), "T", "exp(a)"),
+    _op("Log", ("T",), "T", "natural log(a)"),
+    _op("Sqrt", ("T",), "T", "sqrt(a)"),
+    _op("Rsqrt", ("T",), "T", "1 / sqrt(a)"),
+    _op("Abs", ("T",), "T", "|a|"),
+    _op("Tanh", ("T",), "T", "tanh(a)"),
+    _op("Max2", ("T", "T"), "T", "elementwise maximum(a, b)"),
+    _op("Min2", ("T", "T"), "T", "elementwise minimum(a, b)"),
+    _op("Pow", ("T", "f64"), "T", "a ** c for a constant exponent c"),
+    _op("Where", ("T", "T", "T"), "T", "where(c, a, b): a where c is true, else b"),
+    _op("CmpLt", ("T", "T"), "T", "a < b (a boolean)"),
+    _op("CmpLe", ("T", "T"), "T", "a <= b (a boolean)"),
+    _op("CmpGt", ("T", "T"), "T", "a > b (a boolean)"),
+    _op("CmpGe", ("T", "T"), "T", "a >= b (a boolean)"),
+    _op("CmpEq", ("T", "T"), "T", "a == b (a boolean)"),
+    _op("CmpNe", ("T", "T"), "T", "a != b (a boolean)"),
+    _op("LAnd", ("T", "T"), "T", "a & b for booleans"),
+    _op("LOr", ("T", "T"), "T", "a | b for booleans"),
+    _op("LNot", ("T",), "T", "~a for a boolean"),
+    # --- reductions over a block ---------------------------------------------
+    _op("Sum", ("Blk", "T"), "T", "sum over the elements of a block of the body"),
+    _op("RMax", ("Blk", "T"), "T", "max over the elements of a block of the body (-inf when empty)"),
+    _op("RMin", ("Blk", "T"), "T", "min over the elements of a block of the body (+inf when empty)"),
+])
+
+REDUCTIONS = ("Sum", "RMax", "RMin")
+BINARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T", "T"))
+UNARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T",))
+
+# Relations the analyses compute (rules/analysis.py); extraction reads them.
+RELATIONS = {
+    "Inv": ("T",),            # the term does not depend on the reduced element
+    "NonZero": ("T",),        # the term is never zero
+    "Le": ("T", "T"),         # a <= b (both invariant)
+    "UB": ("T", "T", "Blk"),  # m >= e for every element of the block
+}
+
+
+@dataclass(frozen=True)
+class Term:
+    """An operator application. ``args`` are Terms, or str/float payloads for leaves."""
+
+    op: str
+    args: tuple = ()
+
+    # -- construction sugar (used by rule patterns and tests) ---------------
+    def __add__(self, o):
+        return Term("Add", (self, lift(o)))
+
+    def __radd__(self, o):
+        return Term("Add", (lift(o), self))
+
+    def __sub__(self, o):
+        return Term("Sub", (self, lift(o)))
+
+    def __rsub__(self, o):
+        return Term("Sub", (lift(o), self))
+
+    def __mul__(self, o):
+        return Term("Mul", (self, lift(o)))
+
+    def __rmul__(self, o):
+        return Term("Mul", (lift(o), self))
+
+    def __truediv__(self, o):
+        return Term("Div", (self, lift(o)))
+
+    def __rtruediv__(self, o):
+        return Term("Div", (lift(o), self))
+
+    def __neg__(self):
+        return Term("Neg", (self,))
+
+    # -- inspection -----------------------------------------------------------
+    @property
+    def children(self):
+        return tuple(a for a in self.args if isinstance(a, Term))
+
+    def walk(self):
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+    def __repr__(self):
+        return pretty(self)
+
+    def sexpr(self) -> str:
+        """egglog text for this term (pattern variables print as themselves)."""
+        if self.op == "?":
+            return "v_" + self.args[0]
+        if self.op == "Num" and not isinstance(self.args[0], Term):
+            return f"(Num {fmt_f64(self.args[0])})"
+        parts = [self.op]
+        for a in self.args:
+            if isinstance(a, Term):
+                parts.append(a.sexpr())
+            elif isinstance(a, str):
+                parts.append("v_" + a[1:] if a.startswith("?") else '"' + a + '"')
+            else:
+                parts.append(fmt_f64(a))
+        return "(" + " ".join(parts) + ")"
+
+
+def fmt_f64(v: float) -> str:
+    v = float(v)
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"  # not expected in rules; guarded by encoders
+    s = repr(v)
+    return s if ("." in s or "e" in s) else s + ".0"
+
+
+def lift(x) -> Term:
+    if isinstance(x, Term):
+        return x
+    if isinstance(x, (int, float)):
+        return Term("Num", (float(x),))
+    raise TypeError(f"cannot use {x!r} in a term")
+
+
+# ---- constructors --------------------------------------------------------------
+A = Term("BA")
+B = Term("BB")
+J = Term("BJ")
+
+
+def U(a, b):
+    return Term("BU", (a, b))
+
+
+def num(v):
+    return Term("Num", (float(v),))
+
+
+def elm(name):
+    return Term("Elm", (name,))
+
+
+def par(name):
+    return Term("Par", (name,))
+
+
+def st(name, blk):
+    return Term("St", (name, blk))
+
+
+def cnt(blk):
+    return Term("Cnt", (blk,))
+
+
+def _u(op):
+    return lambda a: Term(op, (lift(a),))
+
+
+def _b(op):
+    return lambda a, b: Term(op, (lift(a), lift(b)))
+
+
+exp, log, sqrt, rsqrt, absf, tanh = (_u(o) for o in ("Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh"))
+max2, min2 = _b("Max2"), _b("Min2")
+
+
+def rsum(blk, body):
+    return Term("Sum", (blk, lift(body)))
+
+
+def rmax(blk, body):
+    return Term("RMax", (blk, lift(body)))
+
+
+def rmin(blk, body):
+    return Term("RMin", (blk, lift(body)))
+
+
+# ---- printing --------------------------------------------------------------------
+_INFIX = {"Add": ("+", 1), "Sub": ("-", 1), "Mul": ("*", 2), "Div": ("/", 2)}
+_FN = {"Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Abs": "abs", "Tanh": "tanh",
+       "Max2": "max", "Min2": "min"}
+_RED = {"Sum": "sum", "RMax": "max", "RMin": "min"}
+_CMP = {"CmpLt": "<", "CmpLe": "<=", "CmpGt": ">", "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!=",
+        "LAnd": "&", "LOr": "|"}
+
+
+def blk_name(b: Term) -> str:
+    if b.op == "Ax":
+        return b.args[0]
+    if b.op == "BA":
+        return "A"
+    if b.op == "BB":
+        return "B"
+    if b.op == "BJ":
+        return "J"
+    if b.op == "BU":
+        return blk_name(b.args[0]) + blk_name(b.args[1])
+    if b.op == "?":
+        return b.args[0]
+    return b.op
+
+
+def pretty(t: Term, prec: int = 0) -> str:
+    """Human-readable infix form: ``l_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))``."""
+    op = t.op
+    if op == "?":
+        return t.args[0]
+    if op == "Num":
+        v = t.args[0]
+        if isinstance(v, Term):
+            return pretty(v)
+        return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+    if op in ("Elm", "Par", "In"):
+        return t.args[0]
+    if op == "Size":
+        return f"size({t.args[0]})"
+    if op == "Idx":
+        return f"index({t.args[0]})"
+    if op == "Take":
+        return f"{t.args[0]}[{t.args[2]}={pretty(t.args[1])}]"
+    if op == "Pow":
+        return f"{pretty(t.args[0], 4)}**{pretty(Term('Num', (t.args[1],)))}"
+    if op == "Where":
+        return f"where({', '.join(pretty(a) for a in t.args)})"
+    if op in _CMP:
+        s = f"{pretty(t.args[0], 1)} {_CMP[op]} {pretty(t.args[1], 1)}"
+        return f"({s})" if prec > 0 else s
+    if op == "LNot":
+        return f"~{pretty(t.args[0], 4)}"
+    if op == "St":
+        name = t.args[0]
+        name = str(name).lstrip("?")
+        return f"{name}_{blk_name(t.args[1])}"
+    if op == "Cnt":
+        return f"n_{blk_name(t.args[0])}"
+    if op in _INFIX:
+        sym, p = _INFIX[op]
+        lhs = pretty(t.args[0], p)
+        rhs = pretty(t.args[1], p + 1)
+        s = f"{lhs} {sym} {rhs}"
+        return f"({s})" if p < prec else s
+    if op == "Neg":
+        s = "-" + pretty(t.args[0], 3)
+        return f"({s})" if prec > 2 else s
+    if op in _FN:
+        return f"{_FN[op]}({', '.join(pretty(a) for a in t.args)})"
+    if op in _RED:
+        return f"{_RED[op]}_{blk_name(t.args[0])}({pretty(t.args[1])})"
+    if op in ("BA", "BB", "BU", "BJ"):
+        return blk_name(t)
+    return f"{op}({', '.join(pretty(a) if isinstance(a, Term) else repr(a) for a in t.args)})"
+
+
+def substitute(t: Term, mapping: dict) -> Term:
+    """Replace subterms (by structural equality) using ``mapping``."""
+    if t in mapping:
+        return mapping[t]
+    if not t.children:
+        return t
+    return Term(t.op, tuple(substitute(a, mapping) if isinstance(a, Term) else a for a in t.args))
