@@ -2,7 +2,28 @@
 
 A schedule is a sequence of phases; each phase first saturates its analysis
 theories, then runs one iteration of its theories together, and repeats until
-nothing changes or a limit is hit (``RunStats.stop_reason`` says which).
+nothing changes (the phase *saturated*), its own iteration cap is reached, or a
+schedule-wide limit is hit. ``RunStats.stop_reason`` says why the whole run
+stopped and ``RunStats.phases`` why each phase did.
+
+Why DERIVE is staged: linearity and factoring of invariants create a new
+reduction for every way of splitting a product, and every class that later
+merges (``s_A - s_A = 0``, ``(s/n) * n = s``) multiplies those choices again.
+Running them all at once blows past any node limit (two-pass layernorm: >8000
+e-nodes before the parallel-variance form appears). Staged, each phase only
+sees the finite output of the previous one:
+
+1. ``split-shift``: split every reduction over A u B into its parts, and shift
+   every state over A u B by its block-local counterparts (``c = d + (c - d)``,
+   ``x - (d + e) = (x - d) - e``). Bounded: the shift only matches states.
+2. ``expand``: exponential laws and polynomial expansion of the shifted bodies
+   (``exp((x - m_A) - e) = exp(x - m_A) * exp(-e)``,
+   ``((x - r_A) - e)^2 = (x - r_A)^2 - 2 (x - r_A) e + e^2``). Expanding
+   rewrites only: terminates on any finite e-graph.
+3. ``factor``: linearity of sums and factoring of invariants turn each raw
+   reduction over a finished block into that block's state (user rules run here).
+4. ``simplify``: size-reducing field identities (``(a / b) * b = a``,
+   ``a - a = 0``, ``0 * a = 0``), which is where ``sum_A (x - r_A) = 0`` closes.
 """
 from __future__ import annotations
 
@@ -29,18 +50,18 @@ class Schedule:
         return {t for p in self.phases for t in p.theories + p.analysis}
 
 
-# Derive corrections: split reductions over the union of two blocks, shift global
-# values by their block-local counterparts, then let algebra and factoring of
-# invariants turn every raw reduction over a finished block back into its state.
+# Derive corrections (see the module docstring for why the phases are ordered so).
 DERIVE = Schedule("derive", (
-    Phase("algebra", ("reduction", "arith", "assoc", "distrib", "exponential", "order", "user"),
-          max_iterations=14),
-))
+    Phase("split-shift", ("reduction", "assoc", "order")),
+    Phase("expand", ("polynomial", "distrib", "exponential")),
+    Phase("factor", ("linearity", "user")),
+    Phase("simplify", ("arith", "order")),
+), Limits(iterations=60, nodes=8_000, seconds=5.0))
 
 # Normal form of a program before states are defined (e.g. pull an invariant
 # divisor out of a sum so the division happens once per row).
 NORMALIZE = Schedule("normalize", (
-    Phase("normalize", ("reduction", "arith", "assoc", "commute", "factoring", "order", "user"),
+    Phase("normalize", ("reduction", "linearity", "arith", "assoc", "commute", "factoring", "order", "user"),
           max_iterations=6),
 ))
 

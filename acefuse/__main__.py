@@ -1,0 +1,5 @@
+import sys
+
+from acefuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""An independent float64 reference: evaluates a program as written, unfused, with numpy.
+
+Values carry their named axes; binary operators align by axis name. It shares no
+code with the fused path (no states, no rules, no codegen), so comparing a kernel
+against it checks the whole pipeline.
+
+Conventions for fully masked data (the same ones the kernels document):
+a max (min) that is -inf (+inf) reads as 0 where it feeds arithmetic, and a
+division by a value computed from a reduction gives 0 when both sides are 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from acefuse.rewrite.terms import Term
+
+
+class _V:
+    __slots__ = ("a", "axes", "red", "ext")
+
+    def __init__(self, a, axes, red=False, ext=False):
+        self.a = np.asarray(a, dtype=np.float64) if not isinstance(a, np.ndarray) else a
+        self.axes = tuple(axes)
+        self.red = red   # computed from a reduction
+        self.ext = ext   # the direct result of a max/min reduction
+
+
+def _align(vals):
+    axes: list = []
+    for v in vals:
+        for a in v.axes:
+            if a not in axes:
+                axes.append(a)
+    out = []
+    for v in vals:
+        arr = v.a
+        # transpose v's axes into the order of `axes`, then insert singleton dims
+        order = [v.axes.index(a) for a in axes if a in v.axes]
+        arr = np.transpose(arr, order) if arr.ndim else arr
+        shape = [arr.shape[[a for a in axes if a in v.axes].index(a)] if a in v.axes else 1 for a in axes]
+        out.append(arr.reshape(shape) if arr.ndim or shape else arr)
+    return out, tuple(axes)
+
+
+def _fin(v: _V):
+    if v.ext:
+        return np.where(np.isinf(v.a), 0.0, v.a)
+    return v.a
+
+
+def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
+    """Evaluate every output of ``prog`` in float64; returns {output: ndarray in output axis order}."""
+    sizes: dict = {}
+    arrays = {}
+    for name, axes in prog.tensors.items():
+        x = inputs[name]
+        x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+        arrays[name] = x
+        for a, n in zip(axes, x.shape):
+            sizes[a] = n
+    memo: dict = {}
+
+    def ev(t: Term) -> _V:
+        if t in memo:
+            return memo[t]
+        r = _ev(t)
+        memo[t] = r
+        return r
+
+    def _ev(t: Term) -> _V:
+        op = t.op
+        if op == "Num":
+            return _V(np.float64(t.args[0]), ())
+        if op == "In":
+            x = arrays[t.args[0]]
+            return _V(x.astype(np.float64), prog.tensors[t.args[0]])
+        if op == "Size":
+            return _V(np.float64(sizes[t.args[0]]), ())
+        if op == "Idx":
+            return _V(np.arange(sizes[t.args[0]], dtype=np.float64), (t.args[0],))
+        if op == "Take":
+            name, idx, ax = t.args
+            x = arrays[name].astype(np.float64)
+            axes = prog.tensors[name]
+            iv = ev(idx)
+            k = axes.index(ax)
+            rest = [a for a in axes if a != ax]
+            xm = np.moveaxis(x, k, -1)  # rest..., ax
+            vals = [_V(np.zeros([sizes[a] for a in rest]), rest), iv]
+            (z, ib), axes2 = _align(vals)
+            ib = np.broadcast_to(ib, np.broadcast_shapes(z.shape, ib.shape)).astype(np.int64)
+            # gather: for each position of rest axes (and extra index axes), pick xm[..., idx]
+            extra = [a for a in axes2 if a not in rest]
+            xe = xm.reshape(xm.shape[:-1] + (1,) * len(extra) + xm.shape[-1:])
+            xe = np.broadcast_to(xe, ib.shape + xm.shape[-1:])
+            out = np.take_along_axis(xe, ib[..., None], axis=-1)[..., 0]
+            return _V(out, axes2)
+        if op in ("Sum", "RMax", "RMin"):
+            ax = t.args[0].args[0]
+            v = ev(t.args[1])
+            k = v.axes.index(ax)
+            fn = {"Sum": np.sum, "RMax": np.max, "RMin": np.min}[op]
+            return _V(fn(v.a, axis=k), tuple(a for a in v.axes if a != ax), red=True, ext=op != "Sum")
+        kids = [ev(c) for c in t.children]
+        if op in ("Max2", "Min2"):
+            (a, b), axes = _align(kids)
+            return _V((np.maximum if op == "Max2" else np.minimum)(a, b), axes,
+                      red=any(k.red for k in kids), ext=all(k.ext for k in kids))
+        vals = [(_fin(k) if masked_conventions else k.a) for k in kids]
+        (arrs), axes = _align([_V(v, k.axes) for v, k in zip(vals, kids)])
+        red = any(k.red for k in kids)
+        with np.errstate(all="ignore"):
+            if op == "Add":
+                r = arrs[0] + arrs[1]
+            elif op == "Sub":
+                r = arrs[0] - arrs[1]
+            elif op == "Mul":
+                r = arrs[0] * arrs[1]
+            elif op == "Div":
+                r = arrs[0] / arrs[1]
+                if masked_conventions and kids[1].red:
+                    r = np.where((arrs[0] == 0) & (arrs[1] == 0), 0.0, r)
+            elif op == "Neg":
+                r = -arrs[0]
+            elif op == "Exp":
+                r = np.exp(arrs[0])
+            elif op == "Log":
+                r = np.log(arrs[0])
+            elif op == "Sqrt":
+                r = np.sqrt(arrs[0])
+            elif op == "Rsqrt":
+                r = 1.0 / np.sqrt(arrs[0])
+            elif op == "Abs":
+                r = np.abs(arrs[0])
+            elif op == "Tanh":
+                r = np.tanh(arrs[0])
+            elif op == "Pow":
+                r = np.power(arrs[0], float(t.args[1]))
+            elif op == "Where":
+                r = np.where(arrs[0] != 0, arrs[1], arrs[2])
+            elif op in ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe"):
+                f = {"CmpLt": np.less, "CmpLe": np.less_equal, "CmpGt": np.greater,
+                     "CmpGe": np.greater_equal, "CmpEq": np.equal, "CmpNe": np.not_equal}[op]
+                r = f(arrs[0], arrs[1]).astype(np.float64)
+            elif op == "LAnd":
+                r = ((arrs[0] != 0) & (arrs[1] != 0)).astype(np.float64)
+            elif op == "LOr":
+                r = ((arrs[0] != 0) | (arrs[1] != 0)).astype(np.float64)
+            elif op == "LNot":
+                r = (arrs[0] == 0).astype(np.float64)
+            else:
+                raise NotImplementedError(f"reference: operator {op}")
+        return _V(r, axes, red=red)
+
+    out = {}
+    for k, e in prog.outputs.items():
+        v = ev(e.term)
+        (arr,), axes = _align([v])
+        order = [axes.index(a) for a in e.axes]
+        arr = np.transpose(arr, order) if arr.ndim else arr
+        shape = [sizes[a] for a in e.axes]
+        out[k] = np.broadcast_to(arr, shape).copy() if shape else np.asarray(arr)
+    return out
+
+
+def random_inputs(prog, sizes: dict, dtype=None, seed=None, scale=3.0, device="cpu"):
+    """Fresh random inputs for a program (torch tensors); index tensors get valid indices."""
+    import torch
+    g = torch.Generator().manual_seed(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**31))
+    dtype = dtype or torch.float32
+    idx_of = {}
+    for e in prog.outputs.values():
+        for t in e.term.walk():
+            if t.op == "Take" and t.args[1].op == "In":
+                idx_of[t.args[1].args[0]] = t.args[2]
+    out = {}
+    for name, axes in prog.tensors.items():
+        shape = [sizes[a] for a in axes]
+        if name in idx_of:
+            out[name] = torch.randint(0, sizes[idx_of[name]], shape, generator=g).to(device)
+        else:
+            out[name] = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+    return out

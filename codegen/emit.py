@@ -1,0 +1,166 @@
+"""Terms to Triton expressions, with shapes tracked and common subterms named once.
+
+Shapes: ``scalar``; ``row`` ([BLOCK_R], one value per row); ``col`` ([1, BLOCK_J],
+one value per element of the tile, shared by all rows); ``tile`` ([BLOCK_R, BLOCK_J]).
+A row value meeting a col/tile value is broadcast with ``[:, None]``.
+
+Numerics conventions (documented in README.md):
+- a max (min) state is read through ``_fin`` wherever it feeds arithmetic: -inf
+  (+inf) becomes 0, so a fully masked block never computes ``-inf - -inf``;
+- a division whose denominator comes from a reduction gives 0 when numerator and
+  denominator are both 0 (a fully masked row's normalized output is 0, not NaN).
+"""
+from __future__ import annotations
+
+from acefuse.rewrite.terms import Term, pretty
+
+_BIN = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
+_CMP = {"CmpLt": "<", "CmpLe": "<=", "CmpGt": ">", "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!="}
+_FN = {"Exp": "tl.exp", "Log": "tl.log", "Sqrt": "tl.sqrt", "Rsqrt": "tl.rsqrt", "Abs": "tl.abs"}
+
+
+class CodegenError(ValueError):
+    """A term has no Triton lowering in this kernel family."""
+
+
+def _join(a, b):
+    order = {"scalar": 0, "row": 1, "col": 2, "tile": 3}
+    if {a, b} == {"row", "col"}:
+        return "tile"
+    return a if order[a] >= order[b] else b
+
+
+class Emitter:
+    """Appends assignment lines; ``emit(term)`` returns (expression, shape)."""
+
+    def __init__(self, ctx, indent="    "):
+        self.ctx = ctx            # codegen.row.Context: names of states, tiles, leaves, tensors
+        self.lines: list = []
+        self.cache: dict = {}
+        self.indent = indent
+        self.n = 0
+
+    def fresh(self, hint="t"):
+        self.n += 1
+        return f"{hint}{self.n}"
+
+    def line(self, s):
+        self.lines.append(self.indent + s)
+
+    def comment(self, s):
+        for part in s.splitlines():
+            self.lines.append(self.indent + "# " + part)
+
+    def assign(self, name, expr):
+        self.line(f"{name} = {expr}")
+        return name
+
+    def bind(self, expr, shape, hint="t"):
+        if _is_atom(expr):
+            return expr, shape
+        name = self.fresh(hint)
+        self.assign(name, expr)
+        return name, shape
+
+    # -- the lowering ----------------------------------------------------------------
+    def emit(self, t: Term, raw_state=False):
+        key = (t, raw_state)
+        if key in self.cache:
+            return self.cache[key]
+        out = self._emit(t, raw_state)
+        self.cache[key] = out
+        return out
+
+    def _bcast(self, e, shape, target):
+        if shape == "row" and target in ("tile", "col"):
+            return f"{e}[:, None]"
+        return e
+
+    def _emit(self, t: Term, raw_state):
+        op, ctx = t.op, self.ctx
+        if op == "Num":
+            v = float(t.args[0])
+            if v == float("inf"):
+                return "float('inf')", "scalar"
+            if v == float("-inf"):
+                return "float('-inf')", "scalar"
+            return repr(v), "scalar"
+        if op == "St":
+            name, shape = ctx.state_var(t.args[0], t.args[1])
+            if not raw_state and ctx.is_extremum(t.args[0]):
+                return self.bind(f"_fin({name})", shape, "f")
+            return name, shape
+        if op == "Cnt":
+            return ctx.count(t.args[0]), "scalar"
+        if op == "Size":
+            return ctx.size(t.args[0]), "scalar"
+        if op == "Idx":
+            return ctx.index(t.args[0])
+        if op == "In":
+            return ctx.load(t.args[0], self)
+        if op == "Take":
+            return ctx.take(t, self)
+        if op in ("Elm", "Par"):
+            return self.emit(ctx.leaf(t.args[0]))
+        if op in ("Sum", "RMax", "RMin"):
+            return self._reduce(t)
+        if op in _BIN:
+            (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
+            s = _join(sa, sb)
+            a2, b2 = self._bcast(a, sa, s), self._bcast(b, sb, s)
+            if op == "Div" and ctx.from_reduction(t.args[1]):
+                return self.bind(f"_div0({a2}, {b2})", s)
+            return self.bind(f"{a2} {_BIN[op]} {b2}", s)
+        if op in _CMP or op in ("LAnd", "LOr"):
+            (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
+            s = _join(sa, sb)
+            sym = _CMP.get(op) or {"LAnd": "&", "LOr": "|"}[op]
+            return self.bind(f"({self._bcast(a, sa, s)} {sym} {self._bcast(b, sb, s)})", s, "c")
+        if op == "LNot":
+            a, sa = self.emit(t.args[0])
+            return self.bind(f"(~{a})", sa, "c")
+        if op == "Neg":
+            a, sa = self.emit(t.args[0])
+            return self.bind(f"-{a}", sa)
+        if op in _FN:
+            a, sa = self.emit(t.args[0])
+            return self.bind(f"{_FN[op]}({a})", sa)
+        if op == "Tanh":
+            a, sa = self.emit(t.args[0])
+            return self.bind(f"_tanh({a})", sa)
+        if op == "Pow":
+            a, sa = self.emit(t.args[0])
+            p = float(t.args[1])
+            if p.is_integer() and 0 < p <= 4:
+                return self.bind(" * ".join([a] * int(p)), sa)
+            return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
+        if op in ("Max2", "Min2"):
+            (a, sa), (b, sb) = self.emit(t.args[0], True), self.emit(t.args[1], True)
+            s = _join(sa, sb)
+            fn = "tl.maximum" if op == "Max2" else "tl.minimum"
+            return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)})", s)
+        if op == "Where":
+            (c, sc), (a, sa), (b, sb) = (self.emit(x) for x in t.args)
+            s = _join(_join(sc, sa), sb)
+            args = ", ".join(self._bcast(e, se, s) for e, se in ((c, sc), (a, sa), (b, sb)))
+            return self.bind(f"tl.where({args})", s)
+        raise CodegenError(f"no Triton lowering for `{pretty(t)}` (operator {op}) in the row kernel "
+                           "family; rewrite the program without it or report the operator")
+
+    def _reduce(self, t: Term):
+        blk = t.args[0]
+        if blk.op != "BB":
+            raise CodegenError(f"`{pretty(t)}`: only reductions over the tile in registers can be "
+                               "lowered; this form reads data the kernel no longer has (an acefuse bug)")
+        body, sb = self.emit(t.args[1])
+        body = self._bcast(body, sb, "tile")
+        mask = self.ctx.tile_mask
+        if t.op == "Sum":
+            return self.bind(f"tl.sum(tl.where({mask}, {body}, 0.0), axis=1)", "row", "r")
+        if t.op == "RMax":
+            return self.bind(f"tl.max(tl.where({mask}, {body}, float('-inf')), axis=1)", "row", "r")
+        return self.bind(f"tl.min(tl.where({mask}, {body}, float('inf')), axis=1)", "row", "r")
+
+
+def _is_atom(e: str) -> bool:
+    return e.replace("_", "").isalnum() or e.replace(".", "").replace("-", "").replace("e", "").isdigit()
