@@ -328,6 +328,17 @@ def _why(enc: Encoding, s: StateDef, known: set) -> str:
             f"{', '.join(deps) or 'its inputs'} {'is' if len(deps) == 1 else 'are'} final")
 
 
+def _cascades(prog, axis) -> bool:
+    """Some reduction over ``axis`` reads another reduction over ``axis``."""
+    def red(t):
+        return t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax" and t.args[0].args[0] == axis
+    for e in prog.outputs.values():
+        for t in e.term.walk():
+            if red(t) and any(red(u) for u in t.args[1].walk()):
+                return True
+    return False
+
+
 def _pick_axis(prog, axis):
     red = prog.reduced_axes()
     if axis is None:
@@ -336,6 +347,9 @@ def _pick_axis(prog, axis):
         if not red:
             raise FuseError(f"program {prog.name!r} has no reduction; there is nothing to fuse "
                             "(af.compile still makes an elementwise kernel)")
+        cascaded = [a for a in red if _cascades(prog, a)]
+        if len(cascaded) == 1:
+            return cascaded[0]
         raise FuseError(f"program {prog.name!r} reduces over several axes {red}; "
                         f"pick the one to fuse with axis=...")
     if axis not in prog.axes:

@@ -264,6 +264,15 @@ class Program:
         if not self.tensors:
             raise LanguageError(f"program {name!r} reads no input tensor")
         self.axes = _union_axes(*(Expr(Term("Num", (0.0,)), ax, {}) for ax in self.tensors.values()))
+        # outputs list their axes in the order the inputs declare them (b h i e), not in
+        # the order operands happened to be combined
+        order = {a: i for i, a in enumerate(self.axes)}
+        for k, v in self.outputs.items():
+            missing = [a for a in v.axes if a not in order]
+            if missing:
+                raise LanguageError(f"program {name!r}: output {k!r} ranges over {missing}, which no input "
+                                    "tensor has; its length would be unknown")
+            self.outputs[k] = Expr(v.term, tuple(sorted(v.axes, key=order.__getitem__)), v.tensors)
 
     def reduced_axes(self) -> list:
         """Axes some reduction of the program runs over, in order of appearance."""

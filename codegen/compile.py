@@ -67,9 +67,9 @@ def load_module(path: Path, name: str):
 
 def compile_program(prog, axis=None, rules=(), allow_unproved=False, fusion=None):
     from acefuse.fuse import fuse
-    from acefuse.codegen.row import generate
+    from acefuse.codegen import row, contraction
     f = fusion or fuse(prog, axis=axis, rules=rules, allow_unproved=allow_unproved)
-    src = generate(f)
+    src = (contraction if contraction.is_contraction(f) else row).generate(f)
     h = hashlib.sha256((GEN_VERSION + src).encode()).hexdigest()[:16]
     path = cache_dir() / f"{prog.name}_{h}.py"
     if not path.exists():

@@ -23,11 +23,22 @@ class CodegenError(ValueError):
     """A term has no Triton lowering in this kernel family."""
 
 
-def _join(a, b):
-    order = {"scalar": 0, "row": 1, "col": 2, "tile": 3}
+def join_shapes(a, b):
+    """Shape of an elementwise result (row family; the contraction family extends it)."""
+    order = {"scalar": 0, "row": 1, "col": 2, "tile": 3, "rvec": 3}
+    if a == b:
+        return a
     if {a, b} == {"row", "col"}:
         return "tile"
+    if "jvec" in (a, b) or {a, b} in ({"tile", "rvec"}, {"col", "rvec"}):
+        raise CodegenError(f"cannot combine a {a} value with a {b} value elementwise")
     return a if order[a] >= order[b] else b
+
+
+def bcast(e, shape, target):
+    if shape == "row" and target in ("tile", "col", "rvec"):
+        return f"{e}[:, None]"
+    return e
 
 
 class Emitter:
@@ -42,7 +53,7 @@ class Emitter:
 
     def fresh(self, hint="t"):
         self.n += 1
-        return f"{hint}{self.n}"
+        return f"_{hint}{self.n}"
 
     def line(self, s):
         self.lines.append(self.indent + s)
@@ -72,9 +83,11 @@ class Emitter:
         return out
 
     def _bcast(self, e, shape, target):
-        if shape == "row" and target in ("tile", "col"):
-            return f"{e}[:, None]"
-        return e
+        return bcast(e, shape, target)
+
+    def join(self, a, b):
+        j = getattr(self.ctx, "join", None)
+        return j(a, b) if j else join_shapes(a, b)
 
     def _emit(self, t: Term, raw_state):
         op, ctx = t.op, self.ctx
@@ -103,17 +116,19 @@ class Emitter:
         if op in ("Elm", "Par"):
             return self.emit(ctx.leaf(t.args[0]))
         if op in ("Sum", "RMax", "RMin"):
+            if t.args[0].op == "Ax":
+                return ctx.contract(t, self)
             return self._reduce(t)
         if op in _BIN:
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
-            s = _join(sa, sb)
+            s = self.join(sa, sb)
             a2, b2 = self._bcast(a, sa, s), self._bcast(b, sb, s)
             if op == "Div" and ctx.from_reduction(t.args[1]):
                 return self.bind(f"_div0({a2}, {b2})", s)
             return self.bind(f"{a2} {_BIN[op]} {b2}", s)
         if op in _CMP or op in ("LAnd", "LOr"):
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
-            s = _join(sa, sb)
+            s = self.join(sa, sb)
             sym = _CMP.get(op) or {"LAnd": "&", "LOr": "|"}[op]
             return self.bind(f"({self._bcast(a, sa, s)} {sym} {self._bcast(b, sb, s)})", s, "c")
         if op == "LNot":
@@ -136,18 +151,23 @@ class Emitter:
             return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
         if op in ("Max2", "Min2"):
             (a, sa), (b, sb) = self.emit(t.args[0], True), self.emit(t.args[1], True)
-            s = _join(sa, sb)
+            s = self.join(sa, sb)
             fn = "tl.maximum" if op == "Max2" else "tl.minimum"
             return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)})", s)
         if op == "Where":
             (c, sc), (a, sa), (b, sb) = (self.emit(x) for x in t.args)
-            s = _join(_join(sc, sa), sb)
+            s = self.join(self.join(sc, sa), sb)
             args = ", ".join(self._bcast(e, se, s) for e, se in ((c, sc), (a, sa), (b, sb)))
             return self.bind(f"tl.where({args})", s)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}` (operator {op}) in the row kernel "
                            "family; rewrite the program without it or report the operator")
 
     def _reduce(self, t: Term):
+        special = getattr(self.ctx, "reduce_tile", None)
+        if special is not None:
+            out = special(t, self)
+            if out is not None:
+                return out
         blk = t.args[0]
         if blk.op != "BB":
             raise CodegenError(f"`{pretty(t)}`: only reductions over the tile in registers can be "
@@ -155,6 +175,11 @@ class Emitter:
         body, sb = self.emit(t.args[1])
         body = self._bcast(body, sb, "tile")
         mask = self.ctx.tile_mask
+        if mask is None:  # a tile proven fully visible and in bounds
+            fn = {"Sum": "tl.sum", "RMax": "tl.max", "RMin": "tl.min"}[t.op]
+            if sb != "tile":
+                body = f"({body}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+            return self.bind(f"{fn}({body}, axis=1)", "row", "r")
         if t.op == "Sum":
             return self.bind(f"tl.sum(tl.where({mask}, {body}, 0.0), axis=1)", "row", "r")
         if t.op == "RMax":

@@ -113,6 +113,10 @@ class Context:
             return "cols[None, :].to(tl.float32)", "col"
         return f"idx_{axis}.to(tl.float32)", "row"
 
+    def contract(self, t: Term, em):
+        raise CodegenError(f"`{pretty(t)}` reduces over axis {t.args[0].args[0]!r} inside the body; the "
+                           "row family has no contractions (the attention/contraction family does)")
+
     def from_reduction(self, t: Term) -> bool:
         return any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.walk())
 
@@ -337,14 +341,14 @@ class RowGen:
              "    # one chunk of the fused axis per program along grid axis 1"]
         self.prologue(L)
         L.append("    sid = tl.program_id(1)")
-        L.append("    c0 = sid * CHUNK")
-        L.append("    c1 = tl.minimum(c0 + CHUNK, n_j)")
-        self.tile_setup(L, "c0", "    ", limit="c1")
+        L.append("    chunk_lo = sid * CHUNK")
+        L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
+        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi")
         ctx, em = self.region("init", "    ")
         self.emit_init(p, em, L, "    ")
         L.append("    n_a = n_b")
-        L.append("    for start in range(c0 + BLOCK_J, c1, BLOCK_J):")
-        self.tile_setup(L, "start", "        ", limit="c1")
+        L.append("    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):")
+        self.tile_setup(L, "start", "        ", limit="chunk_hi")
         ctx, em = self.region("roll", "        ")
         self.emit_update(p, p.rolling, em, L, "        ", "rolling")
         L.append("        n_a = n_a + n_b")
@@ -381,12 +385,12 @@ class RowGen:
         for q in names:
             L.append(f"    {q} = tl.load(ws_{q}_f + rows, mask=rmask, other=0.0)")
         L.append("    sid = tl.program_id(1)")
-        L.append("    c0 = sid * CHUNK")
-        L.append("    c1 = tl.minimum(c0 + CHUNK, n_j)")
+        L.append("    chunk_lo = sid * CHUNK")
+        L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
         ctx, em = self.region("final", "    ")
         self.emit_refs(p, em, L)
-        L.append("    for start in range(c0, c1, BLOCK_J):")
-        self.tile_setup(L, "start", "        ", limit="c1")
+        L.append("    for start in range(chunk_lo, chunk_hi, BLOCK_J):")
+        self.tile_setup(L, "start", "        ", limit="chunk_hi")
         ctx, em = self.region("final", "        ")
         self.emit_elem_outputs(em, L)
         epi = "\n".join(L)
@@ -408,7 +412,6 @@ class RowGen:
     def launcher(self, split: bool) -> str:
         names = [s.name for s in self.f.passes[0].states]
         tensors = list(self.tensors)
-        float_inputs = [t for t in tensors if t not in self.index_tensors]
         lines = [
             f"PROGRAM = {self.name!r}",
             f"AXIS = {self.axis!r}",
@@ -435,43 +438,18 @@ class RowGen:
             "    return 'loop'",
             "",
             "",
+            PREPARE.format(name=self.name),
+            "",
+            "",
             "def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, **inputs):",
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",
             "    returns the output tensor, or a dict of them when the program has several.\"\"\"",
-            "    for name, a in zip(TENSORS, args):",
-            "        inputs[name] = a",
-            "    missing = [t for t in TENSORS if t not in inputs]",
-            "    if missing:",
-            f"        raise TypeError(f\"program {self.name!r} needs inputs {{missing}} (axes: \" + ', '.join(f'{{t}}: {{TENSORS[t]}}' for t in missing) + ')')",
-            "    extra = [t for t in inputs if t not in TENSORS]",
-            "    if extra:",
-            f"        raise TypeError(f\"program {self.name!r} has no input(s) {{extra}}; its inputs are {{list(TENSORS)}}\")",
-            "    sizes = {}",
-            "    for t, axes in TENSORS.items():",
-            "        a = inputs[t]",
-            "        if not isinstance(a, torch.Tensor):",
-            f"            raise TypeError(f\"input {{t!r}} of program {self.name!r} must be a torch.Tensor, got {{type(a).__name__}}\")",
-            "        if a.dim() != len(axes):",
-            f"            raise ValueError(f\"input {{t!r}} of program {self.name!r} has {{a.dim()}} dimensions but is declared with axes {{' '.join(axes)!r}}\")",
-            "        for ax, n in zip(axes, a.shape):",
-            "            if sizes.setdefault(ax, n) != n:",
-            f"                raise ValueError(f\"axis {{ax!r}} of program {self.name!r} has length {{sizes[ax]}} in one input and {{n}} in {{t!r}}; inputs must agree on every axis\")",
-            "        if t in INDEX_TENSORS:",
-            "            if a.dtype not in (torch.int32, torch.int64):",
-            f"                raise TypeError(f\"input {{t!r}} of program {self.name!r} is used as an index and must be int32/int64, got {{a.dtype}}\")",
-            "        elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16):",
-            f"            raise TypeError(f\"input {{t!r}} of program {self.name!r} must be float32, float16 or bfloat16, got {{a.dtype}}\")",
-            f"    ref = inputs[{float_inputs[0]!r}]" if float_inputs else "    ref = next(iter(inputs.values()))",
-            "    dev = ref.device",
-            "    if any(inputs[t].device != dev for t in TENSORS):",
-            f"        raise ValueError(\"all inputs of program {self.name!r} must be on one device\")",
+            "    inputs, sizes, ref, dev = _prepare(args, inputs)",
             "    odt = ref.dtype if ref.dtype.is_floating_point else torch.float32",
             "    n_j = sizes[AXIS]",
             "    n_rows = 1",
             "    for a in ROW_AXES:",
             "        n_rows *= sizes[a]",
-            "    if n_j == 0 or n_rows == 0:",
-            f"        raise ValueError(f\"program {self.name!r}: an empty axis (sizes {{sizes}}); every axis needs at least one element\")",
             "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev, dtype=odt) for o, ax in OUTPUTS.items()}",
             "    argv = []",
             "    for t, axes in TENSORS.items():",
@@ -518,6 +496,50 @@ class RowGen:
             "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
         ]
         return "\n".join(lines)
+
+
+PREPARE = '''def _prepare(args, inputs):
+    """Check the inputs against the program's declared axes and dtypes; return
+    (inputs by name, axis sizes, the first float input, device)."""
+    inputs = dict(inputs)
+    for name, a in zip(TENSORS, args):
+        inputs[name] = a
+    missing = [t for t in TENSORS if t not in inputs]
+    if missing:
+        raise TypeError(f"program {name!r} needs inputs {{missing}} (axes: "
+                        + ", ".join(f"{{t}}: {{' '.join(TENSORS[t])}}" for t in missing) + ")")
+    extra = [t for t in inputs if t not in TENSORS]
+    if extra:
+        raise TypeError(f"program {name!r} has no input(s) {{extra}}; its inputs are {{list(TENSORS)}}")
+    sizes = {{}}
+    for t, axes in TENSORS.items():
+        a = inputs[t]
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"input {{t!r}} of program {name!r} must be a torch.Tensor, got {{type(a).__name__}}")
+        if a.dim() != len(axes):
+            raise ValueError(f"input {{t!r}} of program {name!r} has {{a.dim()}} dimensions but is declared "
+                             f"with axes {{' '.join(axes)!r}}")
+        for ax, n in zip(axes, a.shape):
+            if sizes.setdefault(ax, n) != n:
+                raise ValueError(f"axis {{ax!r}} of program {name!r} has length {{sizes[ax]}} in one input and "
+                                 f"{{n}} in {{t!r}}; inputs must agree on every axis")
+        if t in INDEX_TENSORS:
+            if a.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"input {{t!r}} of program {name!r} is used as an index and must be "
+                                f"int32/int64, got {{a.dtype}}")
+        elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"input {{t!r}} of program {name!r} must be float32, float16 or bfloat16, "
+                            f"got {{a.dtype}}")
+    floats = [inputs[t] for t in TENSORS if t not in INDEX_TENSORS]
+    ref = floats[0] if floats else next(iter(inputs.values()))
+    dev = ref.device
+    if any(inputs[t].device != dev for t in TENSORS):
+        raise ValueError("all inputs of program {name!r} must be on one device")
+    if any(n == 0 for n in sizes.values()):
+        raise ValueError(f"program {name!r}: an empty axis (sizes {{sizes}}); every axis needs at least "
+                         "one element")
+    return inputs, sizes, ref, dev
+'''
 
 
 def _as_row(e, shape):

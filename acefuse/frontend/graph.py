@@ -1,0 +1,107 @@
+"""Tracing a torch function into an FX graph, and propagating shapes through it.
+
+Why torch.fx (symbolic tracing) rather than torch.export: acefuse lowers *torch-level*
+calls (``torch.softmax``, ``F.layer_norm``, ``Tensor.view``), which is exactly what both
+``torch.fx.symbolic_trace`` and TorchDynamo (``torch.compile``) hand to a backend, so one
+op table serves ``af.from_torch``, ``af.compile`` and ``af.backend``. torch.export lowers
+to ATen (``aten._softmax``, ``aten.native_layer_norm``, decomposed views), a second op
+vocabulary; it also takes seconds per call where symbolic tracing takes milliseconds.
+The cost of symbolic tracing is that Python control flow on tensor *values* cannot be
+traced; such functions can still go through ``torch.compile(backend=af.backend)``.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.fx
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Tracer(torch.fx.Tracer):
+    """Symbolic tracer that records the user's source line on every node."""
+
+    def __init__(self):
+        super().__init__()
+        self.record_stack_traces = True
+
+    def _filter_traceback_frames(self, summary):
+        frames = [f for f in summary if not f.filename.startswith(_TORCH_DIR)
+                  and not f.filename.startswith(_HERE)]
+        return traceback.StackSummary.from_list(frames[-1:])
+
+
+def trace(fn) -> torch.fx.GraphModule:
+    """An FX GraphModule for a function or an nn.Module (torch-level ops, stack traces kept)."""
+    tracer = _Tracer()
+    graph = tracer.trace(fn)
+    root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
+    name = getattr(fn, "__name__", type(fn).__name__)
+    gm = torch.fx.GraphModule(root, graph, name)
+    gm._af_name = name
+    return gm
+
+
+def source_line(node) -> str:
+    """``file.py:12: code`` for the node's last user frame, or '' when unknown."""
+    st = node.meta.get("stack_trace") or getattr(node, "stack_trace", None) or ""
+    lines = [s for s in st.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        s = lines[i].strip()
+        if s.startswith('File "'):
+            try:
+                fname = s.split('"')[1]
+                lno = s.split("line ")[1].split(",")[0]
+            except IndexError:
+                return s
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{os.path.basename(fname)}:{lno}: {code}"
+    return ""
+
+
+def op_name(node) -> str:
+    """How torch spells the op of a node: ``torch.cumsum``, ``Tensor.view``, ``F.gelu``."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return f"module {t}"
+    if node.op == "call_function":
+        mod = getattr(t, "__module__", None) or ""
+        name = getattr(t, "__name__", None) or str(t)
+        if mod.startswith("torch.nn.functional") or mod == "torch._C._nn":
+            return f"torch.nn.functional.{name}"
+        if mod in ("_operator", "operator"):
+            return f"operator.{name}"
+        if isinstance(t, torch._ops.OpOverload) or isinstance(t, torch._ops.OpOverloadPacket):
+            return str(t)
+        if mod.startswith("torch") or mod == "":
+            return f"torch.{name}"
+        return f"{mod}.{name}"
+    return f"{node.op} {t}"
+
+
+class _Prop(torch.fx.Interpreter):
+    def run_node(self, n):
+        out = super().run_node(n)
+        n.meta["af_val"] = out
+        return out
+
+
+def propagate(gm: torch.fx.GraphModule, args) -> None:
+    """Store every node's value on fake tensors (shapes, dtypes; ints stay concrete) in
+    ``node.meta['af_val']``; runs on the real inputs when fake execution fails."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            _Prop(gm).run(*fargs)
+        return
+    except Exception:  # data-dependent ops: fall back to one real execution
+        pass
+    with torch.no_grad():
+        _Prop(gm).run(*args)
