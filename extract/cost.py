@@ -1,6 +1,6 @@
 """The cost model: its contract, in units a reader can check.
 
-A form of a state update is scored in two steps.
+A form of a state update is scored in three steps.
 
 1. **Reachability** (schedule-level, decides rolling vs split forms). A term that
    needs data the schedule cannot see has infinite cost:
@@ -15,13 +15,33 @@ A form of a state update is scored in two steps.
    reduction costs an extra pass.
 2. **Work** (weighted operations). Each operator costs ``WEIGHTS[op]``; a
    reduction over the tile costs ``REDUCE`` plus ``TILE`` times the cost of its
-   body (the body runs once per element). An ``exp`` whose argument is not known
-   to be bounded above (``Bounded`` below) costs ``UNBOUNDED_EXP`` extra: it can
-   overflow float32 where a bounded alternative cannot, so extraction takes the
-   bounded form whenever one exists.
+   body (the body runs once per element). Inside a tile, a subterm that does not
+   depend on the element (an ``Inv`` class, e.g. ``m_AB`` in ``exp(x - m_AB)``)
+   is computed once per tile, not per element: it costs its cost outside the
+   tile divided by ``TILE``. An operation whose two operands are the same class
+   (``d * d``) computes that operand once and counts it once. An ``exp`` whose
+   argument is not known to be bounded above costs ``UNBOUNDED_EXP`` extra: it
+   can overflow float32 where a bounded alternative cannot, so extraction takes
+   the bounded form whenever one exists.
+3. **Numerics: cancellation** (Herbie-style, extract/numerics.py). Every e-class
+   is evaluated once in float64 on a stress input (``STRESS``: a few rows, blocks
+   of a few elements, element values ``1e4 + N(0, 1)``, per-row values
+   ``U(0.5, 2)``); all nodes of a class share that value. An ``Add``/``Sub``
+   whose two operands both carry rounding error (accumulated sums, means,
+   products -- not leaves, counts, constants, or max/min, which are exact) costs
+   ``BIT`` per bit lost to cancellation, ``log2(max(|a|, |b|) / |a +- b|)``
+   (capped at ``BITS_CAP``, a float32 significand). Raw-moment forms are
+   numerically worse, and this term is how the model knows it: for two-pass
+   variance, ``sum_B(x*x) - 2 r sum_B(x) + n_B r^2`` subtracts quantities of size
+   ``n 1e8`` to leave one of size ``n`` (all 24 bits lost, cost ``24 BIT``), while
+   ``sum_B((x - r)^2)`` subtracts only a leaf from a mean (no charge) and the
+   correction ``n_A (r_AB - r_A)^2`` loses about ``log2(1e4 / |r_AB - r_A|)``
+   bits once -- a cancellation every correct merge has. One lost bit costs
+   more than any few operations, so a form that computes the same value with
+   less cancellation wins.
 
 The cost is monotone in the children: every node adds a non-negative amount to
-the sum of its children's costs.
+the (sum of the) costs of its children.
 """
 INF = float("inf")
 
@@ -33,3 +53,15 @@ LEAF = 1.0            # reading a register / a scalar argument
 REDUCE = 2.0          # the cross-lane reduction itself
 TILE = 64.0           # elements per row of a tile, in the weighting of per-element work
 UNBOUNDED_EXP = 1e4   # an exp that may overflow where a bounded form exists
+BIT = 16.0            # one bit lost to cancellation (weighted operations)
+BITS_CAP = 24.0       # at most a float32 significand is lost
+
+# The stress input of the numerics term (extract/numerics.py).
+STRESS = {
+    "rows": 4,            # independent samples
+    "block_a": 3,         # elements of block A
+    "block_b": 4,         # elements of block B
+    "offset": 1e4,        # common offset of element values: |mean| >> std
+    "par": (0.5, 2.0),    # per-row values are uniform on this interval
+    "seed": 20240607,
+}

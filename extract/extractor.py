@@ -4,11 +4,14 @@ egglog's own extractor uses static per-constructor costs; ours depends on the
 schedule (rolling or split), on which state is being solved (only states earlier
 in the pass are known at the union), and on facts the analyses proved (an exp
 argument bounded above). So the e-graph is serialized and extracted here: a
-fixpoint over (e-class, context) pairs, context = whether we are inside a
-reduction over the tile B (where element values exist).
+worklist over (e-class, context) pairs, context = whether we are inside a
+reduction over the tile B (where element values exist). The numerics term of
+the cost (cancellation bits on a stress input) is computed once per e-graph
+(extract/numerics.py).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from acefuse.rewrite.terms import Term, OPS, RELATIONS
@@ -55,6 +58,12 @@ class Extractor:
         self.le = self.facts["Le"]
         self.ub = self.facts["UB"]
         self.b_class = next((c for c, v in self.blk.items() if v == "B"), None)
+        self.t_classes = [c for c, nids in self.cls_nodes.items()
+                          if c not in self.blk and any(self._is_term(n) for n in nids)]
+        self._dep_map = None
+        self._stress = None
+        self._info: dict = {}
+        self._bounded: dict = {}
 
     # -- helpers -------------------------------------------------------------------------
     def cls(self, nid):
@@ -99,13 +108,34 @@ class Extractor:
         return False
 
     # -- costs ------------------------------------------------------------------------------
+    @property
+    def stress(self):
+        """Class values on the stress input and cancellation bits per node (numerics.py)."""
+        if self._stress is None:
+            from acefuse.extract.numerics import Stress
+            self._stress = Stress(self)
+        return self._stress
+
+    def _static(self, nid):
+        """Per-node data that does not depend on the schedule: (op, term children's classes,
+        distinct ones, fixed cost of the operator including its cancellation bits)."""
+        info = self._info.get(nid)
+        if info is None:
+            n = self.nodes[nid]
+            op = n["op"]
+            kids = tuple(self.cls(c) for c in n["children"])
+            fixed = C.WEIGHTS.get(op, C.INF)
+            if op in ("Add", "Sub"):
+                fixed += C.BIT * self.stress.bits.get(nid, 0.0)
+            info = (op, kids, tuple(dict.fromkeys(kids)), fixed, n["children"])
+            self._info[nid] = info
+        return info
+
     def node_cost(self, nid, ctx, reach: Reach, costs, target):
-        n = self.nodes[nid]
-        op = n["op"]
-        ch = n["children"]
+        op, kids, ukids, fixed, ch = self._static(nid)
         if op == "St":
             q = self.payload(ch[0])
-            blk = self.blk.get(self.cls(ch[1]))
+            blk = self.blk.get(kids[1])
             if blk == "J":
                 return C.LEAF
             if reach.mode == "final":
@@ -124,44 +154,86 @@ class Extractor:
         if op == "Elm":
             return C.LEAF if ctx == "B" else C.INF
         if op in ("Sum", "RMax", "RMin"):
-            blk = self.blk.get(self.cls(ch[0]))
+            blk = self.blk.get(kids[0])
             if not (reach.mode == "rolling" and blk == "B"):
                 return C.INF
-            body = costs.get((self.cls(ch[1]), "B"), C.INF)
+            body = costs.get((kids[1], "B"), C.INF)
             return C.REDUCE + C.TILE * body
-        if op not in C.WEIGHTS:
+        if fixed == C.INF:
             return C.INF
-        total = C.WEIGHTS[op]
-        for c in ch:
-            total += costs.get((self.cls(c), ctx), C.INF)
-        if op == "Exp" and not self.bounded(self.cls(ch[0]), ctx):
-            total += C.UNBOUNDED_EXP
+        total = fixed
+        for c in ukids:  # a repeated operand (d * d) is computed once
+            total += costs.get((c, ctx), C.INF)
+        if op == "Exp":
+            key = (kids[0], ctx)
+            if key not in self._bounded:
+                self._bounded[key] = self.bounded(kids[0], ctx)
+            if not self._bounded[key]:
+                total += C.UNBOUNDED_EXP
         return total
 
+    def _deps(self):
+        """(child class, ctx) -> the (node, ctx) costs that read it."""
+        if self._dep_map is None:
+            dep: dict = {}
+            for cid in self.t_classes:
+                for nid in self.cls_nodes[cid]:
+                    n = self.nodes[nid]
+                    is_red = n["op"] in ("Sum", "RMax", "RMin")
+                    for i, c in enumerate(n["children"]):
+                        if not self._is_term(c):
+                            continue
+                        for ctx in (None, "B"):
+                            sub = "B" if (is_red and i == 1) else ctx
+                            dep.setdefault((self.cls(c), sub), []).append((nid, ctx))
+            self._dep_map = dep
+        return self._dep_map
+
+    def _leaves(self):
+        return [nid for cid in self.t_classes for nid in self.cls_nodes[cid]
+                if self._is_term(nid) and not any(self._is_term(c) and OPS[self.nodes[c]["op"]].sort == "T"
+                                                  for c in self.nodes[nid]["children"])]
+
     def solve(self, reach: Reach, target=None):
-        """Fixpoint of the cheapest cost per (class, ctx)."""
+        """Cheapest cost per (class, ctx): a worklist over the nodes whose children improved
+        (Bellman-Ford on the e-graph hypergraph; costs are monotone, so it converges)."""
         costs: dict = {}
         best: dict = {}
-        t_classes = [c for c in self.cls_nodes if c not in self.blk]
-        changed = True
-        rounds = 0
-        while changed and rounds < 200:
-            changed = False
-            rounds += 1
-            for ctx in (None, "B"):
-                for cid in t_classes:
-                    for nid in self.cls_nodes[cid]:
-                        if not self._is_term(nid):
-                            continue
-                        c = self.node_cost(nid, ctx, reach, costs, target)
-                        if c < costs.get((cid, ctx), C.INF) - 1e-9:
-                            costs[(cid, ctx)] = c
-                            best[(cid, ctx)] = nid
-                            changed = True
+        dep = self._deps()
+        # start from the nodes without term children; a node is queued again whenever
+        # one of its children's cost improves (FIFO: few re-evaluations)
+        work = deque((nid, ctx) for nid in self._leaves() for ctx in (None, "B"))
+        queued = set(work)
+
+        def improve(key, c, choice):
+            if c < costs.get(key, C.INF) - 1e-9:
+                costs[key] = c
+                best[key] = choice
+                for item in dep.get(key, ()):
+                    if item not in queued:
+                        queued.add(item)
+                        work.append(item)
+                if key[1] is None and key[0] in self.inv:   # hoisted into a tile
+                    improve((key[0], "B"), c / C.TILE, "hoist")
+
+        while work:
+            nid, ctx = work.popleft()
+            queued.discard((nid, ctx))
+            c = self.node_cost(nid, ctx, reach, costs, target)
+            if c < C.INF:
+                improve((self.cls(nid), ctx), c, nid)
+        # deterministic ties: the first node of a class (in e-graph order) that reaches the optimum
+        for (cid, ctx), opt in costs.items():
+            for nid in self.cls_nodes[cid]:
+                if self._is_term(nid) and self.node_cost(nid, ctx, reach, costs, target) <= opt + 1e-9:
+                    best[(cid, ctx)] = nid
+                    break
         return costs, best
 
     def build(self, cid, ctx, best) -> Term:
         nid = best[(cid, ctx)]
+        if nid == "hoist":
+            return self.build(cid, None, best)
         n = self.nodes[nid]
         op = n["op"]
         args = []

@@ -51,10 +51,16 @@ class RunStats:
     seconds: float = 0.0
     matches: dict = field(default_factory=dict)          # rule name -> total matches
     first_iteration: dict = field(default_factory=dict)  # rule name -> first iteration it matched
+    phases: list = field(default_factory=list)           # (phase, why it stopped, iterations, e-nodes)
 
     def __str__(self):
         return (f"stopped: {self.stop_reason} after {self.iterations} iterations, "
                 f"{self.nodes} e-nodes, {self.seconds * 1000:.0f} ms")
+
+    def phase_summary(self) -> str:
+        """One line per phase: ``expand: saturated after 3 iterations, 412 e-nodes``."""
+        return "; ".join(f"{name}: {why} after {it} iterations, {n} e-nodes"
+                         for name, why, it, n in self.phases)
 
 
 class EGraph:
@@ -113,10 +119,12 @@ class EGraph:
         for phase in schedule.phases:
             reason = self._phase(phase, limits, stats, t0)
             if reason:
-                stats.stop_reason = reason
+                stats.stop_reason = f"{reason} in phase {phase.name!r}"
                 break
         else:
-            stats.stop_reason = "saturated"
+            capped = [p for p, why, _, _ in stats.phases if why != "saturated"]
+            stats.stop_reason = ("saturated" if not capped else
+                                 "phase iteration cap in " + ", ".join(repr(p) for p in capped))
         stats.seconds = time.perf_counter() - t0
         stats.nodes = self.size()
         return stats
@@ -125,10 +133,13 @@ class EGraph:
         present = [_rs(t) for t in phase.theories if _rs(t) in self.rulesets]
         analysis = [_rs(t) for t in phase.analysis if _rs(t) in self.rulesets]
         if not present:
+            stats.phases.append((phase.name, "no rules loaded", 0, stats.nodes))
             return ""
         combined = f"phase_{phase.name.replace('-', '_')}"
         self._run(f"(unstable-combined-ruleset {combined} {' '.join(present)})")
         pre = " ".join(f"(saturate (run {a}))" for a in analysis)
+        start = stats.iterations
+        reason = ""
         for _ in range(phase.max_iterations):
             out = self._run(f"(run-schedule {pre} (run {combined}))")
             stats.iterations += 1
@@ -144,18 +155,27 @@ class EGraph:
                             stats.first_iteration.setdefault(name, stats.iterations)
                     changed = changed or it.rule_set_report.changed
             if not changed:
+                reason = "saturated"
                 break
             if stats.iterations >= limits.iterations:
-                return f"iteration limit ({limits.iterations})"
+                reason = f"iteration limit ({limits.iterations})"
+                break
             if time.perf_counter() - t0 > limits.seconds:
-                return f"time limit ({limits.seconds} s)"
+                reason = f"time limit ({limits.seconds} s)"
+                break
             n = self.size()
             if n > limits.nodes:
-                return f"node limit ({n} > {limits.nodes} e-nodes)"
+                reason = f"node limit ({n} > {limits.nodes} e-nodes)"
+                break
+        else:
+            reason = f"phase iteration cap ({phase.max_iterations})"
         # one last analysis pass so that extraction sees complete facts
         if pre:
             self._run(f"(run-schedule {pre})")
-        return ""
+        stats.phases.append((phase.name, reason, stats.iterations - start, self.size()))
+        # a phase that stops at its own cap hands a partial e-graph to the next phase;
+        # that is reported, but only a schedule-wide limit ends the run
+        return "" if reason in ("saturated",) or reason.startswith("phase iteration cap") else reason
 
     # -- export ----------------------------------------------------------------------
     def serialized(self) -> dict:

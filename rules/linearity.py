@@ -2,7 +2,7 @@
 difference) is the sum (difference) of the sums, and a term that does not depend
 on the reduced element (``Inv``, rules/analysis.py) moves out of a reduction."""
 from acefuse.rules.base import Theory, rw, tvars, bvars, inv
-from acefuse.rewrite.terms import rsum, rmax, rmin, cnt as cnt_
+from acefuse.rewrite.terms import cnt, rsum, rmax, rmin
 
 f, g, k = tvars("f g k")
 s, = bvars("s")
@@ -17,7 +17,7 @@ THEORY = Theory("linearity", __doc__, [
     rw("sum-factor-right", rsum(s, f * k), rsum(s, f) * k, when=[inv(k)]),
     rw("sum-factor-left", rsum(s, k * f), k * rsum(s, f), when=[inv(k)]),
     rw("sum-factor-div", rsum(s, f / k), rsum(s, f) / k, when=[inv(k)]),
-    rw("sum-invariant", rsum(s, k), k * cnt_(s), when=[inv(k)]),
+    rw("sum-invariant", rsum(s, k), k * cnt(s), when=[inv(k)]),
     rw("max-shift-add", rmax(s, f + k), rmax(s, f) + k, when=[inv(k)]),
     rw("max-shift-sub", rmax(s, f - k), rmax(s, f) - k, when=[inv(k)]),
     rw("min-shift-add", rmin(s, f + k), rmin(s, f) + k, when=[inv(k)]),
