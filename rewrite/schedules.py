@@ -52,16 +52,16 @@ class Schedule:
 
 # Derive corrections (see the module docstring for why the phases are ordered so).
 DERIVE = Schedule("derive", (
-    Phase("split-shift", ("reduction", "assoc", "order")),
+    Phase("split-shift", ("reduction", "assoc", "swap", "order")),
     Phase("expand", ("polynomial", "distrib", "exponential")),
-    Phase("factor", ("linearity", "user")),
+    Phase("factor", ("linearity", "swap", "user")),
     Phase("simplify", ("arith", "order")),
 ), Limits(iterations=60, nodes=8_000, seconds=5.0))
 
 # Normal form of a program before states are defined (e.g. pull an invariant
 # divisor out of a sum so the division happens once per row).
 NORMALIZE = Schedule("normalize", (
-    Phase("normalize", ("reduction", "linearity", "arith", "assoc", "commute", "factoring", "order", "user"),
+    Phase("normalize", ("reduction", "linearity", "arith", "assoc", "swap", "commute", "factoring", "order", "user"),
           max_iterations=6),
 ))
 

@@ -4,11 +4,11 @@
 name to its ``Rule``. Schedules (rewrite/schedules.py) refer to theories by name.
 """
 from acefuse.rules.base import Rule, Theory, rw, infer, V, tvars, bvars, inv, nonzero, le, ub, SELF
-from acefuse.rules import analysis, arith, assoc, commute, distrib, exponential, factoring, linearity, order, polynomial, reduction
+from acefuse.rules import analysis, arith, assoc, commute, distrib, exponential, factoring, linearity, order, polynomial, reduction, swap
 
 THEORIES: dict[str, Theory] = {t.name: t for t in (
     analysis.THEORY, reduction.THEORY, linearity.THEORY, arith.THEORY, assoc.THEORY, distrib.THEORY, exponential.THEORY,
-    order.THEORY, commute.THEORY, factoring.THEORY, polynomial.THEORY)}
+    order.THEORY, commute.THEORY, factoring.THEORY, polynomial.THEORY, swap.THEORY)}
 
 
 def _registry():

@@ -7,7 +7,6 @@ _REASSOC = "re-associates rounded operations; the result can differ in the last 
 
 THEORY = Theory("assoc", __doc__, [
     rw("sub-add-assoc", a - (b + c), (a - b) - c, float_unsafe=_REASSOC),
-    rw("mul-swap-right", (a * b) * c, (a * c) * b, float_unsafe=_REASSOC),
     rw("mul-div-assoc", a * (b / c), (a * b) / c, float_unsafe=_REASSOC),
     rw("div-mul-swap", (a / c) * b, (a * b) / c, float_unsafe=_REASSOC),
 ])
