@@ -64,6 +64,7 @@ class Fusion:
     blocked: list                       # (state, reason) for every state that needed another pass
     rules: list
     seconds: float = 0.0
+    schedule: object = None
     _chains: dict = field(default_factory=dict)
     _certs: dict = field(default_factory=dict)
 
@@ -88,8 +89,12 @@ class Fusion:
         (reconstructed by ablation: a rule is in the chain when removing it loses the form)."""
         key = (name, form)
         if key not in self._chains:
-            self._chains[key] = _ablate(self, name, form)
-        return self._chains[key]
+            p = next((p for p in self.passes if any(s.name == name for s in p.states)), None)
+            if p is None:
+                raise KeyError(f"program {self.program.name!r} has no carried state {name!r}; "
+                               f"states: {[s.name for s in self.states]}")
+            self._chains.update(_ablate_pass(self, p))
+        return self._chains.get(key, [])
 
     @property
     def certificate(self) -> dict:
@@ -99,11 +104,12 @@ class Fusion:
             defs = list(self.encoding.states)
             for p in self.passes:
                 known = {k: Term("Par", (f"{k}_final",)) for k in p.known}
+                fin = {Term("St", (k, J)): v for k, v in known.items()}
                 pd = [_StateView(s, known) for s in defs if s.name not in p.known]
                 for s in p.states:
-                    self._certs[(s.name, "rolling")] = certify(pd, s.name, p.rolling[s.name])
+                    self._certs[(s.name, "rolling")] = certify(pd, s.name, substitute(p.rolling[s.name], fin))
                     if s.name in p.merge:
-                        self._certs[(s.name, "merge")] = certify(pd, s.name, p.merge[s.name])
+                        self._certs[(s.name, "merge")] = certify(pd, s.name, substitute(p.merge[s.name], fin))
         return self._certs
 
     def explain(self, chains: bool = True) -> str:
@@ -139,6 +145,8 @@ class Fusion:
         for k, t in enc.outputs.items():
             kind = "epilogue, elementwise over " + self.axis if k in enc.elementwise_outputs else "finalize, per row"
             L.append(f"  {k} = {_final_str(t)}    [{kind}]")
+        from acefuse.extract.numerics import cancellation_text
+        L.extend(cancellation_text(enc))
         return "\n".join(L)
 
     def to_json(self) -> dict:
@@ -306,7 +314,7 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     fusible = len(passes) <= 1
     reason = "; ".join(r for _, r in blocked)
     return Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
-                  seconds=time.perf_counter() - t0)
+                  seconds=time.perf_counter() - t0, schedule=schedule)
 
 
 def _depends_on(enc, name, failed) -> bool:
@@ -358,26 +366,37 @@ def _pick_axis(prog, axis):
     return axis
 
 
-def _ablate(f: Fusion, name: str, form: str) -> list:
-    """Rules without which the derived form of ``name`` is no longer reachable."""
-    p = next(p for p in f.passes if any(s.name == name for s in p.states))
-    target = p.rolling[name] if form == "rolling" else p.merge.get(name)
-    if target is None:
-        return []
-    if target == p.init.get(name) or _is_definition(f, name, target):
-        return []
+def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
+    """For every derived form of a pass, the rules without which it is no longer
+    derivable (one re-saturation per rule that fired, checking all forms at once).
+    A rule that another rule can stand in for is not listed: these are the rules
+    each correction *needs*, ordered by the iteration in which they first fired."""
+    out: dict = {}
+    targets: dict = {}
+    for s in p.states:
+        for form, forms in (("rolling", p.rolling), ("merge", p.merge)):
+            t = forms.get(s.name)
+            if t is None:
+                continue
+            if _is_definition(f, s.name, t):
+                out[(s.name, form)] = []
+            else:
+                targets[(s.name, form)] = t
+    needed: dict = {k: [] for k in targets}
     fired = p.stats.matches if p.stats else {}
     candidates = [r for r in f.rules if r.kind == "rewrite" and fired.get(r.name)]
     remaining = [s for s in f.encoding.states if s.name not in p.known]
-    needed = []
-    for r in candidates:
+    for r in candidates if targets else ():
         rules = [x for x in f.rules if x.name != r.name]
         eg = _build(f.encoding, remaining, set(p.known), rules, check_proofs=False)
-        eg.saturate(schedules.DERIVE)
-        if not eg.check(Term("St", (name, AB)), target):
-            needed.append(r.name)
+        eg.saturate(f.schedule)
+        for key, t in targets.items():
+            if not eg.check(Term("St", (key[0], AB)), t):
+                needed[key].append(r.name)
     order = p.stats.first_iteration if p.stats else {}
-    return sorted(needed, key=lambda n: (order.get(n, 99), n))
+    for key, names in needed.items():
+        out[key] = sorted(names, key=lambda n: (order.get(n, 99), n))
+    return out
 
 
 def _is_definition(f, name, target) -> bool:

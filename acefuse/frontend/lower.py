@@ -410,11 +410,14 @@ def _masked_fill(cx):
 def _cast(cx):
     x = arg(cx, 0, "input")
     m = _meta(cx)
-    if isinstance(m, torch.Tensor) and not (m.dtype.is_floating_point or m.dtype == torch.bool):
-        x0 = x.meta if isinstance(x, TV) else None
-        if x0 is None or x0.dtype != m.dtype:
-            raise Unsupported(f"a cast to {m.dtype} (integer results are not expressible)")
-    return TV(x.n, x.dims, m, x.leaf) if x.n is None else TV(x.n, x.dims, m)
+    if not isinstance(x, TV):
+        raise Unsupported(f"a cast of {x!r}")
+    if x.n is None and x.leaf is not None:  # an input: cast it at run time
+        step = ("to", m.dtype) if m.dtype != x.meta.dtype else ("id",)
+        return TV(None, x.dims, m, Leaf(x.leaf.src, x.leaf.chain + (step,)) if step[0] == "to" else x.leaf)
+    if not (m.dtype.is_floating_point or m.dtype == torch.bool) and m.dtype != x.meta.dtype:
+        raise Unsupported(f"a cast to {m.dtype} of a computed value (integer results are not expressible)")
+    return TV(x.n, x.dims, m)
 
 
 @op("cast", "dropout")
@@ -628,9 +631,9 @@ def _cross_entropy(cx):
             unify(a, b)
     xn = cx.n(x)
     lse = _lse(xn, cax)
-    if x.leaf is not None and x.n is None or (x.leaf is not None and x.n.op == "in"):
+    if t.leaf is not None and xn.op == "in":  # an input: a gather along the class axis
         idx = cx.leaf_node(t, role="index", extra=("clamp", cax.size))
-        xt = N("take", cx.leaf_node(x)[1] if False else cx.n(x).args[0], idx, cax)
+        xt = N("take", xn.args[0], idx, cax)
     else:  # a computed input: gather by a one-hot sum over the classes
         tf = cx.leaf_node(t) if t.leaf is not None else cx.n(t)
         xt = red("sum", cax, N("where", bin_("eq", N("idx", cax), tf), xn, num(0)))
