@@ -65,6 +65,7 @@ class Fusion:
     rules: list
     seconds: float = 0.0
     schedule: object = None
+    normal_form: list = field(default_factory=list)   # what normal-form extraction changed
     _chains: dict = field(default_factory=dict)
     _certs: dict = field(default_factory=dict)
 
@@ -118,6 +119,8 @@ class Fusion:
              + ("fusible" if self.fusible else "NOT fully fusible")]
         if not self.fusible:
             L.append(f"  not fusible because {self.reason}")
+        for note in self.normal_form:
+            L.append("  " + note)
         L.append("states (block-local definitions over a block S):")
         for s in enc.states:
             L.append(f"  {s.name:>4} = {_show(s.definition, 'S')}    [{s.op}; from {pretty(s.source)}]")
@@ -157,6 +160,7 @@ class Fusion:
             "fusible": self.fusible,
             "reason": self.reason or None,
             "hbm_passes": self.hbm_passes,
+            "normal_form": list(self.normal_form),
             "passes": [{
                 "index": p.index,
                 "known": list(p.known),
@@ -257,9 +261,11 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
         raise FuseError(f"af.fuse expects a program made with af.program(...), got {type(prog).__name__}")
     axis = _pick_axis(prog, axis)
     t0 = time.perf_counter()
-    enc = encode(prog, axis)
     schedule = schedule or schedules.DERIVE
     all_rules = default_rules(rules)
+    from acefuse.rewrite.normalize import normalize
+    normal, notes = normalize(prog, axis, all_rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
+    enc = encode(normal, axis)
     remaining = list(enc.states)
     known: set = set()
     passes, blocked = [], []
@@ -314,7 +320,7 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     fusible = len(passes) <= 1
     reason = "; ".join(r for _, r in blocked)
     return Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
-                  seconds=time.perf_counter() - t0, schedule=schedule)
+                  seconds=time.perf_counter() - t0, schedule=schedule, normal_form=notes)
 
 
 def _depends_on(enc, name, failed) -> bool:

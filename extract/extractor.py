@@ -22,7 +22,7 @@ from acefuse.extract import cost as C
 class Reach:
     """What a form may read: the schedule and the states known at this point."""
 
-    mode: str                      # "rolling" | "split" | "final"
+    mode: str                      # "rolling" | "split" | "final" | "program"
     carried: frozenset             # states carried per block (their St over A (and B, split) is known)
     earlier: frozenset             # states already updated at the union A u B
     # "final": a finished pass; St(q, J) is the only state form and is known
@@ -58,6 +58,7 @@ class Extractor:
         self.le = self.facts["Le"]
         self.ub = self.facts["UB"]
         self.b_class = next((c for c, v in self.blk.items() if v == "B"), None)
+        self.j_class = next((c for c, v in self.blk.items() if v == "J"), None)
         self.t_classes = [c for c, nids in self.cls_nodes.items()
                           if c not in self.blk and any(self._is_term(n) for n in nids)]
         self._dep_map = None
@@ -103,7 +104,7 @@ class Extractor:
                 a, b = (self.cls(c) for c in n["children"])
                 if (a, b) in self.le:
                     return True
-                if ctx == "B" and (b, a, self.b_class) in self.ub:
+                if ctx == "B" and ((b, a, self.b_class) in self.ub or (b, a, self.j_class) in self.ub):
                     return True
         return False
 
@@ -133,6 +134,8 @@ class Extractor:
 
     def node_cost(self, nid, ctx, reach: Reach, costs, target):
         op, kids, ukids, fixed, ch = self._static(nid)
+        if reach.mode == "program":
+            return self._program_cost(op, kids, ukids, fixed, ctx, costs)
         if op == "St":
             q = self.payload(ch[0])
             blk = self.blk.get(kids[1])
@@ -164,6 +167,28 @@ class Extractor:
         total = fixed
         for c in ukids:  # a repeated operand (d * d) is computed once
             total += costs.get((c, ctx), C.INF)
+        if op == "Exp":
+            key = (kids[0], ctx)
+            if key not in self._bounded:
+                self._bounded[key] = self.bounded(kids[0], ctx)
+            if not self._bounded[key]:
+                total += C.UNBOUNDED_EXP
+        return total
+
+    def _program_cost(self, op, kids, ukids, fixed, ctx, costs):
+        """Normal-form extraction of a whole program: reductions run over the whole axis J
+        (their bodies weighted per element); no states exist yet."""
+        if op == "St":
+            return C.INF  # markers naming the outputs
+        if op in ("Num", "Par", "Cnt", "Elm"):
+            return C.LEAF
+        if op in ("Sum", "RMax", "RMin"):
+            if self.blk.get(kids[0]) != "J":
+                return C.INF
+            return C.REDUCE + C.TILE * costs.get((kids[1], "B"), C.INF)
+        if fixed == C.INF:
+            return C.INF
+        total = fixed + sum(costs.get((c, ctx), C.INF) for c in ukids)
         if op == "Exp":
             key = (kids[0], ctx)
             if key not in self._bounded:

@@ -1,0 +1,242 @@
+"""Importing an FX graph (or a region of one) as an acefuse program, with the adapters
+that turn torch arguments into program inputs and kernel outputs back into torch layout."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+
+import acefuse.lang as L
+from acefuse.frontend import ir
+from acefuse.frontend.errors import FrontendError, UnsupportedOpError
+from acefuse.frontend.graph import op_name, propagate, source_line, trace
+from acefuse.frontend.lower import TV, Ctx, S, lower_node
+
+_IDENT = re.compile(r"[^A-Za-z0-9_]")
+
+
+def _ident(s: str) -> str:
+    s = _IDENT.sub("_", s).strip("_") or "t"
+    return s if not s[0].isdigit() else "t" + s
+
+
+def apply_chain(t: torch.Tensor, chain) -> torch.Tensor:
+    """Re-apply the view ops recorded on an input (all views except repeat_interleave/to)."""
+    for step in chain:
+        k = step[0]
+        if k == "permute":
+            t = t.permute(step[1])
+        elif k == "reshape":
+            t = t.reshape(step[1])
+        elif k == "narrow":
+            t = t.narrow(step[1], step[2], step[3])
+            if step[4]:
+                t = t.squeeze(step[1])
+        elif k == "repeat_interleave":
+            t = t.repeat_interleave(step[1], dim=step[2])
+        elif k == "to":
+            t = t.to(step[1])
+        else:
+            raise FrontendError(f"internal: unknown view step {step}")
+    return t
+
+
+class InputSpec:
+    """A program input: ``name`` reads ``src`` (an FX node) through ``chain``, drops its
+    dims of size 1, and is converted for its ``role`` (float data or gather index)."""
+
+    def __init__(self, name, src, chain, role, extra):
+        self.name, self.src, self.chain, self.role, self.extra = name, src, chain, role, extra
+
+    def make(self, t: torch.Tensor, fdtype) -> torch.Tensor:
+        t = apply_chain(t, self.chain)
+        t = t[tuple(0 if s == 1 else slice(None) for s in t.shape)] if 1 in t.shape else t
+        if self.role == "index":
+            if self.extra and self.extra[0] == "clamp":
+                t = t.clamp(0, self.extra[1] - 1)
+            return t if t.dtype in (torch.int32, torch.int64) else t.long()
+        if self.extra and self.extra[0] == "ne":
+            return (t != self.extra[1]).to(fdtype)
+        if not t.dtype.is_floating_point or t.dtype == torch.float64 and fdtype != torch.float64:
+            t = t.to(fdtype)
+        return t
+
+
+class OutputSpec:
+    """A program output and how to put it back in torch layout."""
+
+    def __init__(self, name, node, dim_names, shape, dtype, expr_axes):
+        self.name, self.node = name, node
+        self.dim_names, self.shape, self.dtype, self.expr_axes = dim_names, shape, dtype, expr_axes
+
+    def to_torch(self, t: torch.Tensor) -> torch.Tensor:
+        present = [n for n in self.dim_names if n is not None and n in self.expr_axes]
+        if list(self.expr_axes) != present:
+            t = t.permute([self.expr_axes.index(n) for n in present])
+        view = [s if (n is not None and n in self.expr_axes) else 1
+                for n, s in zip(self.dim_names, self.shape)]
+        t = t.reshape(view)
+        if list(view) != list(self.shape):
+            t = t.expand(self.shape).contiguous()
+        return t.to(self.dtype) if t.dtype != self.dtype else t
+
+
+class Imported:
+    """An acefuse program made from torch code, with its input and output adapters."""
+
+    def __init__(self, program, inputs, outputs, nodes):
+        self.program: L.Program = program
+        self.inputs: list = inputs        # InputSpec
+        self.outputs: list = outputs      # OutputSpec, in the order torch returns them
+        self.nodes = nodes                # the FX nodes it replaces
+
+    @property
+    def sources(self) -> list:
+        out = []
+        for s in self.inputs:
+            if s.src not in out:
+                out.append(s.src)
+        return out
+
+    def compute_dtype(self, values: dict):
+        for o in self.outputs:
+            if o.dtype.is_floating_point:
+                return o.dtype
+        for s in self.inputs:
+            t = values[s.src]
+            if t.dtype.is_floating_point:
+                return t.dtype
+        return torch.float32
+
+    def program_inputs(self, values: dict) -> dict:
+        """Program inputs by name, from the torch values of the source nodes."""
+        fd = self.compute_dtype(values)
+        return {s.name: s.make(values[s.src], fd) for s in self.inputs}
+
+    def torch_outputs(self, outs) -> list:
+        if not isinstance(outs, dict):
+            outs = {self.outputs[0].name: outs}
+        return [o.to_torch(torch.as_tensor(outs[o.name])) for o in self.outputs]
+
+    def reference(self, values: dict) -> list:
+        """Evaluate the program with acefuse's float64 reference (acefuse/reference.py)."""
+        from acefuse.reference import evaluate
+        ins = {k: (v.double() if v.dtype.is_floating_point else v)
+               for k, v in self.program_inputs(values).items()}
+        res = evaluate(self.program, ins)
+        return [o.to_torch(torch.from_numpy(res[o.name])).double() for o in self.outputs]
+
+    def __repr__(self):
+        return f"Imported({self.program!r}; inputs {[s.name for s in self.inputs]})"
+
+
+def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
+    """Lower ``nodes`` (topological order) to one program whose outputs are ``outputs``."""
+    region = set(nodes)
+    cx = Ctx(region, full)
+    for n in nodes:
+        cx.vals[n] = lower_node(cx, n)
+    outs = []
+    for o in outputs:
+        v = cx.vals[o] if o in cx.vals else cx.val(o)
+        if not isinstance(v, TV):
+            raise UnsupportedOpError(op_name(o), source_line(o),
+                                     f"it returns a {type(v).__name__}, not a tensor")
+        outs.append((o, v, cx.n(v)))
+    # name axes and tensors
+    axes = set()
+    for _, v, n in outs:
+        axes |= ir.axes_of(n)
+        axes |= {d.find() for d in v.dims if d is not None}
+    for key, (_, _, _, lax) in cx.leaves.items():
+        axes |= {a.find() for a in lax}
+    names = ir.name_axes(axes)
+    onames = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
+    leaves, specs, used = {}, [], set(onames)
+    for key, (leaf, role, extra, lax) in cx.leaves.items():
+        base = _ident(leaf.src.name)
+        tname = base if not (leaf.chain or extra) else f"{base}_v"
+        k = 2
+        while tname in used:
+            tname = f"{base}_v{k}"
+            k += 1
+        used.add(tname)
+        leaves[key] = (tname, lax)
+        specs.append(InputSpec(tname, leaf.src, leaf.chain, role, extra))
+    em = ir.Emitter(names, leaves)
+    exprs, ospecs = {}, []
+    for oname, (node, v, n) in zip(onames, outs):
+        e = em(n)
+        exprs[oname] = e
+        ospecs.append(OutputSpec(oname, node, [names[d.find()] if d is not None else None for d in v.dims],
+                                 tuple(v.shape), v.meta.dtype, list(e.axes)))
+    try:
+        prog = L.program(_ident(name), **exprs)
+    except L.LanguageError as e:
+        raise FrontendError(f"the imported program {name!r} is malformed: {e}") from e
+    return Imported(prog, specs, ospecs, list(nodes))
+
+
+def import_graph(gm: torch.fx.GraphModule, args, name=None) -> Imported:
+    """Import a whole traced function (every op must have a lowering)."""
+    propagate(gm, args)
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    for n in nodes:
+        if n.op == "call_module":
+            raise UnsupportedOpError(f"module {n.target} ({type(gm.get_submodule(n.target)).__name__})",
+                                     source_line(n), "trace through it (it is not a leaf module)")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    ret = out_node.args[0]
+    flat = list(ret) if isinstance(ret, (tuple, list)) else [ret]
+    for r in flat:
+        if not isinstance(r, torch.fx.Node):
+            raise FrontendError(f"the function returns {r!r}, which is not a tensor computed from its inputs")
+    imp = import_nodes(nodes, flat, name or getattr(gm, "_af_name", "torch_fn"), full=True)
+    imp.gm = gm
+    imp.returns_tuple = isinstance(ret, (tuple, list))
+    return imp
+
+
+def from_torch_imported(fn, *example_inputs) -> Imported:
+    """Trace ``fn`` with torch.fx and import it; the ``Imported`` carries the adapters."""
+    for a in example_inputs:
+        if not isinstance(a, torch.Tensor):
+            raise FrontendError(f"af.from_torch: example inputs must be tensors, got {type(a).__name__}; "
+                                "bind other arguments with functools.partial or a closure")
+    gm = trace(fn)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(ph) != len(example_inputs):
+        raise FrontendError(f"af.from_torch: {getattr(fn, '__name__', fn)} takes {len(ph)} tensors "
+                            f"({', '.join(n.name for n in ph)}), got {len(example_inputs)} example inputs")
+    return import_graph(gm, example_inputs)
+
+
+def from_torch(fn, *example_inputs) -> L.Program:
+    """Import a plain PyTorch function as an acefuse program.
+
+    Inputs are named after the function's parameters (a parameter that is re-viewed,
+    e.g. head-split, becomes ``<name>_v``); outputs are ``out`` (or ``out0, out1, ...``).
+    ``program.frontend`` holds the adapters (``program_inputs``, ``torch_outputs``,
+    ``reference``). Raises ``UnsupportedOpError`` naming the op and source line.
+    """
+    imp = from_torch_imported(fn, *example_inputs)
+    prog = imp.program
+    prog.frontend = imp
+    return prog
+
+
+def graph_values(imp: Imported, args) -> dict:
+    """Values of the source nodes of a whole-function import, from the call's arguments."""
+    gm = imp.gm
+    vals = {}
+    it = iter(args)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            vals[n] = next(it)
+        elif n.op == "get_attr":
+            t = gm
+            for p in n.target.split("."):
+                t = getattr(t, p)
+            vals[n] = t
+    return vals
