@@ -132,7 +132,7 @@ class CContext(Context):
                     f"mask=rmask[:, None] & dmask[None, :], other=0.0)", "qtile")[0]
         k, _ = em.bind(f"tl.load({kn}_ptr + off_{kn}_g + cols[:, None] * s_{kn}_{g.axis} + dcols[None, :] * "
                        f"s_{kn}_{ax}, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)", "ktile", "kt_")
-        out, sh = em.bind(f"tl.dot({q}, tl.trans({k}), input_precision=PREC)", "tile", "dot_")
+        out, sh = em.bind(f"tl.dot({q}.to(DOT_T), tl.trans({k}.to(DOT_T)), input_precision=PREC)", "tile", "dot_")
         for f in rest:
             e, s = em.emit(f)
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
@@ -158,9 +158,9 @@ class CContext(Context):
         leaf = self.g.leaves[vec[0].args[0]] if vec[0].op == "Elm" else None
         if leaf is not None and leaf.op == "In":
             v, _ = self.load(leaf.args[0], em, raw=True)
-            return em.bind(f"tl.dot({pe}.to({v}.dtype), {v}, input_precision=PREC)", "rvec", "pv")
+            return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T), input_precision=PREC)", "rvec", "pv")
         v, _ = em.emit(vec[0])
-        return em.bind(f"tl.dot({pe}, {v}, input_precision=PREC)", "rvec", "pv")
+        return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T), input_precision=PREC)", "rvec", "pv")
 
 
 def _cjoin(a, b):
@@ -355,7 +355,7 @@ class ContractionGen:
                 return f"{a}_lo", f"{a}_hi"
             return f"(idx_{a} * 1.0)", f"(idx_{a} * 1.0)"
         if op == "Size":
-            v = "nj_f" if t.args[0] == self.axis else f"(n_{t.args[0]} * 1.0)"
+            v = "nj_f" if t.args[0] == self.axis else f"(len_{t.args[0]} * 1.0)"
             return v, v
         if op == "Neg":
             lo, hi = self.interval(t.args[0], L)
@@ -410,7 +410,7 @@ class ContractionGen:
         for o, axes in self.out_axes.items():
             args.append(f"{o}_ptr")
             args += [f"s_{o}_{a}" for a in axes]
-        args += [f"n_{a}" for a in self.G + self.R + self.E + self.C]
+        args += [f"len_{a}" for a in self.G + self.R + self.E + self.C]
         args += ["n_rows", "n_j"]
         return args
 
@@ -421,12 +421,12 @@ class ContractionGen:
         L.append("    rmask = rows < n_rows")
         L.append("    rem = rows.to(tl.int64)")
         for a in reversed(self.R):
-            L.append(f"    idx_{a} = rem % n_{a}")
-            L.append(f"    rem = rem // n_{a}")
+            L.append(f"    idx_{a} = rem % len_{a}")
+            L.append(f"    rem = rem // len_{a}")
         L.append("    gem = pid_g.to(tl.int64)")
         for a in reversed(self.G):
-            L.append(f"    idx_{a} = gem % n_{a}")
-            L.append(f"    gem = gem // n_{a}")
+            L.append(f"    idx_{a} = gem % len_{a}")
+            L.append(f"    gem = gem // len_{a}")
         for a in self.R:
             L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
             L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
@@ -440,9 +440,9 @@ class ContractionGen:
                 L.append(f"    off_{t}_r = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in r))
         L.append("    cols0 = tl.arange(0, BLOCK_J)")
         L.append("    ecols = tl.arange(0, BLOCK_E)")
-        L.append(f"    emask = ecols < {'n_' + self.E[0] if self.E else 1}")
+        L.append(f"    emask = ecols < {'len_' + self.E[0] if self.E else 1}")
         L.append("    dcols = tl.arange(0, BLOCK_D)")
-        L.append(f"    dmask = dcols < {'n_' + self.C[0] if self.C else 1}")
+        L.append(f"    dmask = dcols < {'len_' + self.C[0] if self.C else 1}")
 
     def tile_setup(self, L, start, ind, limit="n_j"):
         L.append(f"{ind}cols = {start} + cols0")
@@ -542,7 +542,7 @@ class ContractionGen:
         self.p = self.f.passes[0]
         L = ["@triton.jit",
              f"def {self.name}_attn({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
-             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):",
+             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):",
              "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state"]
         self.prologue(L)
         body = []
@@ -560,16 +560,16 @@ class ContractionGen:
         self.hoisting = []
         self._hoisted = {}
         L = ["@triton.jit",
-             f"def {self.name}_part({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, n_g, "
+             f"def {self.name}_part({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, n_grid, "
              "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
-             "PREC: tl.constexpr):",
+             "PREC: tl.constexpr, DOT_T: tl.constexpr):",
              "    # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace"]
         self.prologue(L)
         body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
         self.init_tile(body, "chunk_lo", "chunk_hi")
         body.append("    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):")
         self.loop_body(body, "        ", "chunk_hi")
-        body.append("    base = (sid * n_g + pid_g) * n_rows")
+        body.append("    base = (sid * n_grid + pid_g) * n_rows")
         for s in p.states:
             if self._is_vec(s):
                 body.append(f"    tl.store(ws_{s.name} + (base + rows)[:, None] * BLOCK_E + ecols[None, :], "
@@ -581,15 +581,15 @@ class ContractionGen:
         self.hoisting = []
         self._hoisted = {}
         L = ["@triton.jit",
-             f"def {self.name}_combine({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, NSPLIT, n_g, "
+             f"def {self.name}_combine({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, NSPLIT, n_grid, "
              "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
-             "PREC: tl.constexpr):",
+             "PREC: tl.constexpr, DOT_T: tl.constexpr):",
              "    # fold the partial states of every key chunk with the derived merge"]
         self.prologue(L)
         body = []
 
         def ld(s, sid, suffix):
-            base = f"(({sid}) * n_g + pid_g) * n_rows"
+            base = f"(({sid}) * n_grid + pid_g) * n_rows"
             if self._is_vec(s):
                 return (f"    {s.name}{suffix} = tl.load(ws_{s.name} + ({base} + rows)[:, None] * BLOCK_E + "
                         f"ecols[None, :], mask=rmask[:, None], other=0.0)")
@@ -700,7 +700,9 @@ class ContractionGen:
             "    prec = 'ieee' if ref.dtype == torch.float32 else 'tf32'",
             "    rt = triton.cdiv(n_rows, bi)",
             "    schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)",
-            "    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, num_warps=nw)",
+            "    # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong",
+            "    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32",
+            "    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)",
             "    if on_gpu:",
             "        kw['num_stages'] = ns",
             "    if schedule == 'loop':",

@@ -106,7 +106,7 @@ class Context:
     def size(self, axis):
         if axis == self.g.axis:
             return "nj_f"
-        return f"n_{axis}_f"
+        return f"len_{axis}_f"
 
     def index(self, axis):
         if axis == self.g.axis:
@@ -202,7 +202,7 @@ class RowGen:
         for o in self.outputs:
             args.append(f"{o}_ptr")
             args += [f"s_{o}_{a}" for a in self.out_axes[o]]
-        args += [f"n_{a}" for a in self.row_axes]
+        args += [f"len_{a}" for a in self.row_axes]
         args += ["n_rows", "n_j"]
         return args
 
@@ -212,10 +212,10 @@ class RowGen:
         L.append("    rmask = rows < n_rows")
         L.append("    rem = rows.to(tl.int64)")
         for a in reversed(self.row_axes):
-            L.append(f"    idx_{a} = rem % n_{a}")
-            L.append(f"    rem = rem // n_{a}")
+            L.append(f"    idx_{a} = rem % len_{a}")
+            L.append(f"    rem = rem // len_{a}")
         for a in self.row_axes:
-            L.append(f"    n_{a}_f = n_{a} * 1.0")
+            L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    nj_f = n_j * 1.0")
         for t in list(self.tensors) + list(self.outputs):
             axes = self.tensors.get(t) or self.out_axes[t]

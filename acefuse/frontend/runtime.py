@@ -1,0 +1,289 @@
+"""Drop-in callables backed by acefuse kernels: ``compile_fn`` and the torch.compile ``backend``.
+
+A compiled function specialises on the call's *shape signature* (shapes, dtypes,
+devices, non-tensor arguments): the graph is re-imported for each new signature (cheap:
+milliseconds), and each region's program is looked up by ``Program.key()`` in the
+kernel cache, in memory and on disk, so a new shape with the same program reuses the
+kernel. The generated module itself chooses its schedule from the sizes (one tile,
+rolling loop, split), so whether the fused axis fits one tile needs no new kernel.
+
+Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
+run in torch, with one warning line naming the region, its source line and why.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.fx
+
+from acefuse.frontend.errors import FrontendError, UnsupportedOpError
+from acefuse.frontend.graph import propagate, source_line, trace
+from acefuse.frontend.importer import import_nodes
+from acefuse.frontend.lower import kind_of, name_of
+from acefuse.frontend.partition import find_regions, rebuild, region_outputs, split_composites
+
+
+class AcefuseFallbackWarning(UserWarning):
+    """A recognised region runs in torch instead of an acefuse kernel (the message says why)."""
+
+
+stats = {"specializations": 0, "kernel_memory_hits": 0, "kernel_disk_hits": 0, "kernel_compiles": 0,
+         "fallbacks": 0}
+_KERNELS: dict = {}
+_FAILED: dict = {}
+_VERSION = None
+
+
+def clear_cache(memory_only: bool = True):
+    """Forget compiled kernels in memory (the on-disk cache stays unless memory_only=False)."""
+    _KERNELS.clear()
+    _FAILED.clear()
+    if not memory_only:
+        d = _index_dir()
+        for p in d.glob("*.json"):
+            p.unlink()
+
+
+def _code_version() -> str:
+    """A hash of the code that decides what a program compiles to (rules, extraction, codegen)."""
+    global _VERSION
+    if _VERSION is None:
+        import acefuse
+        import acefuse.codegen
+        import acefuse.extract
+        import acefuse.rewrite
+        import acefuse.rules
+        h = hashlib.sha256()
+        for pkg in (acefuse.codegen, acefuse.extract, acefuse.rewrite, acefuse.rules):
+            for p in sorted(Path(pkg.__file__).parent.glob("*.py")):
+                h.update(p.read_bytes())
+        for f in ("fuse.py", "lang.py"):
+            h.update((Path(acefuse.__file__).parent / f).read_bytes())
+        _VERSION = h.hexdigest()[:12]
+    return _VERSION
+
+
+def _index_dir() -> Path:
+    from acefuse.codegen.compile import cache_dir
+    d = cache_dir().parent / "frontend"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class _Loaded:
+    """A generated module loaded from the disk cache (no fusion run)."""
+
+    def __init__(self, module, path):
+        self.module, self.path = module, path
+
+    def __call__(self, **inputs):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            import numpy as np
+            with np.errstate(all="ignore"):
+                return self.module.run(**inputs)
+        return self.module.run(**inputs)
+
+
+def get_kernel(prog):
+    """The kernel of a program: memory, then the on-disk index, then af.compile."""
+    key = f"{prog.name}_{prog.key()}_{_code_version()}"
+    if key in _KERNELS:
+        stats["kernel_memory_hits"] += 1
+        return _KERNELS[key]
+    if key in _FAILED:
+        raise _FAILED[key]
+    idx = _index_dir() / f"{key}.json"
+    if idx.exists():
+        try:
+            meta = json.loads(idx.read_text())
+            path = Path(meta["path"])
+            if path.exists():
+                from acefuse.codegen.compile import load_module
+                k = _Loaded(load_module(path, meta["module"]), path)
+                stats["kernel_disk_hits"] += 1
+                _KERNELS[key] = k
+                return k
+        except Exception:
+            pass
+    from acefuse.codegen.compile import compile_program
+    try:
+        k = compile_program(prog)
+    except Exception as e:
+        _FAILED[key] = e
+        raise
+    stats["kernel_compiles"] += 1
+    mod = getattr(k.module, "__name__", f"acefuse_gen_{prog.name}")
+    tmp = idx.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"path": str(k.path), "module": mod, "program": repr(prog)}))
+    os.replace(tmp, idx)
+    _KERNELS[key] = k
+    return k
+
+
+class CompiledRegion(torch.nn.Module):
+    """One region of the graph, run by an acefuse kernel."""
+
+    def __init__(self, imp, kernel):
+        super().__init__()
+        self.imp, self.kernel = imp, kernel
+        self.program = imp.program
+
+    def forward(self, *srcs):
+        values = dict(zip(self.imp.sources, srcs))
+        outs = self.kernel(**self.imp.program_inputs(values))
+        return tuple(self.imp.torch_outputs(outs))
+
+    def extra_repr(self):
+        return repr(self.program)
+
+
+def _region_name(nodes) -> str:
+    for n in nodes:
+        if kind_of(n) in ("reduce", "contraction"):
+            return name_of(n)
+    return "region"
+
+
+def _reject_dtype(imp) -> str | None:
+    for s in imp.inputs:
+        v = s.src.meta.get("af_val")
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
+            return "float64 input (acefuse kernels take float32/float16/bfloat16)"
+    for o in imp.outputs:
+        if o.dtype == torch.float64:
+            return "float64 output (acefuse kernels take float32/float16/bfloat16)"
+    return None
+
+
+def _warn(nodes, why):
+    stats["fallbacks"] += 1
+    anchor = next((n for n in nodes if kind_of(n) in ("reduce", "contraction")), nodes[0])
+    where = source_line(anchor)
+    first = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+    warnings.warn(f"acefuse: region `{_region_name(nodes)}`{' at ' + where if where else ''} runs in torch: "
+                  f"{first}", AcefuseFallbackWarning, stacklevel=3)
+
+
+def specialize(gm: torch.fx.GraphModule, args, name="fn"):
+    """Partition ``gm`` for these concrete arguments and compile each region."""
+    stats["specializations"] += 1
+    gm = torch.fx.GraphModule(gm, gm.graph.__deepcopy__() if hasattr(gm.graph, "__deepcopy__") else gm.graph)
+    gm._af_name = name
+    propagate(gm, args)
+    split_composites(gm)
+    propagate(gm, args)
+    exclude: set = set()
+    for attempt in range(3):
+        compiled, failed_contraction = [], False
+        for i, nodes in enumerate(find_regions(gm, frozenset(exclude))):
+            outs = region_outputs(gm, nodes)
+            if not outs:
+                continue
+            rname = f"{name}_{_region_name(nodes)}"
+            try:
+                imp = import_nodes(nodes, outs, rname)
+                bad = _reject_dtype(imp)
+                if bad:
+                    raise FrontendError(bad)
+                k = get_kernel(imp.program)
+            except Exception as e:  # noqa: BLE001 - any failure means: this region runs in torch
+                contr = [n for n in nodes if kind_of(n) == "contraction"]
+                if contr and not isinstance(e, FrontendError) and attempt < 2:
+                    # the contraction family is not available: keep the contractions in
+                    # torch and fuse what remains around them (softmax between matmuls)
+                    exclude |= set(contr)
+                    failed_contraction = True
+                    if attempt == 0:
+                        _warn(contr, f"no kernel family for contractions yet ({e}); "
+                                     "matmuls stay in torch, the reductions around them go to acefuse")
+                    continue
+                if attempt == 2 or not failed_contraction:
+                    _warn(nodes, e)
+                continue
+            compiled.append((f"af_region{i}", CompiledRegion(imp, k), imp))
+        if not failed_contraction:
+            break
+    new = rebuild(gm, compiled)
+    new.af_regions = [m for _, m, _ in compiled]
+    return new
+
+
+def _signature(args):
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype, a.device.type))
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            sig.append(("v", a))
+        else:
+            sig.append(("t", type(a).__name__))
+    return tuple(sig)
+
+
+class CompiledFunction:
+    """A torch function whose recognised regions run as acefuse kernels.
+
+    Call it like the original; ``.graphs`` maps each shape signature seen to its
+    partitioned GraphModule (``print(f.graph_for(*args).code)`` shows the regions)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None):
+        self.gm, self.name, self.signature = gm, name, signature
+        self.graphs: dict = {}
+
+    def graph_for(self, *args):
+        sig = _signature(args)
+        g = self.graphs.get(sig)
+        if g is None:
+            g = specialize(self.gm, args, self.name)
+            self.graphs[sig] = g
+        return g
+
+    @property
+    def regions(self):
+        return [r for g in self.graphs.values() for r in g.af_regions]
+
+    def __call__(self, *args, **kwargs):
+        if kwargs and self.signature is not None:
+            b = self.signature.bind(*args, **kwargs)
+            b.apply_defaults()
+            args, kwargs = tuple(b.args), {}
+        return self.graph_for(*args)(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<acefuse compiled {self.name!r}: {len(self.graphs)} specialization(s)>"
+
+
+def compile_fn(fn, *example_inputs):
+    """``af.compile(fn, *example_inputs)``: a callable with ``fn``'s signature and outputs,
+    in which each recognised region runs as an acefuse kernel (specialised and compiled
+    now for the example inputs; other shapes are specialised on first use)."""
+    gm = trace(fn)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+    except (TypeError, ValueError):
+        sig = None
+    cf = CompiledFunction(gm, name, sig)
+    if example_inputs:
+        cf.graph_for(*example_inputs)
+    try:
+        import functools
+        functools.update_wrapper(cf, fn.forward if isinstance(fn, torch.nn.Module) else fn, updated=())
+    except (AttributeError, TypeError):
+        pass
+    return cf
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs):
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=af.backend)``.
+
+    acefuse takes the FX subgraphs it recognises (softmax, log_softmax, logsumexp,
+    layer_norm, rms_norm, cross_entropy and the elementwise code around them); the
+    rest of the graph runs as eager torch ops. Specialised per shape signature."""
+    return CompiledFunction(gm, "dynamo")
