@@ -482,8 +482,13 @@ class ContractionGen:
         skip_ok = bool(sites) and self.skip_is_sound(p, {n for n, _ in sites})
         self.tile_setup(L, "start", ind, limit)
         if not sites:
-            ctx, em = self.region("roll", ind)
-            self.emit_states(p.rolling, em, L, ind, "_new", comment)
+            # no mask in the program: only the last tile needs bounds masking
+            L.append(f"{ind}if start + BLOCK_J <= {limit}:")
+            ctx, em = self.region("roll", ind + "    ", full=True)
+            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
+            L.append(f"{ind}else:")
+            ctx, em = self.region("roll", ind + "    ")
+            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
         else:
             L.append(f"{ind}j_lo = start * 1.0")
             L.append(f"{ind}j_hi = (tl.minimum(start + BLOCK_J, {limit}) - 1) * 1.0")

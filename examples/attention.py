@@ -11,7 +11,7 @@ import math
 
 import acefuse as af
 
-D = 64
+D = 128
 SCALE = 1.0 / math.sqrt(D)
 WINDOW = 256
 CAP = 30.0

@@ -7,6 +7,15 @@
 
 See docs/frontend.md.
 """
+import os as _os
+
+try:  # no GPU: kernels run in Triton's interpreter (must be set before kernels are defined)
+    import torch as _torch
+    if not _torch.cuda.is_available():
+        _os.environ.setdefault("TRITON_INTERPRET", "1")
+except Exception:  # pragma: no cover
+    pass
+
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
 from acefuse.frontend.importer import from_torch, from_torch_imported, Imported
 from acefuse.frontend.runtime import compile_fn, backend, CompiledFunction, stats, clear_cache

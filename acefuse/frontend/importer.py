@@ -175,6 +175,8 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
         prog = L.program(_ident(name), **exprs)
     except L.LanguageError as e:
         raise FrontendError(f"the imported program {name!r} is malformed: {e}") from e
+    for o in ospecs:  # the program fixes each output's axis order (kernels write it so)
+        o.expr_axes = list(prog.outputs[o.name].axes)
     return Imported(prog, specs, ospecs, list(nodes))
 
 

@@ -97,7 +97,7 @@ def red(kind, ax, x) -> N:
 
 
 _UN = {"exp": L.exp, "log": L.log, "sqrt": L.sqrt, "rsqrt": L.rsqrt, "abs": L.abs, "tanh": L.tanh,
-       "neg": lambda x: -x, "lnot": lambda x: ~x}
+       "neg": lambda x: -x, "lnot": lambda x: x.eq(0.0)}   # not: == 0 (also on a float mask)
 _BIN = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
         "div": lambda a, b: a / b, "max2": L.maximum, "min2": L.minimum,
         "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
@@ -173,6 +173,8 @@ class Emitter:
             return _BIN[a[0]](self(a[1]), self(a[2]))
         if op == "where":
             c, x, y = (self(v) for v in a)
+            if a[0].op == "in":  # a mask read from memory: make the condition boolean
+                c = c.ne(0.0)
             return L.where(c, x, y)
         if op == "pow":
             return self(a[0]) ** a[1]

@@ -1,0 +1,282 @@
+"""GPU benchmark of the generated attention kernels against SDPA (flash and cuDNN
+backends), FlexAttention (compiled, with block masks) and torch.compile of the
+plain program, in one run, on the same inputs. Needs only torch and triton.
+
+    python benchmarks/bench_attention.py --part prefill|variants|decode [--out f.json]
+
+Prefill reports TFLOP/s counting 4*B*H*D per visible (query, key) pair (so
+causal is halved); decode reports GB/s of K+V read.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = Path(__file__).resolve().parent
+D = 128
+SCALE = 1.0 / math.sqrt(D)
+WINDOW = 256
+CAP = 30.0
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / "kernels" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench(fn, rep=100):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def ceilings():
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e9
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = 2 * 8192 ** 3 / (bench(lambda: a @ b, rep=300) * 1e-3) / 1e12
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return copy, mm
+
+
+def visible_pairs(kind, n):
+    if kind in ("causal", "alibi"):
+        return n * (n + 1) / 2
+    if kind == "sliding_window":
+        return sum(min(i + 1, WINDOW) for i in range(n))
+    return n * n
+
+
+def plain(kind, slope=None):
+    """The same function written plainly in torch (for torch.compile and checks)."""
+    def f(q, k, v):
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, 1)
+            v = v.repeat_interleave(rep, 1)
+        s = (q @ k.transpose(-1, -2)).float() * SCALE
+        n_i, n_j = s.shape[-2:]
+        i = torch.arange(n_i, device=q.device)[:, None] + (n_j - n_i) * 0
+        j = torch.arange(n_j, device=q.device)[None, :]
+        if kind == "softcap":
+            s = CAP * torch.tanh(s / CAP)
+        if kind == "alibi":
+            s = s + slope[:, None, None] * (j - i)
+        if kind in ("causal", "alibi"):
+            s = s.masked_fill(j > i, -math.inf)
+        if kind == "sliding_window":
+            s = s.masked_fill((j > i) | (i - j >= WINDOW), -math.inf)
+        return (torch.softmax(s, -1).to(v.dtype) @ v)
+    return f
+
+
+def flex(kind, B, H, N, slope=None, gqa=False):
+    from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+    fa = torch.compile(flex_attention, dynamic=False)
+    mask_mod = None
+    if kind in ("causal", "alibi"):
+        mask_mod = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+    elif kind == "sliding_window":
+        mask_mod = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOW)
+    bm = create_block_mask(mask_mod, None, None, N, N, device="cuda") if mask_mod else None
+    score_mod = None
+    if kind == "softcap":
+        score_mod = lambda s, b, h, q_idx, kv_idx: CAP * torch.tanh(s / CAP)
+    elif kind == "alibi":
+        score_mod = lambda s, b, h, q_idx, kv_idx: s + slope[h] * (kv_idx - q_idx)
+    return lambda q, k, v: fa(q, k, v, score_mod=score_mod, block_mask=bm, scale=SCALE, enable_gqa=gqa)
+
+
+def sdpa(backend, causal, gqa=False):
+    def f(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE, enable_gqa=gqa)
+    return f
+
+
+SWEEP = [dict(block_i=128, block_j=64, num_warps=8, num_stages=3),
+         dict(block_i=128, block_j=128, num_warps=8, num_stages=2),
+         dict(block_i=64, block_j=64, num_warps=4, num_stages=3),
+         dict(block_i=128, block_j=64, num_warps=4, num_stages=3)]
+
+
+def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(B * N + H)
+    q = torch.randn(B, H, N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    slope = (torch.rand(H, device=dev, generator=g) * 0.1).float()
+    name = {"global": "attention"}.get(kind, kind)
+    if HKV != H:
+        name = "gqa"
+    mod = mods.setdefault(name, load(name))
+    if name == "gqa":
+        G = HKV
+        inputs = dict(q=q.view(B, G, H // G, N, D), k=k, v=v)
+        unview = lambda o: o.reshape(B, H, N, D)
+    elif name == "alibi":
+        inputs = dict(q=q, k=k, v=v, slope=slope)
+        unview = lambda o: o
+    else:
+        inputs = dict(q=q, k=k, v=v)
+        unview = lambda o: o
+    ref = None
+    if N <= 4096:
+        ref = plain(kind, slope)(q.float(), k.float(), v.float())
+    peers = {}
+    causal = kind in ("causal",)
+    if kind in ("global", "causal") and HKV == H:
+        peers["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION, causal)
+        peers["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION, causal)
+    elif kind == "global":  # GQA
+        peers["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION, False, gqa=True)
+        peers["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True)
+    peers["flex"] = flex(kind, B, H, N, slope, gqa=HKV != H)
+    peers["compile-plain"] = torch.compile(plain(kind, slope), dynamic=False)
+    res = dict(case=label, kind=kind, B=B, H=H, HKV=HKV, N=N, flops=flops)
+    cands = [("auto", {})] + ([(f"bi{c['block_i']}/bj{c['block_j']}/w{c['num_warps']}/s{c['num_stages']}", c)
+                                for c in SWEEP] if sweep else [])
+    best = None
+    for lab, kw in cands:
+        try:
+            o = unview(mod.run(**inputs, **kw))
+            torch.cuda.synchronize()
+        except Exception as exc:
+            res[f"err_{lab}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            continue
+        if ref is not None:
+            err = ((o.float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:
+                res[f"wrong_{lab}"] = err
+                continue
+            res.setdefault("rel_err", err)
+        t = bench(lambda: mod.run(**inputs, **kw))
+        if lab == "auto":
+            res["auto_ms"] = t
+        if best is None or t < best[0]:
+            best = (t, lab)
+    if best:
+        res["best_ms"], res["best"] = best
+    for pn, fn in peers.items():
+        try:
+            t0 = time.time()
+            fn(q, k, v)
+            torch.cuda.synchronize()
+            res[f"{pn}_compile_s"] = round(time.time() - t0, 1)
+            res[f"{pn}_ms"] = bench(lambda: fn(q, k, v))
+        except Exception as exc:
+            res[f"{pn}_ms"] = None
+            res[f"{pn}_err"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        torch.cuda.empty_cache()
+    rows.append(res)
+    tf = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else float("nan")
+    line = f"{label:28s} acefuse auto {tf(res.get('auto_ms')):6.0f} best {tf(res.get('best_ms')):6.0f} TFLOP/s [{res.get('best')}]"
+    for pn in peers:
+        line += f" | {pn} {tf(res.get(pn + '_ms')):6.0f}"
+    print(line, flush=True)
+    return res
+
+
+def run_decode(label, B, HQ, HKV, L, rows, mods):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(L)
+    q = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HKV, L, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HKV, L, D, device=dev, dtype=torch.bfloat16, generator=g)
+    mod = mods.setdefault("decode", load("decode"))
+    G, R = HKV, HQ // HKV
+    inputs = dict(q=q.view(B, G, R, 1, D), k=k, v=v)
+    ref = plain("global")(q.float(), k.float(), v.float())
+    nbytes = 2 * B * HKV * L * D * 2
+    res = dict(case=label, B=B, HQ=HQ, HKV=HKV, L=L, bytes=nbytes)
+    best = None
+    for lab, kw in [("auto", {}), ("split/bj64", dict(schedule="split", block_j=64)),
+                    ("split/bj128", dict(schedule="split", block_j=128)), ("loop", dict(schedule="loop"))]:
+        try:
+            o = mod.run(**inputs, **kw).reshape(B, HQ, 1, D)
+        except Exception as exc:
+            res[f"err_{lab}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            continue
+        err = ((o.float() - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            res[f"wrong_{lab}"] = err
+            continue
+        t = bench(lambda: mod.run(**inputs, **kw))
+        if lab == "auto":
+            res["auto_ms"], res["rel_err"] = t, err
+        if best is None or t < best[0]:
+            best = (t, lab)
+    if best:
+        res["best_ms"], res["best"] = best
+    peers = {"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION, False, gqa=True),
+             "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True),
+             "flex": flex("global", B, HQ, L, gqa=True),
+             "compile-plain": torch.compile(plain("global"), dynamic=False)}
+    for pn, fn in peers.items():
+        try:
+            fn(q, k, v)
+            res[f"{pn}_ms"] = bench(lambda: fn(q, k, v))
+        except Exception as exc:
+            res[f"{pn}_ms"] = None
+            res[f"{pn}_err"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    rows.append(res)
+    gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")
+    line = f"{label:28s} acefuse auto {gbs(res.get('auto_ms')):6.0f} best {gbs(res.get('best_ms')):6.0f} GB/s [{res.get('best')}]"
+    for pn in peers:
+        line += f" | {pn} {gbs(res.get(pn + '_ms')):6.0f}"
+    print(line, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="prefill", choices=["prefill", "variants", "decode", "smoke"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    props = torch.cuda.get_device_properties(0)
+    copy, mm = ceilings()
+    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}")
+    print(f"measured ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    rows, mods = [], {}
+    H = 16
+    if args.part == "smoke":
+        run_case("smoke global N=1024", "global", 2, H, H, 1024, 4 * 2 * H * D * 1024 ** 2, rows, mods, sweep=False)
+    if args.part == "prefill":
+        for N in (1024, 4096, 16384):
+            B = 16384 // N
+            for kind in ("global", "causal"):
+                fl = 4 * B * H * D * visible_pairs(kind, N)
+                run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, fl, rows, mods, sweep=(N == 4096))
+    if args.part == "variants":
+        B, N = 4, 4096
+        for kind in ("alibi", "softcap", "sliding_window"):
+            run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, 4 * B * H * D * visible_pairs(kind, N), rows, mods,
+                     sweep=False)
+        run_case(f"gqa 32q/8kv B={B} N={N}", "global", B, 32, 8, N, 4 * B * 32 * D * N * N, rows, mods, sweep=False)
+    if args.part == "decode":
+        for L in (4096, 32768):
+            run_decode(f"decode B=8 32q/8kv L={L}", 8, 32, 8, L, rows, mods)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, rows=rows),
+                                             indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
