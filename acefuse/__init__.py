@@ -12,12 +12,19 @@ from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs
                           LanguageError, NEG_INF)
 from acefuse.fuse import fuse, Fusion, FuseError
 from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, le, ub, Rule
+from acefuse.frontend import from_torch, backend, UnsupportedOpError
 
 __version__ = "0.1.0"
 
 
 def compile(prog, *example_inputs, axis=None, **kw):  # noqa: A001 - mirrors torch.compile
-    """Compile a program into a Triton kernel (see acefuse.codegen)."""
+    """Compile a program into a Triton kernel (see acefuse.codegen).
+
+    ``prog`` may also be a plain PyTorch function with example inputs: the result is a
+    drop-in callable with the function's signature (see acefuse.frontend)."""
+    if not isinstance(prog, Program):
+        from acefuse.frontend import compile_fn
+        return compile_fn(prog, *example_inputs)
     from acefuse.codegen.compile import compile_program
     return compile_program(prog, axis=axis, **kw)
 

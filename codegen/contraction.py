@@ -179,6 +179,7 @@ def _cjoin(a, b):
 class ContractionGen:
     def __init__(self, fusion):
         self.f = fusion
+        self.counter = [0]
         enc = fusion.encoding
         self.enc = enc
         self.axis = enc.axis
@@ -431,6 +432,8 @@ class ContractionGen:
             L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
             L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
         L.append("    nj_f = n_j * 1.0")
+        for a in self.G + self.R + self.E + self.C:
+            L.append(f"    len_{a}_f = len_{a} * 1.0")
         for t in list(self.tensors) + list(self.outputs):
             axes = self.tensors.get(t) or self.out_axes[t]
             g = [a for a in axes if a in self.G]

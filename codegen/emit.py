@@ -44,16 +44,18 @@ def bcast(e, shape, target):
 class Emitter:
     """Appends assignment lines; ``emit(term)`` returns (expression, shape)."""
 
-    def __init__(self, ctx, indent="    "):
+    def __init__(self, ctx, indent="    ", counter=None):
         self.ctx = ctx            # codegen.row.Context: names of states, tiles, leaves, tensors
         self.lines: list = []
         self.cache: dict = {}
         self.indent = indent
-        self.n = 0
+        # one counter per kernel: a temporary never changes shape under the same name
+        # (Triton rejects a loop-carried name whose type changes)
+        self.counter = counter if counter is not None else getattr(getattr(ctx, "g", None), "counter", [0])
 
     def fresh(self, hint="t"):
-        self.n += 1
-        return f"_{hint}{self.n}"
+        self.counter[0] += 1
+        return f"_{hint}{self.counter[0]}"
 
     def line(self, s):
         self.lines.append(self.indent + s)

@@ -170,6 +170,7 @@ class RowGen:
 
     def __init__(self, fusion, dtype_out_of=None):
         self.f = fusion
+        self.counter = [0]
         enc = fusion.encoding
         self.enc = enc
         self.axis = enc.axis

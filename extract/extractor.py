@@ -178,8 +178,8 @@ class Extractor:
     def _program_cost(self, op, kids, ukids, fixed, ctx, costs):
         """Normal-form extraction of a whole program: reductions run over the whole axis J
         (their bodies weighted per element); no states exist yet."""
-        if op == "St":
-            return C.INF  # markers naming the outputs
+        if op in ("St", "Out"):
+            return C.INF  # no states yet; Out only names an output
         if op in ("Num", "Par", "Cnt", "Elm"):
             return C.LEAF
         if op in ("Sum", "RMax", "RMin"):

@@ -76,12 +76,12 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
         return prog, []
     eg = EGraph(rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
     for k, t in encoded.items():
-        eg.union(Term("St", (f"__out_{k}", JB)), t)
+        eg.union(Term("Out", (k,)), t)
     eg.saturate(schedules.NORMALIZE)
     ex = Extractor(eg.serialized())
     new_outputs, notes = {}, []
     for k, e in prog.outputs.items():
-        cid = ex.class_of(lambda op, args, n=f"__out_{k}": op == "St" and args and args[0] == n)
+        cid = ex.class_of(lambda op, args, n=k: op == "Out" and args and args[0] == n)
         cost, term = ex.extract(cid, Reach("program", frozenset(), frozenset()))
         new = dec(term) if term is not None else e.term
         if term is not None and work(new, axis) < work(e.term, axis) - 1e-9:

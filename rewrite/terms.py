@@ -44,6 +44,7 @@ OPS: dict[str, Op] = dict([
     _op("Size", ("String",), "T", "the length of a named axis (program level)"),
     _op("Idx", ("String",), "T", "the current index along a named axis (program level)"),
     _op("Take", ("String", "T", "String"), "T", "gather: input tensor read with its axis replaced by an index term"),
+    _op("Out", ("String",), "T", "names a program output in normal-form extraction (no analysis or rule applies)"),
     # --- arithmetic -----------------------------------------------------------
     _op("Add", ("T", "T"), "T", "a + b"),
     _op("Sub", ("T", "T"), "T", "a - b"),

@@ -185,19 +185,35 @@ def test_attention_import(name, fn, mk):
     _check_import(fn, *args)
 
 
-def test_attention_compile_falls_back_with_one_line_warning():
-    q, k, v = _qkv(S=5)
-    with pytest.warns(AcefuseFallbackWarning, match=r"region `scaled_dot_product_attention` at .*test_frontend.py:\d+.*runs in torch"):
-        cf = aff.compile_fn(sdpa_causal, q, k, v)
-    _close(cf(q, k, v), sdpa_causal(q.double(), k.double(), v.double()))
+@pytest.mark.parametrize("name,fn,mk", ATTN_CASES, ids=[c[0] for c in ATTN_CASES])
+def test_attention_compile_matches_eager(name, fn, mk):
+    # sdpa goes to acefuse's attention kernels when they compile it, else to torch with a
+    # warning; attention written with matmuls keeps the matmuls in torch and fuses the
+    # masked, scaled softmax between them
+    args = mk()
+    if name == "sdpa_bool_mask":
+        args[3][:, 0] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AcefuseFallbackWarning)
+        cf = aff.compile_fn(fn, *args)
+        got = cf(*args)
+    _close(got, fn(*_f64(args)))
+    assert cf.regions or aff.stats["fallbacks"]
 
 
 def test_matmul_attention_keeps_softmax_in_acefuse():
     x, w, m = _g(2, 5, 8), _g(2, 5, 8, seed=1), torch.ones(5, 5).tril()
-    with pytest.warns(AcefuseFallbackWarning, match="contractions"):
-        cf = aff.compile_fn(matmul_attention, x, w, m)
-    _close(cf(x, w, m), matmul_attention(x.double(), w.double(), m))
+    cf = _check_compiled(matmul_attention, x, w, m)
     assert [r.program.reduced_axes() for r in cf.regions] == [["j"]]
+    assert "matmul" in cf.graph_for(x, w, m).code
+
+
+def test_region_that_cannot_compile_falls_back_with_one_line_warning():
+    x = _g(5, 37).double()                    # float64: no acefuse kernel takes it
+    with pytest.warns(AcefuseFallbackWarning, match=r"region `softmax` at .*test_frontend.py:\d+: .*runs in torch: float64"):
+        cf = aff.compile_fn(softmax_fn, x)
+    _close(cf(x), softmax_fn(x))
+    assert not cf.regions
 
 
 # ---- errors ---------------------------------------------------------------------------------------

@@ -750,7 +750,7 @@ def _sdpa(cx):
     batch = _bcast(q.dims[:-2], k.dims[:-2], v.dims[:-2])
     e = q.dims[-1]
     s = _contract(cx.n(q), q.dims, cx.n(k), k.dims, e, k.dims[-1])
-    sc = num(scale) if scale is not None else (un("rsqrt", N("size", e)) if e is not None else num(1.0))
+    sc = num(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     s = bin_("mul", s, sc)
     sdims = batch + [ld, sd]
     if causal:

@@ -57,12 +57,20 @@ def split_composites(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+# Contractions acefuse is offered: attention (the contraction kernel family). Plain
+# matmul / linear / einsum / bmm stay with torch (a GEMM library), so attention written
+# with matmuls gets its softmax (and masking, scaling) fused by acefuse between them.
+OFFLOAD_CONTRACTIONS = {"scaled_dot_product_attention"}
+
+
 def _allowed(n, region_of, find, exclude):
     """Can node ``n`` be lowered as part of a region (given its producers' regions)?"""
     if n.op not in CALLS or n.meta.get("af_torch") or n in exclude:
         return False
     k = kind_of(n)
     if k is None:
+        return False
+    if k == "contraction" and name_of(n) not in OFFLOAD_CONTRACTIONS:
         return False
     if k == "static":
         # only a getitem of a tuple produced inside a region (split pieces)

@@ -129,15 +129,22 @@ def get_kernel(prog):
 class CompiledRegion(torch.nn.Module):
     """One region of the graph, run by an acefuse kernel."""
 
-    def __init__(self, imp, kernel):
+    def __init__(self, imp, kernel, fallback):
         super().__init__()
         self.imp, self.kernel = imp, kernel
         self.program = imp.program
+        self.fallback = fallback      # the region's own torch ops, same inputs and outputs
 
     def forward(self, *srcs):
-        values = dict(zip(self.imp.sources, srcs))
-        outs = self.kernel(**self.imp.program_inputs(values))
-        return tuple(self.imp.torch_outputs(outs))
+        if self.kernel is not None:
+            values = dict(zip(self.imp.sources, srcs))
+            try:
+                outs = self.kernel(**self.imp.program_inputs(values))
+                return tuple(self.imp.torch_outputs(outs))
+            except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
+                _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
+                self.kernel = None
+        return tuple(self.fallback(*srcs))
 
     def extra_repr(self):
         return repr(self.program)
@@ -183,6 +190,18 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
         compiled, failed_contraction = [], False
         for i, nodes in enumerate(find_regions(gm, frozenset(exclude))):
             outs = region_outputs(gm, nodes)
+            while len(outs) > 1:
+                # one output per kernel: an intermediate that torch also needs goes to torch,
+                # with its in-region ancestors (an ancestor-closed cut keeps the region convex)
+                cut, stack = set(), [outs[0]]
+                while stack:
+                    c = stack.pop()
+                    if c not in cut:
+                        cut.add(c)
+                        stack += [p for p in c.all_input_nodes if p in nodes]
+                nodes = [n for n in nodes if n not in cut]
+                outs = region_outputs(gm, nodes) if any(kind_of(n) == "reduce" or kind_of(n) == "contraction"
+                                                        for n in nodes) else []
             if not outs:
                 continue
             rname = f"{name}_{_region_name(nodes)}"
@@ -206,12 +225,31 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
                 if attempt == 2 or not failed_contraction:
                     _warn(nodes, e)
                 continue
-            compiled.append((f"af_region{i}", CompiledRegion(imp, k), imp))
+            compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp)), imp))
         if not failed_contraction:
             break
     new = rebuild(gm, compiled)
     new.af_regions = [m for _, m, _ in compiled]
     return new
+
+
+def _torch_region(gm, imp) -> torch.fx.GraphModule:
+    """The region's nodes as a GraphModule (sources in, outputs out): its torch fallback."""
+    g = torch.fx.Graph()
+    env = {s: g.placeholder(f"src{i}") for i, s in enumerate(imp.sources)}
+    root = {}
+    for n in imp.nodes:
+        for a in n.all_input_nodes:
+            if a not in env and a.op == "get_attr":
+                t = gm
+                for p in a.target.split("."):
+                    t = getattr(t, p)
+                root[a.target] = t
+                env[a] = g.get_attr(a.target)
+        # shape values computed outside the region were read as constants by the import
+        env[n] = g.node_copy(n, lambda x: env[x] if x in env else x.meta.get("af_val"))
+    g.output(tuple(env[o.node] for o in imp.outputs))
+    return torch.fx.GraphModule(root, g, "region_fallback")
 
 
 def _signature(args):

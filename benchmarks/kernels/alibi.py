@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 6 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -73,6 +73,11 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -129,75 +134,75 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t5 = h2 * _t4
-            _t6 = _t3 + _t5
-            _r7 = tl.max(_t6, axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_17 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_18 = tl.dot(h1.to(DOT_T), tl.trans(_kt_17.to(DOT_T)), input_precision=PREC)
+            _t19 = _dot_18 * 0.08838834764831843
+            _t20 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t21 = h2 * _t20
+            _t22 = _t19 + _t21
+            _r23 = tl.max(_t22, axis=1)
+            _t24 = tl.maximum(m, _r23)
+            m_new = _t24
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_t15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t13 + _pv17
-            s_new = _t18
+            _f25 = _fin(m)
+            _f26 = _fin(m_new)
+            _t27 = _f25 - _f26
+            _t28 = tl.exp(_t27)
+            _t29 = s * _t28[:, None]
+            _t30 = _t22 - _f26[:, None]
+            _t31 = tl.exp(_t30)
+            _kv_32 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv33 = tl.dot(_t31.to(DOT_T), _kv_32.to(DOT_T), input_precision=PREC)
+            _t34 = _t29 + _pv33
+            s_new = _t34
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t12
-            _r20 = tl.sum(_t15, axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t35 = s2 * _t28
+            _r36 = tl.sum(_t31, axis=1)
+            _t37 = _t35 + _r36
+            s2_new = _t37
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-            _t4 = _dot_3 * 0.08838834764831843
-            _t5 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t6 = h2 * _t5
-            _t7 = _t4 + _t6
-            _t8 = tl.where(_c1, _t7, float('-inf'))
-            _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-            _t10 = tl.maximum(m, _r9)
-            m_new = _t10
+            _c38 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_39 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_40 = tl.dot(h1.to(DOT_T), tl.trans(_kt_39.to(DOT_T)), input_precision=PREC)
+            _t41 = _dot_40 * 0.08838834764831843
+            _t42 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t43 = h2 * _t42
+            _t44 = _t41 + _t43
+            _t45 = tl.where(_c38, _t44, float('-inf'))
+            _r46 = tl.max(tl.where(tmask, _t45, float('-inf')), axis=1)
+            _t47 = tl.maximum(m, _r46)
+            m_new = _t47
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f11 = _fin(m)
-            _f12 = _fin(m_new)
-            _t13 = _f11 - _f12
-            _t14 = tl.exp(_t13)
-            _t15 = s * _t14[:, None]
-            _t16 = _t8 - _f12[:, None]
-            _t17 = tl.exp(_t16)
-            _p18 = tl.where(tmask, _t17, 0.0)
-            _kv_19 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv20 = tl.dot(_p18.to(DOT_T), _kv_19.to(DOT_T), input_precision=PREC)
-            _t21 = _t15 + _pv20
-            s_new = _t21
+            _f48 = _fin(m)
+            _f49 = _fin(m_new)
+            _t50 = _f48 - _f49
+            _t51 = tl.exp(_t50)
+            _t52 = s * _t51[:, None]
+            _t53 = _t45 - _f49[:, None]
+            _t54 = tl.exp(_t53)
+            _p55 = tl.where(tmask, _t54, 0.0)
+            _kv_56 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv57 = tl.dot(_p55.to(DOT_T), _kv_56.to(DOT_T), input_precision=PREC)
+            _t58 = _t52 + _pv57
+            s_new = _t58
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t22 = s2 * _t14
-            _r23 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
-            _t24 = _t22 + _r23
-            s2_new = _t24
+            _t59 = s2 * _t51
+            _r60 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
+            _t61 = _t59 + _r60
+            s2_new = _t61
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t62 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t62).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -218,6 +223,11 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -239,27 +249,27 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-    _t4 = _dot_3 * 0.08838834764831843
-    _t5 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-    _t6 = h2 * _t5
-    _t7 = _t4 + _t6
-    _t8 = tl.where(_c1, _t7, float('-inf'))
-    _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-    m = _r9
+    _c63 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_64 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_65 = tl.dot(h1.to(DOT_T), tl.trans(_kt_64.to(DOT_T)), input_precision=PREC)
+    _t66 = _dot_65 * 0.08838834764831843
+    _t67 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+    _t68 = h2 * _t67
+    _t69 = _t66 + _t68
+    _t70 = tl.where(_c63, _t69, float('-inf'))
+    _r71 = tl.max(tl.where(tmask, _t70, float('-inf')), axis=1)
+    m = _r71
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f10 = _fin(m)
-    _t11 = _t8 - _f10[:, None]
-    _t12 = tl.exp(_t11)
-    _p13 = tl.where(tmask, _t12, 0.0)
-    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-    s = _pv15
+    _f72 = _fin(m)
+    _t73 = _t70 - _f72[:, None]
+    _t74 = tl.exp(_t73)
+    _p75 = tl.where(tmask, _t74, 0.0)
+    _kv_76 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv77 = tl.dot(_p75.to(DOT_T), _kv_76.to(DOT_T), input_precision=PREC)
+    s = _pv77
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-    s2 = _r16
+    _r78 = tl.sum(tl.where(tmask, _t74, 0.0), axis=1)
+    s2 = _r78
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -277,68 +287,68 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t5 = h2 * _t4
-            _t6 = _t3 + _t5
-            _r7 = tl.max(_t6, axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_79 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_80 = tl.dot(h1.to(DOT_T), tl.trans(_kt_79.to(DOT_T)), input_precision=PREC)
+            _t81 = _dot_80 * 0.08838834764831843
+            _t82 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t83 = h2 * _t82
+            _t84 = _t81 + _t83
+            _r85 = tl.max(_t84, axis=1)
+            _t86 = tl.maximum(m, _r85)
+            m_new = _t86
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_t15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t13 + _pv17
-            s_new = _t18
+            _f87 = _fin(m)
+            _f88 = _fin(m_new)
+            _t89 = _f87 - _f88
+            _t90 = tl.exp(_t89)
+            _t91 = s * _t90[:, None]
+            _t92 = _t84 - _f88[:, None]
+            _t93 = tl.exp(_t92)
+            _kv_94 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv95 = tl.dot(_t93.to(DOT_T), _kv_94.to(DOT_T), input_precision=PREC)
+            _t96 = _t91 + _pv95
+            s_new = _t96
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t12
-            _r20 = tl.sum(_t15, axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t97 = s2 * _t90
+            _r98 = tl.sum(_t93, axis=1)
+            _t99 = _t97 + _r98
+            s2_new = _t99
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-            _t4 = _dot_3 * 0.08838834764831843
-            _t5 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t6 = h2 * _t5
-            _t7 = _t4 + _t6
-            _t8 = tl.where(_c1, _t7, float('-inf'))
-            _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-            _t10 = tl.maximum(m, _r9)
-            m_new = _t10
+            _c100 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
+            _t103 = _dot_102 * 0.08838834764831843
+            _t104 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t105 = h2 * _t104
+            _t106 = _t103 + _t105
+            _t107 = tl.where(_c100, _t106, float('-inf'))
+            _r108 = tl.max(tl.where(tmask, _t107, float('-inf')), axis=1)
+            _t109 = tl.maximum(m, _r108)
+            m_new = _t109
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f11 = _fin(m)
-            _f12 = _fin(m_new)
-            _t13 = _f11 - _f12
-            _t14 = tl.exp(_t13)
-            _t15 = s * _t14[:, None]
-            _t16 = _t8 - _f12[:, None]
-            _t17 = tl.exp(_t16)
-            _p18 = tl.where(tmask, _t17, 0.0)
-            _kv_19 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv20 = tl.dot(_p18.to(DOT_T), _kv_19.to(DOT_T), input_precision=PREC)
-            _t21 = _t15 + _pv20
-            s_new = _t21
+            _f110 = _fin(m)
+            _f111 = _fin(m_new)
+            _t112 = _f110 - _f111
+            _t113 = tl.exp(_t112)
+            _t114 = s * _t113[:, None]
+            _t115 = _t107 - _f111[:, None]
+            _t116 = tl.exp(_t115)
+            _p117 = tl.where(tmask, _t116, 0.0)
+            _kv_118 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv119 = tl.dot(_p117.to(DOT_T), _kv_118.to(DOT_T), input_precision=PREC)
+            _t120 = _t114 + _pv119
+            s_new = _t120
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t22 = s2 * _t14
-            _r23 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
-            _t24 = _t22 + _r23
-            s2_new = _t24
+            _t121 = s2 * _t113
+            _r122 = tl.sum(tl.where(tmask, _t116, 0.0), axis=1)
+            _t123 = _t121 + _r122
+            s2_new = _t123
         m = m_new
         s = s_new
         s2 = s2_new
@@ -367,6 +377,11 @@ def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j,
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -390,34 +405,34 @@ def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t124 = tl.maximum(m, m_b)
+        m_new = _t124
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5[:, None]
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9[:, None]
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f125 = _fin(m)
+        _f126 = _fin(m_new)
+        _t127 = _f125 - _f126
+        _t128 = tl.exp(_t127)
+        _t129 = s * _t128[:, None]
+        _f130 = _fin(m_b)
+        _t131 = _f130 - _f126
+        _t132 = tl.exp(_t131)
+        _t133 = s_b * _t132[:, None]
+        _t134 = _t129 + _t133
+        s_new = _t134
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t12 = s2 * _t5
-        _t13 = s2_b * _t9
-        _t14 = _t12 + _t13
-        s2_new = _t14
+        _t135 = s2 * _t128
+        _t136 = s2_b * _t132
+        _t137 = _t135 + _t136
+        s2_new = _t137
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t138 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t138).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'alibi'

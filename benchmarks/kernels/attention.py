@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(sum_d(q * k) * 0.08838834764831843 - max_j(sum_d(q * k) * 0.08838834764831843)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -73,6 +73,11 @@ def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -113,67 +118,67 @@ def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         if start + BLOCK_J <= n_j:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_12 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_13 = tl.dot(h1.to(DOT_T), tl.trans(_kt_12.to(DOT_T)), input_precision=PREC)
+            _t14 = _dot_13 * 0.08838834764831843
+            _r15 = tl.max(_t14, axis=1)
+            _t16 = tl.maximum(m, _r15)
+            m_new = _t16
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f17 = _fin(m)
+            _f18 = _fin(m_new)
+            _t19 = _f17 - _f18
+            _t20 = tl.exp(_t19)
+            _t21 = s * _t20[:, None]
+            _t22 = _t14 - _f18[:, None]
+            _t23 = tl.exp(_t22)
+            _kv_24 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv25 = tl.dot(_t23.to(DOT_T), _kv_24.to(DOT_T), input_precision=PREC)
+            _t26 = _t21 + _pv25
+            s_new = _t26
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t27 = s2 * _t20
+            _r28 = tl.sum(_t23, axis=1)
+            _t29 = _t27 + _r28
+            s2_new = _t29
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(tl.where(tmask, _t3, float('-inf')), axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_30 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_31 = tl.dot(h1.to(DOT_T), tl.trans(_kt_30.to(DOT_T)), input_precision=PREC)
+            _t32 = _dot_31 * 0.08838834764831843
+            _r33 = tl.max(tl.where(tmask, _t32, float('-inf')), axis=1)
+            _t34 = tl.maximum(m, _r33)
+            m_new = _t34
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _p13 = tl.where(tmask, _t12, 0.0)
-            _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-            _t16 = _t10 + _pv15
-            s_new = _t16
+            _f35 = _fin(m)
+            _f36 = _fin(m_new)
+            _t37 = _f35 - _f36
+            _t38 = tl.exp(_t37)
+            _t39 = s * _t38[:, None]
+            _t40 = _t32 - _f36[:, None]
+            _t41 = tl.exp(_t40)
+            _p42 = tl.where(tmask, _t41, 0.0)
+            _kv_43 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv44 = tl.dot(_p42.to(DOT_T), _kv_43.to(DOT_T), input_precision=PREC)
+            _t45 = _t39 + _pv44
+            s_new = _t45
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t17 = s2 * _t9
-            _r18 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-            _t19 = _t17 + _r18
-            s2_new = _t19
+            _t46 = s2 * _t38
+            _r47 = tl.sum(tl.where(tmask, _t41, 0.0), axis=1)
+            _t48 = _t46 + _r47
+            s2_new = _t48
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t49 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t49).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -194,6 +199,11 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -213,22 +223,22 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-    _t3 = _dot_2 * 0.08838834764831843
-    _r4 = tl.max(tl.where(tmask, _t3, float('-inf')), axis=1)
-    m = _r4
+    _kt_50 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_51 = tl.dot(h1.to(DOT_T), tl.trans(_kt_50.to(DOT_T)), input_precision=PREC)
+    _t52 = _dot_51 * 0.08838834764831843
+    _r53 = tl.max(tl.where(tmask, _t52, float('-inf')), axis=1)
+    m = _r53
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f5 = _fin(m)
-    _t6 = _t3 - _f5[:, None]
-    _t7 = tl.exp(_t6)
-    _p8 = tl.where(tmask, _t7, 0.0)
-    _kv_9 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv10 = tl.dot(_p8.to(DOT_T), _kv_9.to(DOT_T), input_precision=PREC)
-    s = _pv10
+    _f54 = _fin(m)
+    _t55 = _t52 - _f54[:, None]
+    _t56 = tl.exp(_t55)
+    _p57 = tl.where(tmask, _t56, 0.0)
+    _kv_58 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv59 = tl.dot(_p57.to(DOT_T), _kv_58.to(DOT_T), input_precision=PREC)
+    s = _pv59
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r11 = tl.sum(tl.where(tmask, _t7, 0.0), axis=1)
-    s2 = _r11
+    _r60 = tl.sum(tl.where(tmask, _t56, 0.0), axis=1)
+    s2 = _r60
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -237,60 +247,60 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         if start + BLOCK_J <= chunk_hi:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
+            _t63 = _dot_62 * 0.08838834764831843
+            _r64 = tl.max(_t63, axis=1)
+            _t65 = tl.maximum(m, _r64)
+            m_new = _t65
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f66 = _fin(m)
+            _f67 = _fin(m_new)
+            _t68 = _f66 - _f67
+            _t69 = tl.exp(_t68)
+            _t70 = s * _t69[:, None]
+            _t71 = _t63 - _f67[:, None]
+            _t72 = tl.exp(_t71)
+            _kv_73 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv74 = tl.dot(_t72.to(DOT_T), _kv_73.to(DOT_T), input_precision=PREC)
+            _t75 = _t70 + _pv74
+            s_new = _t75
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t76 = s2 * _t69
+            _r77 = tl.sum(_t72, axis=1)
+            _t78 = _t76 + _r77
+            s2_new = _t78
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(tl.where(tmask, _t3, float('-inf')), axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_79 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_80 = tl.dot(h1.to(DOT_T), tl.trans(_kt_79.to(DOT_T)), input_precision=PREC)
+            _t81 = _dot_80 * 0.08838834764831843
+            _r82 = tl.max(tl.where(tmask, _t81, float('-inf')), axis=1)
+            _t83 = tl.maximum(m, _r82)
+            m_new = _t83
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _p13 = tl.where(tmask, _t12, 0.0)
-            _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-            _t16 = _t10 + _pv15
-            s_new = _t16
+            _f84 = _fin(m)
+            _f85 = _fin(m_new)
+            _t86 = _f84 - _f85
+            _t87 = tl.exp(_t86)
+            _t88 = s * _t87[:, None]
+            _t89 = _t81 - _f85[:, None]
+            _t90 = tl.exp(_t89)
+            _p91 = tl.where(tmask, _t90, 0.0)
+            _kv_92 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv93 = tl.dot(_p91.to(DOT_T), _kv_92.to(DOT_T), input_precision=PREC)
+            _t94 = _t88 + _pv93
+            s_new = _t94
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t17 = s2 * _t9
-            _r18 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-            _t19 = _t17 + _r18
-            s2_new = _t19
+            _t95 = s2 * _t87
+            _r96 = tl.sum(tl.where(tmask, _t90, 0.0), axis=1)
+            _t97 = _t95 + _r96
+            s2_new = _t97
         m = m_new
         s = s_new
         s2 = s2_new
@@ -319,6 +329,11 @@ def attention_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -341,34 +356,34 @@ def attention_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t98 = tl.maximum(m, m_b)
+        m_new = _t98
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5[:, None]
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9[:, None]
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f99 = _fin(m)
+        _f100 = _fin(m_new)
+        _t101 = _f99 - _f100
+        _t102 = tl.exp(_t101)
+        _t103 = s * _t102[:, None]
+        _f104 = _fin(m_b)
+        _t105 = _f104 - _f100
+        _t106 = tl.exp(_t105)
+        _t107 = s_b * _t106[:, None]
+        _t108 = _t103 + _t107
+        s_new = _t108
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t12 = s2 * _t5
-        _t13 = s2_b * _t9
-        _t14 = _t12 + _t13
-        s2_new = _t14
+        _t109 = s2 * _t102
+        _t110 = s2_b * _t106
+        _t111 = _t109 + _t110
+        s2_new = _t111
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t112 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t112).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'attention'

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 6 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -73,6 +73,11 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -124,69 +129,69 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_14 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_15 = tl.dot(h1.to(DOT_T), tl.trans(_kt_14.to(DOT_T)), input_precision=PREC)
+            _t16 = _dot_15 * 0.08838834764831843
+            _r17 = tl.max(_t16, axis=1)
+            _t18 = tl.maximum(m, _r17)
+            m_new = _t18
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f19 = _fin(m)
+            _f20 = _fin(m_new)
+            _t21 = _f19 - _f20
+            _t22 = tl.exp(_t21)
+            _t23 = s * _t22[:, None]
+            _t24 = _t16 - _f20[:, None]
+            _t25 = tl.exp(_t24)
+            _kv_26 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv27 = tl.dot(_t25.to(DOT_T), _kv_26.to(DOT_T), input_precision=PREC)
+            _t28 = _t23 + _pv27
+            s_new = _t28
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t29 = s2 * _t22
+            _r30 = tl.sum(_t25, axis=1)
+            _t31 = _t29 + _r30
+            s2_new = _t31
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-            _t4 = _dot_3 * 0.08838834764831843
-            _t5 = tl.where(_c1, _t4, float('-inf'))
-            _r6 = tl.max(tl.where(tmask, _t5, float('-inf')), axis=1)
-            _t7 = tl.maximum(m, _r6)
-            m_new = _t7
+            _c32 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_33 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_34 = tl.dot(h1.to(DOT_T), tl.trans(_kt_33.to(DOT_T)), input_precision=PREC)
+            _t35 = _dot_34 * 0.08838834764831843
+            _t36 = tl.where(_c32, _t35, float('-inf'))
+            _r37 = tl.max(tl.where(tmask, _t36, float('-inf')), axis=1)
+            _t38 = tl.maximum(m, _r37)
+            m_new = _t38
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f8 = _fin(m)
-            _f9 = _fin(m_new)
-            _t10 = _f8 - _f9
-            _t11 = tl.exp(_t10)
-            _t12 = s * _t11[:, None]
-            _t13 = _t5 - _f9[:, None]
-            _t14 = tl.exp(_t13)
-            _p15 = tl.where(tmask, _t14, 0.0)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_p15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t12 + _pv17
-            s_new = _t18
+            _f39 = _fin(m)
+            _f40 = _fin(m_new)
+            _t41 = _f39 - _f40
+            _t42 = tl.exp(_t41)
+            _t43 = s * _t42[:, None]
+            _t44 = _t36 - _f40[:, None]
+            _t45 = tl.exp(_t44)
+            _p46 = tl.where(tmask, _t45, 0.0)
+            _kv_47 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv48 = tl.dot(_p46.to(DOT_T), _kv_47.to(DOT_T), input_precision=PREC)
+            _t49 = _t43 + _pv48
+            s_new = _t49
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t11
-            _r20 = tl.sum(tl.where(tmask, _t14, 0.0), axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t50 = s2 * _t42
+            _r51 = tl.sum(tl.where(tmask, _t45, 0.0), axis=1)
+            _t52 = _t50 + _r51
+            s2_new = _t52
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t53 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t53).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -207,6 +212,11 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -226,24 +236,24 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-    _t4 = _dot_3 * 0.08838834764831843
-    _t5 = tl.where(_c1, _t4, float('-inf'))
-    _r6 = tl.max(tl.where(tmask, _t5, float('-inf')), axis=1)
-    m = _r6
+    _c54 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_55 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_56 = tl.dot(h1.to(DOT_T), tl.trans(_kt_55.to(DOT_T)), input_precision=PREC)
+    _t57 = _dot_56 * 0.08838834764831843
+    _t58 = tl.where(_c54, _t57, float('-inf'))
+    _r59 = tl.max(tl.where(tmask, _t58, float('-inf')), axis=1)
+    m = _r59
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f7 = _fin(m)
-    _t8 = _t5 - _f7[:, None]
-    _t9 = tl.exp(_t8)
-    _p10 = tl.where(tmask, _t9, 0.0)
-    _kv_11 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv12 = tl.dot(_p10.to(DOT_T), _kv_11.to(DOT_T), input_precision=PREC)
-    s = _pv12
+    _f60 = _fin(m)
+    _t61 = _t58 - _f60[:, None]
+    _t62 = tl.exp(_t61)
+    _p63 = tl.where(tmask, _t62, 0.0)
+    _kv_64 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv65 = tl.dot(_p63.to(DOT_T), _kv_64.to(DOT_T), input_precision=PREC)
+    s = _pv65
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r13 = tl.sum(tl.where(tmask, _t9, 0.0), axis=1)
-    s2 = _r13
+    _r66 = tl.sum(tl.where(tmask, _t62, 0.0), axis=1)
+    s2 = _r66
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -261,62 +271,62 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_67 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_68 = tl.dot(h1.to(DOT_T), tl.trans(_kt_67.to(DOT_T)), input_precision=PREC)
+            _t69 = _dot_68 * 0.08838834764831843
+            _r70 = tl.max(_t69, axis=1)
+            _t71 = tl.maximum(m, _r70)
+            m_new = _t71
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f72 = _fin(m)
+            _f73 = _fin(m_new)
+            _t74 = _f72 - _f73
+            _t75 = tl.exp(_t74)
+            _t76 = s * _t75[:, None]
+            _t77 = _t69 - _f73[:, None]
+            _t78 = tl.exp(_t77)
+            _kv_79 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv80 = tl.dot(_t78.to(DOT_T), _kv_79.to(DOT_T), input_precision=PREC)
+            _t81 = _t76 + _pv80
+            s_new = _t81
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t82 = s2 * _t75
+            _r83 = tl.sum(_t78, axis=1)
+            _t84 = _t82 + _r83
+            s2_new = _t84
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_3 = tl.dot(h1.to(DOT_T), tl.trans(_kt_2.to(DOT_T)), input_precision=PREC)
-            _t4 = _dot_3 * 0.08838834764831843
-            _t5 = tl.where(_c1, _t4, float('-inf'))
-            _r6 = tl.max(tl.where(tmask, _t5, float('-inf')), axis=1)
-            _t7 = tl.maximum(m, _r6)
-            m_new = _t7
+            _c85 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_86 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_87 = tl.dot(h1.to(DOT_T), tl.trans(_kt_86.to(DOT_T)), input_precision=PREC)
+            _t88 = _dot_87 * 0.08838834764831843
+            _t89 = tl.where(_c85, _t88, float('-inf'))
+            _r90 = tl.max(tl.where(tmask, _t89, float('-inf')), axis=1)
+            _t91 = tl.maximum(m, _r90)
+            m_new = _t91
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f8 = _fin(m)
-            _f9 = _fin(m_new)
-            _t10 = _f8 - _f9
-            _t11 = tl.exp(_t10)
-            _t12 = s * _t11[:, None]
-            _t13 = _t5 - _f9[:, None]
-            _t14 = tl.exp(_t13)
-            _p15 = tl.where(tmask, _t14, 0.0)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_p15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t12 + _pv17
-            s_new = _t18
+            _f92 = _fin(m)
+            _f93 = _fin(m_new)
+            _t94 = _f92 - _f93
+            _t95 = tl.exp(_t94)
+            _t96 = s * _t95[:, None]
+            _t97 = _t89 - _f93[:, None]
+            _t98 = tl.exp(_t97)
+            _p99 = tl.where(tmask, _t98, 0.0)
+            _kv_100 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv101 = tl.dot(_p99.to(DOT_T), _kv_100.to(DOT_T), input_precision=PREC)
+            _t102 = _t96 + _pv101
+            s_new = _t102
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t11
-            _r20 = tl.sum(tl.where(tmask, _t14, 0.0), axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t103 = s2 * _t95
+            _r104 = tl.sum(tl.where(tmask, _t98, 0.0), axis=1)
+            _t105 = _t103 + _r104
+            s2_new = _t105
         m = m_new
         s = s_new
         s2 = s2_new
@@ -345,6 +355,11 @@ def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -367,34 +382,34 @@ def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t106 = tl.maximum(m, m_b)
+        m_new = _t106
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5[:, None]
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9[:, None]
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f107 = _fin(m)
+        _f108 = _fin(m_new)
+        _t109 = _f107 - _f108
+        _t110 = tl.exp(_t109)
+        _t111 = s * _t110[:, None]
+        _f112 = _fin(m_b)
+        _t113 = _f112 - _f108
+        _t114 = tl.exp(_t113)
+        _t115 = s_b * _t114[:, None]
+        _t116 = _t111 + _t115
+        s_new = _t116
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t12 = s2 * _t5
-        _t13 = s2_b * _t9
-        _t14 = _t12 + _t13
-        s2_new = _t14
+        _t117 = s2 * _t110
+        _t118 = s2_b * _t114
+        _t119 = _t117 + _t118
+        s2_new = _t119
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t120 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t120).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'causal'

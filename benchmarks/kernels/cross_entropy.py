@@ -6,7 +6,7 @@ states (block-local definitions over a block S):
      s = sum_S(exp(x - m_S))    [sum; from sum_j(exp(x - max_j(x)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s
-  saturation stopped: saturated after 14 iterations, 160 e-nodes, 4 ms
+  saturation stopped: saturated after 14 iterations, 160 e-nodes, 7 ms
   m:
     init     m_B  = max_B(x)
     rolling  m_AB = max(m_A, max_B(x))
@@ -105,15 +105,15 @@ def cross_entropy_loop(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
     tmask = rmask[:, None] & (cols[None, :] < n_j)
     n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_13 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r14 = tl.max(tl.where(tmask, _ld_13, float('-inf')), axis=1)
+    m = _r14
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f15 = _fin(m)
+    _t16 = _ld_13 - _f15[:, None]
+    _t17 = tl.exp(_t16)
+    _r18 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
+    s = _r18
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
@@ -121,33 +121,33 @@ def cross_entropy_loop(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_19 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r20 = tl.max(tl.where(tmask, _ld_19, float('-inf')), axis=1)
+        _t21 = tl.maximum(m, _r20)
+        m_new = _t21
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f22 = _fin(m)
+        _f23 = _fin(m_new)
+        _t24 = _f22 - _f23
+        _t25 = tl.exp(_t24)
+        _t26 = s * _t25
+        _t27 = _ld_19 - _f23[:, None]
+        _t28 = tl.exp(_t27)
+        _r29 = tl.sum(tl.where(tmask, _t28, 0.0), axis=1)
+        _t30 = _t26 + _r29
+        s_new = _t30
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output loss = m_J + log(s_J) - x[j=t]
-    _f1 = _fin(m)
-    _t2 = tl.log(s)
-    _t3 = _f1 + _t2
-    _ix_4 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
-    _tk_5 = tl.load(x_ptr + off_x + _ix_4 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
-    _t6 = _t3 - _tk_5
-    tl.store(loss_ptr + off_loss, (_t6).to(loss_ptr.dtype.element_ty), mask=rmask)
+    _f31 = _fin(m)
+    _t32 = tl.log(s)
+    _t33 = _f31 + _t32
+    _ix_34 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
+    _tk_35 = tl.load(x_ptr + off_x + _ix_34 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
+    _t36 = _t33 - _tk_35
+    tl.store(loss_ptr + off_loss, (_t36).to(loss_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -172,15 +172,15 @@ def cross_entropy_part(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_37 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r38 = tl.max(tl.where(tmask, _ld_37, float('-inf')), axis=1)
+    m = _r38
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f39 = _fin(m)
+    _t40 = _ld_37 - _f39[:, None]
+    _t41 = tl.exp(_t40)
+    _r42 = tl.sum(tl.where(tmask, _t41, 0.0), axis=1)
+    s = _r42
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -188,22 +188,22 @@ def cross_entropy_part(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_43 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r44 = tl.max(tl.where(tmask, _ld_43, float('-inf')), axis=1)
+        _t45 = tl.maximum(m, _r44)
+        m_new = _t45
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f46 = _fin(m)
+        _f47 = _fin(m_new)
+        _t48 = _f46 - _f47
+        _t49 = tl.exp(_t48)
+        _t50 = s * _t49
+        _t51 = _ld_43 - _f47[:, None]
+        _t52 = tl.exp(_t51)
+        _r53 = tl.sum(tl.where(tmask, _t52, 0.0), axis=1)
+        _t54 = _t50 + _r53
+        s_new = _t54
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -235,32 +235,32 @@ def cross_entropy_combine(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t55 = tl.maximum(m, m_b)
+        m_new = _t55
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f56 = _fin(m)
+        _f57 = _fin(m_new)
+        _t58 = _f56 - _f57
+        _t59 = tl.exp(_t58)
+        _t60 = s * _t59
+        _f61 = _fin(m_b)
+        _t62 = _f61 - _f57
+        _t63 = tl.exp(_t62)
+        _t64 = s_b * _t63
+        _t65 = _t60 + _t64
+        s_new = _t65
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output loss = m_J + log(s_J) - x[j=t]
-    _f1 = _fin(m)
-    _t2 = tl.log(s)
-    _t3 = _f1 + _t2
-    _ix_4 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
-    _tk_5 = tl.load(x_ptr + off_x + _ix_4 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
-    _t6 = _t3 - _tk_5
-    tl.store(loss_ptr + off_loss, (_t6).to(loss_ptr.dtype.element_ty), mask=rmask)
+    _f66 = _fin(m)
+    _t67 = tl.log(s)
+    _t68 = _f66 + _t67
+    _ix_69 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
+    _tk_70 = tl.load(x_ptr + off_x + _ix_69 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
+    _t71 = _t68 - _tk_70
+    tl.store(loss_ptr + off_loss, (_t71).to(loss_ptr.dtype.element_ty), mask=rmask)
     tl.store(ws_m_f + rows, m, mask=rmask)
     tl.store(ws_s_f + rows, s, mask=rmask)
 

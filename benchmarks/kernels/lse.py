@@ -6,7 +6,7 @@ states (block-local definitions over a block S):
      s = sum_S(exp(x - m_S))    [sum; from sum_j(exp(x - max_j(x)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s
-  saturation stopped: saturated after 14 iterations, 160 e-nodes, 5 ms
+  saturation stopped: saturated after 14 iterations, 160 e-nodes, 4 ms
   m:
     init     m_B  = max_B(x)
     rolling  m_AB = max(m_A, max_B(x))
@@ -100,15 +100,15 @@ def logsumexp_loop(x_ptr, s_x_r, s_x_j, out_ptr, s_out_r, len_r, n_rows, n_j, BL
     tmask = rmask[:, None] & (cols[None, :] < n_j)
     n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_10 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r11 = tl.max(tl.where(tmask, _ld_10, float('-inf')), axis=1)
+    m = _r11
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f12 = _fin(m)
+    _t13 = _ld_10 - _f12[:, None]
+    _t14 = tl.exp(_t13)
+    _r15 = tl.sum(tl.where(tmask, _t14, 0.0), axis=1)
+    s = _r15
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
@@ -116,30 +116,30 @@ def logsumexp_loop(x_ptr, s_x_r, s_x_j, out_ptr, s_out_r, len_r, n_rows, n_j, BL
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_16 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r17 = tl.max(tl.where(tmask, _ld_16, float('-inf')), axis=1)
+        _t18 = tl.maximum(m, _r17)
+        m_new = _t18
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f19 = _fin(m)
+        _f20 = _fin(m_new)
+        _t21 = _f19 - _f20
+        _t22 = tl.exp(_t21)
+        _t23 = s * _t22
+        _t24 = _ld_16 - _f20[:, None]
+        _t25 = tl.exp(_t24)
+        _r26 = tl.sum(tl.where(tmask, _t25, 0.0), axis=1)
+        _t27 = _t23 + _r26
+        s_new = _t27
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output out = m_J + log(s_J)
-    _f1 = _fin(m)
-    _t2 = tl.log(s)
-    _t3 = _f1 + _t2
-    tl.store(out_ptr + off_out, (_t3).to(out_ptr.dtype.element_ty), mask=rmask)
+    _f28 = _fin(m)
+    _t29 = tl.log(s)
+    _t30 = _f28 + _t29
+    tl.store(out_ptr + off_out, (_t30).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -163,15 +163,15 @@ def logsumexp_part(x_ptr, s_x_r, s_x_j, out_ptr, s_out_r, len_r, n_rows, n_j, ws
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_31 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r32 = tl.max(tl.where(tmask, _ld_31, float('-inf')), axis=1)
+    m = _r32
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f33 = _fin(m)
+    _t34 = _ld_31 - _f33[:, None]
+    _t35 = tl.exp(_t34)
+    _r36 = tl.sum(tl.where(tmask, _t35, 0.0), axis=1)
+    s = _r36
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -179,22 +179,22 @@ def logsumexp_part(x_ptr, s_x_r, s_x_j, out_ptr, s_out_r, len_r, n_rows, n_j, ws
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_37 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r38 = tl.max(tl.where(tmask, _ld_37, float('-inf')), axis=1)
+        _t39 = tl.maximum(m, _r38)
+        m_new = _t39
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f40 = _fin(m)
+        _f41 = _fin(m_new)
+        _t42 = _f40 - _f41
+        _t43 = tl.exp(_t42)
+        _t44 = s * _t43
+        _t45 = _ld_37 - _f41[:, None]
+        _t46 = tl.exp(_t45)
+        _r47 = tl.sum(tl.where(tmask, _t46, 0.0), axis=1)
+        _t48 = _t44 + _r47
+        s_new = _t48
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -225,29 +225,29 @@ def logsumexp_combine(x_ptr, s_x_r, s_x_j, out_ptr, s_out_r, len_r, n_rows, n_j,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t49 = tl.maximum(m, m_b)
+        m_new = _t49
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f50 = _fin(m)
+        _f51 = _fin(m_new)
+        _t52 = _f50 - _f51
+        _t53 = tl.exp(_t52)
+        _t54 = s * _t53
+        _f55 = _fin(m_b)
+        _t56 = _f55 - _f51
+        _t57 = tl.exp(_t56)
+        _t58 = s_b * _t57
+        _t59 = _t54 + _t58
+        s_new = _t59
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output out = m_J + log(s_J)
-    _f1 = _fin(m)
-    _t2 = tl.log(s)
-    _t3 = _f1 + _t2
-    tl.store(out_ptr + off_out, (_t3).to(out_ptr.dtype.element_ty), mask=rmask)
+    _f60 = _fin(m)
+    _t61 = tl.log(s)
+    _t62 = _f60 + _t61
+    tl.store(out_ptr + off_out, (_t62).to(out_ptr.dtype.element_ty), mask=rmask)
     tl.store(ws_m_f + rows, m, mask=rmask)
     tl.store(ws_s_f + rows, s, mask=rmask)
 

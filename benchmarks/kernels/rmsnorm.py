@@ -5,7 +5,7 @@ states (block-local definitions over a block S):
      s = sum_S(e1)    [sum; from sum_j(x * x)]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 2
 pass 1: carries s
-  saturation stopped: saturated after 6 iterations, 20 e-nodes, 1 ms
+  saturation stopped: saturated after 6 iterations, 20 e-nodes, 2 ms
   s:
     init     s_B  = sum_B(e1)
     rolling  s_AB = s_A + sum_B(e1)
@@ -91,10 +91,10 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     tmask = rmask[:, None] & (cols[None, :] < n_j)
     n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
     # s: its definition on this tile:  s_B = sum_B(e1)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _t2 = _ld_1 * _ld_1
-    _r3 = tl.sum(tl.where(tmask, _t2, 0.0), axis=1)
-    s = _r3
+    _ld_10 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _t11 = _ld_10 * _ld_10
+    _r12 = tl.sum(tl.where(tmask, _t11, 0.0), axis=1)
+    s = _r12
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
@@ -102,11 +102,11 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # s_AB = s_A + sum_B(e1)
         #   derived by: sum-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t2 = _ld_1 * _ld_1
-        _r3 = tl.sum(tl.where(tmask, _t2, 0.0), axis=1)
-        _t4 = s + _r3
-        s_new = _t4
+        _ld_13 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t14 = _ld_13 * _ld_13
+        _r15 = tl.sum(tl.where(tmask, _t14, 0.0), axis=1)
+        _t16 = s + _r15
+        s_new = _t16
         s = s_new
         n_a = n_a + n_b
     # ---- epilogue: outputs elementwise over the fused axis
@@ -115,14 +115,14 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
         tmask = rmask[:, None] & (cols[None, :] < n_j)
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # output y = x * rsqrt(s_J / size(j) + 1e-06) * w
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t2 = s / nj_f
-        _t3 = _t2 + 1e-06
-        _t4 = tl.rsqrt(_t3)
-        _t5 = _ld_1 * _t4[:, None]
-        _ld_6 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
-        _t7 = _t5 * _ld_6
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t7).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_17 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t18 = s / nj_f
+        _t19 = _t18 + 1e-06
+        _t20 = tl.rsqrt(_t19)
+        _t21 = _ld_17 * _t20[:, None]
+        _ld_22 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
+        _t23 = _t21 * _ld_22
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t23).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -146,10 +146,10 @@ def rmsnorm_part(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
     # s: its definition on this tile:  s_B = sum_B(e1)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _t2 = _ld_1 * _ld_1
-    _r3 = tl.sum(tl.where(tmask, _t2, 0.0), axis=1)
-    s = _r3
+    _ld_24 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _t25 = _ld_24 * _ld_24
+    _r26 = tl.sum(tl.where(tmask, _t25, 0.0), axis=1)
+    s = _r26
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -157,11 +157,11 @@ def rmsnorm_part(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # s_AB = s_A + sum_B(e1)
         #   derived by: sum-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t2 = _ld_1 * _ld_1
-        _r3 = tl.sum(tl.where(tmask, _t2, 0.0), axis=1)
-        _t4 = s + _r3
-        s_new = _t4
+        _ld_27 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t28 = _ld_27 * _ld_27
+        _r29 = tl.sum(tl.where(tmask, _t28, 0.0), axis=1)
+        _t30 = s + _r29
+        s_new = _t30
         s = s_new
         n_a = n_a + n_b
     tl.store(ws_s + sid * n_rows + rows, s, mask=rmask)
@@ -188,8 +188,8 @@ def rmsnorm_combine(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # s_AB = s_A + s_B
         #   derived by: sum-split
-        _t1 = s + s_b
-        s_new = _t1
+        _t31 = s + s_b
+        s_new = _t31
         s = s_new
         n_a = n_a + n_b
     tl.store(ws_s_f + rows, s, mask=rmask)
@@ -218,14 +218,14 @@ def rmsnorm_epilogue(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # output y = x * rsqrt(s_J / size(j) + 1e-06) * w
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t2 = s / nj_f
-        _t3 = _t2 + 1e-06
-        _t4 = tl.rsqrt(_t3)
-        _t5 = _ld_1 * _t4[:, None]
-        _ld_6 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
-        _t7 = _t5 * _ld_6
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t7).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_32 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t33 = s / nj_f
+        _t34 = _t33 + 1e-06
+        _t35 = tl.rsqrt(_t34)
+        _t36 = _ld_32 * _t35[:, None]
+        _ld_37 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
+        _t38 = _t36 * _ld_37
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t38).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 PROGRAM = 'rmsnorm'

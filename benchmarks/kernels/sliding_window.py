@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where((index(j) <= index(i)) & (index(i) - index(j) < 256), sum_d(q * k) * 0.08838834764831843, -inf) - max_j(where((index(j) <= index(i)) & (index(i) - index(j) < 256), sum_d(q * k) * 0.08838834764831843, -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 7 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -73,6 +73,11 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -127,72 +132,72 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_17 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_18 = tl.dot(h1.to(DOT_T), tl.trans(_kt_17.to(DOT_T)), input_precision=PREC)
+            _t19 = _dot_18 * 0.08838834764831843
+            _r20 = tl.max(_t19, axis=1)
+            _t21 = tl.maximum(m, _r20)
+            m_new = _t21
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f22 = _fin(m)
+            _f23 = _fin(m_new)
+            _t24 = _f22 - _f23
+            _t25 = tl.exp(_t24)
+            _t26 = s * _t25[:, None]
+            _t27 = _t19 - _f23[:, None]
+            _t28 = tl.exp(_t27)
+            _kv_29 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv30 = tl.dot(_t28.to(DOT_T), _kv_29.to(DOT_T), input_precision=PREC)
+            _t31 = _t26 + _pv30
+            s_new = _t31
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t32 = s2 * _t25
+            _r33 = tl.sum(_t28, axis=1)
+            _t34 = _t32 + _r33
+            s2_new = _t34
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t2 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c3 = (_t2 < 256.0)
-            _c4 = (_c1 & _c3)
-            _kt_5 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_6 = tl.dot(h1.to(DOT_T), tl.trans(_kt_5.to(DOT_T)), input_precision=PREC)
-            _t7 = _dot_6 * 0.08838834764831843
-            _t8 = tl.where(_c4, _t7, float('-inf'))
-            _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-            _t10 = tl.maximum(m, _r9)
-            m_new = _t10
+            _c35 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _t36 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+            _c37 = (_t36 < 256.0)
+            _c38 = (_c35 & _c37)
+            _kt_39 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_40 = tl.dot(h1.to(DOT_T), tl.trans(_kt_39.to(DOT_T)), input_precision=PREC)
+            _t41 = _dot_40 * 0.08838834764831843
+            _t42 = tl.where(_c38, _t41, float('-inf'))
+            _r43 = tl.max(tl.where(tmask, _t42, float('-inf')), axis=1)
+            _t44 = tl.maximum(m, _r43)
+            m_new = _t44
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f11 = _fin(m)
-            _f12 = _fin(m_new)
-            _t13 = _f11 - _f12
-            _t14 = tl.exp(_t13)
-            _t15 = s * _t14[:, None]
-            _t16 = _t8 - _f12[:, None]
-            _t17 = tl.exp(_t16)
-            _p18 = tl.where(tmask, _t17, 0.0)
-            _kv_19 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv20 = tl.dot(_p18.to(DOT_T), _kv_19.to(DOT_T), input_precision=PREC)
-            _t21 = _t15 + _pv20
-            s_new = _t21
+            _f45 = _fin(m)
+            _f46 = _fin(m_new)
+            _t47 = _f45 - _f46
+            _t48 = tl.exp(_t47)
+            _t49 = s * _t48[:, None]
+            _t50 = _t42 - _f46[:, None]
+            _t51 = tl.exp(_t50)
+            _p52 = tl.where(tmask, _t51, 0.0)
+            _kv_53 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv54 = tl.dot(_p52.to(DOT_T), _kv_53.to(DOT_T), input_precision=PREC)
+            _t55 = _t49 + _pv54
+            s_new = _t55
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t22 = s2 * _t14
-            _r23 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
-            _t24 = _t22 + _r23
-            s2_new = _t24
+            _t56 = s2 * _t48
+            _r57 = tl.sum(tl.where(tmask, _t51, 0.0), axis=1)
+            _t58 = _t56 + _r57
+            s2_new = _t58
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t59 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t59).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -213,6 +218,11 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -232,27 +242,27 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _t2 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-    _c3 = (_t2 < 256.0)
-    _c4 = (_c1 & _c3)
-    _kt_5 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_6 = tl.dot(h1.to(DOT_T), tl.trans(_kt_5.to(DOT_T)), input_precision=PREC)
-    _t7 = _dot_6 * 0.08838834764831843
-    _t8 = tl.where(_c4, _t7, float('-inf'))
-    _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-    m = _r9
+    _c60 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _t61 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+    _c62 = (_t61 < 256.0)
+    _c63 = (_c60 & _c62)
+    _kt_64 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_65 = tl.dot(h1.to(DOT_T), tl.trans(_kt_64.to(DOT_T)), input_precision=PREC)
+    _t66 = _dot_65 * 0.08838834764831843
+    _t67 = tl.where(_c63, _t66, float('-inf'))
+    _r68 = tl.max(tl.where(tmask, _t67, float('-inf')), axis=1)
+    m = _r68
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f10 = _fin(m)
-    _t11 = _t8 - _f10[:, None]
-    _t12 = tl.exp(_t11)
-    _p13 = tl.where(tmask, _t12, 0.0)
-    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-    s = _pv15
+    _f69 = _fin(m)
+    _t70 = _t67 - _f69[:, None]
+    _t71 = tl.exp(_t70)
+    _p72 = tl.where(tmask, _t71, 0.0)
+    _kv_73 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv74 = tl.dot(_p72.to(DOT_T), _kv_73.to(DOT_T), input_precision=PREC)
+    s = _pv74
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-    s2 = _r16
+    _r75 = tl.sum(tl.where(tmask, _t71, 0.0), axis=1)
+    s2 = _r75
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -270,65 +280,65 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _r4 = tl.max(_t3, axis=1)
-            _t5 = tl.maximum(m, _r4)
-            m_new = _t5
+            _kt_76 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_77 = tl.dot(h1.to(DOT_T), tl.trans(_kt_76.to(DOT_T)), input_precision=PREC)
+            _t78 = _dot_77 * 0.08838834764831843
+            _r79 = tl.max(_t78, axis=1)
+            _t80 = tl.maximum(m, _r79)
+            m_new = _t80
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f6 = _fin(m)
-            _f7 = _fin(m_new)
-            _t8 = _f6 - _f7
-            _t9 = tl.exp(_t8)
-            _t10 = s * _t9[:, None]
-            _t11 = _t3 - _f7[:, None]
-            _t12 = tl.exp(_t11)
-            _kv_13 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv14 = tl.dot(_t12.to(DOT_T), _kv_13.to(DOT_T), input_precision=PREC)
-            _t15 = _t10 + _pv14
-            s_new = _t15
+            _f81 = _fin(m)
+            _f82 = _fin(m_new)
+            _t83 = _f81 - _f82
+            _t84 = tl.exp(_t83)
+            _t85 = s * _t84[:, None]
+            _t86 = _t78 - _f82[:, None]
+            _t87 = tl.exp(_t86)
+            _kv_88 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv89 = tl.dot(_t87.to(DOT_T), _kv_88.to(DOT_T), input_precision=PREC)
+            _t90 = _t85 + _pv89
+            s_new = _t90
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t16 = s2 * _t9
-            _r17 = tl.sum(_t12, axis=1)
-            _t18 = _t16 + _r17
-            s2_new = _t18
+            _t91 = s2 * _t84
+            _r92 = tl.sum(_t87, axis=1)
+            _t93 = _t91 + _r92
+            s2_new = _t93
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t2 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c3 = (_t2 < 256.0)
-            _c4 = (_c1 & _c3)
-            _kt_5 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_6 = tl.dot(h1.to(DOT_T), tl.trans(_kt_5.to(DOT_T)), input_precision=PREC)
-            _t7 = _dot_6 * 0.08838834764831843
-            _t8 = tl.where(_c4, _t7, float('-inf'))
-            _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
-            _t10 = tl.maximum(m, _r9)
-            m_new = _t10
+            _c94 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _t95 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+            _c96 = (_t95 < 256.0)
+            _c97 = (_c94 & _c96)
+            _kt_98 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_99 = tl.dot(h1.to(DOT_T), tl.trans(_kt_98.to(DOT_T)), input_precision=PREC)
+            _t100 = _dot_99 * 0.08838834764831843
+            _t101 = tl.where(_c97, _t100, float('-inf'))
+            _r102 = tl.max(tl.where(tmask, _t101, float('-inf')), axis=1)
+            _t103 = tl.maximum(m, _r102)
+            m_new = _t103
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f11 = _fin(m)
-            _f12 = _fin(m_new)
-            _t13 = _f11 - _f12
-            _t14 = tl.exp(_t13)
-            _t15 = s * _t14[:, None]
-            _t16 = _t8 - _f12[:, None]
-            _t17 = tl.exp(_t16)
-            _p18 = tl.where(tmask, _t17, 0.0)
-            _kv_19 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv20 = tl.dot(_p18.to(DOT_T), _kv_19.to(DOT_T), input_precision=PREC)
-            _t21 = _t15 + _pv20
-            s_new = _t21
+            _f104 = _fin(m)
+            _f105 = _fin(m_new)
+            _t106 = _f104 - _f105
+            _t107 = tl.exp(_t106)
+            _t108 = s * _t107[:, None]
+            _t109 = _t101 - _f105[:, None]
+            _t110 = tl.exp(_t109)
+            _p111 = tl.where(tmask, _t110, 0.0)
+            _kv_112 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv113 = tl.dot(_p111.to(DOT_T), _kv_112.to(DOT_T), input_precision=PREC)
+            _t114 = _t108 + _pv113
+            s_new = _t114
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t22 = s2 * _t14
-            _r23 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
-            _t24 = _t22 + _r23
-            s2_new = _t24
+            _t115 = s2 * _t107
+            _r116 = tl.sum(tl.where(tmask, _t110, 0.0), axis=1)
+            _t117 = _t115 + _r116
+            s2_new = _t117
         m = m_new
         s = s_new
         s2 = s2_new
@@ -357,6 +367,11 @@ def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -379,34 +394,34 @@ def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t118 = tl.maximum(m, m_b)
+        m_new = _t118
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5[:, None]
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9[:, None]
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f119 = _fin(m)
+        _f120 = _fin(m_new)
+        _t121 = _f119 - _f120
+        _t122 = tl.exp(_t121)
+        _t123 = s * _t122[:, None]
+        _f124 = _fin(m_b)
+        _t125 = _f124 - _f120
+        _t126 = tl.exp(_t125)
+        _t127 = s_b * _t126[:, None]
+        _t128 = _t123 + _t127
+        s_new = _t128
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t12 = s2 * _t5
-        _t13 = s2_b * _t9
-        _t14 = _t12 + _t13
-        s2_new = _t14
+        _t129 = s2 * _t122
+        _t130 = s2_b * _t126
+        _t131 = _t129 + _t130
+        s2_new = _t131
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t132 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t132).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'sliding_window'

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30) - max_j(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -73,6 +73,11 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -116,73 +121,73 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         if start + BLOCK_J <= n_j:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = _t3 / 30.0
-            _t5 = _tanh(_t4)
-            _t6 = 30.0 * _t5
-            _r7 = tl.max(_t6, axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
+            _t17 = _dot_16 * 0.08838834764831843
+            _t18 = _t17 / 30.0
+            _t19 = _tanh(_t18)
+            _t20 = 30.0 * _t19
+            _r21 = tl.max(_t20, axis=1)
+            _t22 = tl.maximum(m, _r21)
+            m_new = _t22
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_t15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t13 + _pv17
-            s_new = _t18
+            _f23 = _fin(m)
+            _f24 = _fin(m_new)
+            _t25 = _f23 - _f24
+            _t26 = tl.exp(_t25)
+            _t27 = s * _t26[:, None]
+            _t28 = _t20 - _f24[:, None]
+            _t29 = tl.exp(_t28)
+            _kv_30 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv31 = tl.dot(_t29.to(DOT_T), _kv_30.to(DOT_T), input_precision=PREC)
+            _t32 = _t27 + _pv31
+            s_new = _t32
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t12
-            _r20 = tl.sum(_t15, axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t33 = s2 * _t26
+            _r34 = tl.sum(_t29, axis=1)
+            _t35 = _t33 + _r34
+            s2_new = _t35
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = _t3 / 30.0
-            _t5 = _tanh(_t4)
-            _t6 = 30.0 * _t5
-            _r7 = tl.max(tl.where(tmask, _t6, float('-inf')), axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_36 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_37 = tl.dot(h1.to(DOT_T), tl.trans(_kt_36.to(DOT_T)), input_precision=PREC)
+            _t38 = _dot_37 * 0.08838834764831843
+            _t39 = _t38 / 30.0
+            _t40 = _tanh(_t39)
+            _t41 = 30.0 * _t40
+            _r42 = tl.max(tl.where(tmask, _t41, float('-inf')), axis=1)
+            _t43 = tl.maximum(m, _r42)
+            m_new = _t43
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _p16 = tl.where(tmask, _t15, 0.0)
-            _kv_17 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv18 = tl.dot(_p16.to(DOT_T), _kv_17.to(DOT_T), input_precision=PREC)
-            _t19 = _t13 + _pv18
-            s_new = _t19
+            _f44 = _fin(m)
+            _f45 = _fin(m_new)
+            _t46 = _f44 - _f45
+            _t47 = tl.exp(_t46)
+            _t48 = s * _t47[:, None]
+            _t49 = _t41 - _f45[:, None]
+            _t50 = tl.exp(_t49)
+            _p51 = tl.where(tmask, _t50, 0.0)
+            _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv53 = tl.dot(_p51.to(DOT_T), _kv_52.to(DOT_T), input_precision=PREC)
+            _t54 = _t48 + _pv53
+            s_new = _t54
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t20 = s2 * _t12
-            _r21 = tl.sum(tl.where(tmask, _t15, 0.0), axis=1)
-            _t22 = _t20 + _r21
-            s2_new = _t22
+            _t55 = s2 * _t47
+            _r56 = tl.sum(tl.where(tmask, _t50, 0.0), axis=1)
+            _t57 = _t55 + _r56
+            s2_new = _t57
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t58 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t58).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -203,6 +208,11 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -222,25 +232,25 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-    _t3 = _dot_2 * 0.08838834764831843
-    _t4 = _t3 / 30.0
-    _t5 = _tanh(_t4)
-    _t6 = 30.0 * _t5
-    _r7 = tl.max(tl.where(tmask, _t6, float('-inf')), axis=1)
-    m = _r7
+    _kt_59 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_60 = tl.dot(h1.to(DOT_T), tl.trans(_kt_59.to(DOT_T)), input_precision=PREC)
+    _t61 = _dot_60 * 0.08838834764831843
+    _t62 = _t61 / 30.0
+    _t63 = _tanh(_t62)
+    _t64 = 30.0 * _t63
+    _r65 = tl.max(tl.where(tmask, _t64, float('-inf')), axis=1)
+    m = _r65
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f8 = _fin(m)
-    _t9 = _t6 - _f8[:, None]
-    _t10 = tl.exp(_t9)
-    _p11 = tl.where(tmask, _t10, 0.0)
-    _kv_12 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv13 = tl.dot(_p11.to(DOT_T), _kv_12.to(DOT_T), input_precision=PREC)
-    s = _pv13
+    _f66 = _fin(m)
+    _t67 = _t64 - _f66[:, None]
+    _t68 = tl.exp(_t67)
+    _p69 = tl.where(tmask, _t68, 0.0)
+    _kv_70 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv71 = tl.dot(_p69.to(DOT_T), _kv_70.to(DOT_T), input_precision=PREC)
+    s = _pv71
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r14 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-    s2 = _r14
+    _r72 = tl.sum(tl.where(tmask, _t68, 0.0), axis=1)
+    s2 = _r72
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -249,66 +259,66 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         if start + BLOCK_J <= chunk_hi:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = _t3 / 30.0
-            _t5 = _tanh(_t4)
-            _t6 = 30.0 * _t5
-            _r7 = tl.max(_t6, axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_73 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_74 = tl.dot(h1.to(DOT_T), tl.trans(_kt_73.to(DOT_T)), input_precision=PREC)
+            _t75 = _dot_74 * 0.08838834764831843
+            _t76 = _t75 / 30.0
+            _t77 = _tanh(_t76)
+            _t78 = 30.0 * _t77
+            _r79 = tl.max(_t78, axis=1)
+            _t80 = tl.maximum(m, _r79)
+            m_new = _t80
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _kv_16 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv17 = tl.dot(_t15.to(DOT_T), _kv_16.to(DOT_T), input_precision=PREC)
-            _t18 = _t13 + _pv17
-            s_new = _t18
+            _f81 = _fin(m)
+            _f82 = _fin(m_new)
+            _t83 = _f81 - _f82
+            _t84 = tl.exp(_t83)
+            _t85 = s * _t84[:, None]
+            _t86 = _t78 - _f82[:, None]
+            _t87 = tl.exp(_t86)
+            _kv_88 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv89 = tl.dot(_t87.to(DOT_T), _kv_88.to(DOT_T), input_precision=PREC)
+            _t90 = _t85 + _pv89
+            s_new = _t90
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t19 = s2 * _t12
-            _r20 = tl.sum(_t15, axis=1)
-            _t21 = _t19 + _r20
-            s2_new = _t21
+            _t91 = s2 * _t84
+            _r92 = tl.sum(_t87, axis=1)
+            _t93 = _t91 + _r92
+            s2_new = _t93
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
-            _t3 = _dot_2 * 0.08838834764831843
-            _t4 = _t3 / 30.0
-            _t5 = _tanh(_t4)
-            _t6 = 30.0 * _t5
-            _r7 = tl.max(tl.where(tmask, _t6, float('-inf')), axis=1)
-            _t8 = tl.maximum(m, _r7)
-            m_new = _t8
+            _kt_94 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_95 = tl.dot(h1.to(DOT_T), tl.trans(_kt_94.to(DOT_T)), input_precision=PREC)
+            _t96 = _dot_95 * 0.08838834764831843
+            _t97 = _t96 / 30.0
+            _t98 = _tanh(_t97)
+            _t99 = 30.0 * _t98
+            _r100 = tl.max(tl.where(tmask, _t99, float('-inf')), axis=1)
+            _t101 = tl.maximum(m, _r100)
+            m_new = _t101
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f9 = _fin(m)
-            _f10 = _fin(m_new)
-            _t11 = _f9 - _f10
-            _t12 = tl.exp(_t11)
-            _t13 = s * _t12[:, None]
-            _t14 = _t6 - _f10[:, None]
-            _t15 = tl.exp(_t14)
-            _p16 = tl.where(tmask, _t15, 0.0)
-            _kv_17 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv18 = tl.dot(_p16.to(DOT_T), _kv_17.to(DOT_T), input_precision=PREC)
-            _t19 = _t13 + _pv18
-            s_new = _t19
+            _f102 = _fin(m)
+            _f103 = _fin(m_new)
+            _t104 = _f102 - _f103
+            _t105 = tl.exp(_t104)
+            _t106 = s * _t105[:, None]
+            _t107 = _t99 - _f103[:, None]
+            _t108 = tl.exp(_t107)
+            _p109 = tl.where(tmask, _t108, 0.0)
+            _kv_110 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv111 = tl.dot(_p109.to(DOT_T), _kv_110.to(DOT_T), input_precision=PREC)
+            _t112 = _t106 + _pv111
+            s_new = _t112
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t20 = s2 * _t12
-            _r21 = tl.sum(tl.where(tmask, _t15, 0.0), axis=1)
-            _t22 = _t20 + _r21
-            s2_new = _t22
+            _t113 = s2 * _t105
+            _r114 = tl.sum(tl.where(tmask, _t108, 0.0), axis=1)
+            _t115 = _t113 + _r114
+            s2_new = _t115
         m = m_new
         s = s_new
         s2 = s2_new
@@ -337,6 +347,11 @@ def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_
     i_lo = tl.min(tl.where(rmask, idx_i, 2**31), axis=0) * 1.0
     i_hi = tl.max(tl.where(rmask, idx_i, -1), axis=0) * 1.0
     nj_f = n_j * 1.0
+    len_b_f = len_b * 1.0
+    len_h_f = len_h * 1.0
+    len_i_f = len_i * 1.0
+    len_e_f = len_e * 1.0
+    len_d_f = len_d * 1.0
     off_q_g = idx_b * s_q_b + idx_h * s_q_h
     off_q_r = idx_i * s_q_i
     off_k_g = idx_b * s_k_b + idx_h * s_k_h
@@ -359,34 +374,34 @@ def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t116 = tl.maximum(m, m_b)
+        m_new = _t116
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5[:, None]
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9[:, None]
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f117 = _fin(m)
+        _f118 = _fin(m_new)
+        _t119 = _f117 - _f118
+        _t120 = tl.exp(_t119)
+        _t121 = s * _t120[:, None]
+        _f122 = _fin(m_b)
+        _t123 = _f122 - _f118
+        _t124 = tl.exp(_t123)
+        _t125 = s_b * _t124[:, None]
+        _t126 = _t121 + _t125
+        s_new = _t126
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t12 = s2 * _t5
-        _t13 = s2_b * _t9
-        _t14 = _t12 + _t13
-        s2_new = _t14
+        _t127 = s2 * _t120
+        _t128 = s2_b * _t124
+        _t129 = _t127 + _t128
+        s2_new = _t129
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t1 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t1).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t130 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t130).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'softcap'

@@ -6,7 +6,7 @@ states (block-local definitions over a block S):
      s = sum_S(exp(x - m_S))    [sum; from sum_j(exp(x - max_j(x)))]
 HBM passes over the input (rows longer than a tile): unfused 3, fused 2
 pass 1: carries m, s
-  saturation stopped: saturated after 14 iterations, 160 e-nodes, 8 ms
+  saturation stopped: saturated after 14 iterations, 160 e-nodes, 5 ms
   m:
     init     m_B  = max_B(x)
     rolling  m_AB = max(m_A, max_B(x))
@@ -101,15 +101,15 @@ def softmax_loop(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j, B
     tmask = rmask[:, None] & (cols[None, :] < n_j)
     n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_11 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r12 = tl.max(tl.where(tmask, _ld_11, float('-inf')), axis=1)
+    m = _r12
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f13 = _fin(m)
+    _t14 = _ld_11 - _f13[:, None]
+    _t15 = tl.exp(_t14)
+    _r16 = tl.sum(tl.where(tmask, _t15, 0.0), axis=1)
+    s = _r16
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
@@ -117,22 +117,22 @@ def softmax_loop(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j, B
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_17 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r18 = tl.max(tl.where(tmask, _ld_17, float('-inf')), axis=1)
+        _t19 = tl.maximum(m, _r18)
+        m_new = _t19
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f20 = _fin(m)
+        _f21 = _fin(m_new)
+        _t22 = _f20 - _f21
+        _t23 = tl.exp(_t22)
+        _t24 = s * _t23
+        _t25 = _ld_17 - _f21[:, None]
+        _t26 = tl.exp(_t25)
+        _r27 = tl.sum(tl.where(tmask, _t26, 0.0), axis=1)
+        _t28 = _t24 + _r27
+        s_new = _t28
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -142,12 +142,12 @@ def softmax_loop(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j, B
         tmask = rmask[:, None] & (cols[None, :] < n_j)
         n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
         # output y = exp(x - m_J) / s_J
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _f2 = _fin(m)
-        _t3 = _ld_1 - _f2[:, None]
-        _t4 = tl.exp(_t3)
-        _t5 = _div0(_t4, s[:, None])
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t5).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_29 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _f30 = _fin(m)
+        _t31 = _ld_29 - _f30[:, None]
+        _t32 = tl.exp(_t31)
+        _t33 = _div0(_t32, s[:, None])
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t33).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -171,15 +171,15 @@ def softmax_part(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j, w
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-    m = _r2
+    _ld_34 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r35 = tl.max(tl.where(tmask, _ld_34, float('-inf')), axis=1)
+    m = _r35
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f3 = _fin(m)
-    _t4 = _ld_1 - _f3[:, None]
-    _t5 = tl.exp(_t4)
-    _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
-    s = _r6
+    _f36 = _fin(m)
+    _t37 = _ld_34 - _f36[:, None]
+    _t38 = tl.exp(_t37)
+    _r39 = tl.sum(tl.where(tmask, _t38, 0.0), axis=1)
+    s = _r39
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -187,22 +187,22 @@ def softmax_part(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j, w
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
-        _t3 = tl.maximum(m, _r2)
-        m_new = _t3
+        _ld_40 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r41 = tl.max(tl.where(tmask, _ld_40, float('-inf')), axis=1)
+        _t42 = tl.maximum(m, _r41)
+        m_new = _t42
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f4 = _fin(m)
-        _f5 = _fin(m_new)
-        _t6 = _f4 - _f5
-        _t7 = tl.exp(_t6)
-        _t8 = s * _t7
-        _t9 = _ld_1 - _f5[:, None]
-        _t10 = tl.exp(_t9)
-        _r11 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-        _t12 = _t8 + _r11
-        s_new = _t12
+        _f43 = _fin(m)
+        _f44 = _fin(m_new)
+        _t45 = _f43 - _f44
+        _t46 = tl.exp(_t45)
+        _t47 = s * _t46
+        _t48 = _ld_40 - _f44[:, None]
+        _t49 = tl.exp(_t48)
+        _r50 = tl.sum(tl.where(tmask, _t49, 0.0), axis=1)
+        _t51 = _t47 + _r50
+        s_new = _t51
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -233,21 +233,21 @@ def softmax_combine(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_j
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t1 = tl.maximum(m, m_b)
-        m_new = _t1
+        _t52 = tl.maximum(m, m_b)
+        m_new = _t52
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f2 = _fin(m)
-        _f3 = _fin(m_new)
-        _t4 = _f2 - _f3
-        _t5 = tl.exp(_t4)
-        _t6 = s * _t5
-        _f7 = _fin(m_b)
-        _t8 = _f7 - _f3
-        _t9 = tl.exp(_t8)
-        _t10 = s_b * _t9
-        _t11 = _t6 + _t10
-        s_new = _t11
+        _f53 = _fin(m)
+        _f54 = _fin(m_new)
+        _t55 = _f53 - _f54
+        _t56 = tl.exp(_t55)
+        _t57 = s * _t56
+        _f58 = _fin(m_b)
+        _t59 = _f58 - _f54
+        _t60 = tl.exp(_t59)
+        _t61 = s_b * _t60
+        _t62 = _t57 + _t61
+        s_new = _t62
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -279,12 +279,12 @@ def softmax_epilogue(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
         n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
         # output y = exp(x - m_J) / s_J
-        _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _f2 = _fin(m)
-        _t3 = _ld_1 - _f2[:, None]
-        _t4 = tl.exp(_t3)
-        _t5 = _div0(_t4, s[:, None])
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t5).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_63 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _f64 = _fin(m)
+        _t65 = _ld_63 - _f64[:, None]
+        _t66 = tl.exp(_t65)
+        _t67 = _div0(_t66, s[:, None])
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t67).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 PROGRAM = 'softmax'
