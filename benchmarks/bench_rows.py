@@ -73,7 +73,7 @@ def variants(mod, n_cols):
     """Schedules to try: the launcher's own choice first, then alternatives."""
     out = [("auto", {})]
     if n_cols <= 65536:
-        for nw in (8, 16, 32):
+        for nw in (4, 8, 16, 32):
             out.append((f"single/w{nw}", dict(schedule="single", block_j=triton.next_power_of_2(n_cols), num_warps=nw)))
     for bj in (1024, 4096):
         out.append((f"loop/bj{bj}", dict(schedule="loop", block_j=bj)))
@@ -112,6 +112,7 @@ def main(argv=None):
         compiled()
         ctime = time.time() - t0
         best = None
+        auto = None
         tried = []
         for label, kw in variants(mod, c):
             try:
@@ -133,6 +134,9 @@ def main(argv=None):
                 best = (t, label, err)
         te = bench(eager)
         tc = bench(compiled)
+        if auto is None or best is None:
+            print(f"{name} {r}x{c}: FAILED {tried}", flush=True)
+            continue
         row = dict(workload=name, shape=[r, c], bytes=nbytes,
                    auto_us=auto[0] * 1e3, best_us=best[0] * 1e3, best=best[1], rel_err=auto[1],
                    eager_us=te * 1e3, compile_us=tc * 1e3, compile_s=ctime,
