@@ -138,7 +138,17 @@ class CContext(Context):
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
         return out, sh
 
-    def reduce_tile(self, t: Term, em):
+    def accumulate(self, t: Term, em):
+        """``x + sum_B(p * v)`` as one ``tl.dot(p, v, acc=x)`` (the matrix unit accumulates)."""
+        for i in (1, 0):
+            red, other = t.args[i], t.args[1 - i]
+            if red.op == "Sum" and red.args[0].op == "BB":
+                pv = self.reduce_tile(red, em, acc=other)
+                if pv is not None:
+                    return pv
+        return None
+
+    def reduce_tile(self, t: Term, em, acc=None):
         if t.op != "Sum":
             return None
         fs = _flat_mul(t.args[1])
@@ -155,12 +165,18 @@ class CContext(Context):
         pe = em._bcast(pe, ps, "tile")
         if self.tile_mask:
             pe, _ = em.bind(f"tl.where({self.tile_mask}, {pe}, 0.0)", "tile", "p")
+        accs = ""
+        if acc is not None:
+            a, sa = em.emit(acc)
+            if sa != "rvec":
+                return None
+            accs = f", acc={a}"
         leaf = self.g.leaves[vec[0].args[0]] if vec[0].op == "Elm" else None
         if leaf is not None and leaf.op == "In":
             v, _ = self.load(leaf.args[0], em, raw=True)
-            return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T), input_precision=PREC)", "rvec", "pv")
-        v, _ = em.emit(vec[0])
-        return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T), input_precision=PREC)", "rvec", "pv")
+        else:
+            v, _ = em.emit(vec[0])
+        return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T){accs}, input_precision=PREC)", "rvec", "pv")
 
 
 def _cjoin(a, b):

@@ -121,6 +121,10 @@ class Emitter:
             if t.args[0].op == "Ax":
                 return ctx.contract(t, self)
             return self._reduce(t)
+        if op == "Add" and hasattr(ctx, "accumulate"):
+            out = ctx.accumulate(t, self)
+            if out is not None:
+                return out
         if op in _BIN:
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -145,64 +145,62 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
             m_new = _t24
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f25 = _fin(m)
-            _f26 = _fin(m_new)
-            _t27 = _f25 - _f26
-            _t28 = tl.exp(_t27)
-            _t29 = s * _t28[:, None]
-            _t30 = _t22 - _f26[:, None]
-            _t31 = tl.exp(_t30)
+            _f25 = _fin(m_new)
+            _t26 = _t22 - _f25[:, None]
+            _t27 = tl.exp(_t26)
+            _f28 = _fin(m)
+            _t29 = _f28 - _f25
+            _t30 = tl.exp(_t29)
+            _t31 = s * _t30[:, None]
             _kv_32 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv33 = tl.dot(_t31.to(DOT_T), _kv_32.to(DOT_T), input_precision=PREC)
-            _t34 = _t29 + _pv33
-            s_new = _t34
+            _pv33 = tl.dot(_t27.to(DOT_T), _kv_32.to(DOT_T), acc=_t31, input_precision=PREC)
+            s_new = _pv33
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t35 = s2 * _t28
-            _r36 = tl.sum(_t31, axis=1)
-            _t37 = _t35 + _r36
-            s2_new = _t37
+            _t34 = s2 * _t30
+            _r35 = tl.sum(_t27, axis=1)
+            _t36 = _t34 + _r35
+            s2_new = _t36
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c38 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_39 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_40 = tl.dot(h1.to(DOT_T), tl.trans(_kt_39.to(DOT_T)), input_precision=PREC)
-            _t41 = _dot_40 * 0.08838834764831843
-            _t42 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t43 = h2 * _t42
-            _t44 = _t41 + _t43
-            _t45 = tl.where(_c38, _t44, float('-inf'))
-            _r46 = tl.max(tl.where(tmask, _t45, float('-inf')), axis=1)
-            _t47 = tl.maximum(m, _r46)
-            m_new = _t47
+            _c37 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_38 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_39 = tl.dot(h1.to(DOT_T), tl.trans(_kt_38.to(DOT_T)), input_precision=PREC)
+            _t40 = _dot_39 * 0.08838834764831843
+            _t41 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t42 = h2 * _t41
+            _t43 = _t40 + _t42
+            _t44 = tl.where(_c37, _t43, float('-inf'))
+            _r45 = tl.max(tl.where(tmask, _t44, float('-inf')), axis=1)
+            _t46 = tl.maximum(m, _r45)
+            m_new = _t46
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f48 = _fin(m)
-            _f49 = _fin(m_new)
-            _t50 = _f48 - _f49
-            _t51 = tl.exp(_t50)
-            _t52 = s * _t51[:, None]
-            _t53 = _t45 - _f49[:, None]
-            _t54 = tl.exp(_t53)
-            _p55 = tl.where(tmask, _t54, 0.0)
-            _kv_56 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv57 = tl.dot(_p55.to(DOT_T), _kv_56.to(DOT_T), input_precision=PREC)
-            _t58 = _t52 + _pv57
-            s_new = _t58
+            _f47 = _fin(m_new)
+            _t48 = _t44 - _f47[:, None]
+            _t49 = tl.exp(_t48)
+            _p50 = tl.where(tmask, _t49, 0.0)
+            _f51 = _fin(m)
+            _t52 = _f51 - _f47
+            _t53 = tl.exp(_t52)
+            _t54 = s * _t53[:, None]
+            _kv_55 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv56 = tl.dot(_p50.to(DOT_T), _kv_55.to(DOT_T), acc=_t54, input_precision=PREC)
+            s_new = _pv56
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t59 = s2 * _t51
-            _r60 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
-            _t61 = _t59 + _r60
-            s2_new = _t61
+            _t57 = s2 * _t53
+            _r58 = tl.sum(tl.where(tmask, _t49, 0.0), axis=1)
+            _t59 = _t57 + _r58
+            s2_new = _t59
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t62 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t62).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t60 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t60).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -249,27 +247,27 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c63 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_64 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_65 = tl.dot(h1.to(DOT_T), tl.trans(_kt_64.to(DOT_T)), input_precision=PREC)
-    _t66 = _dot_65 * 0.08838834764831843
-    _t67 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-    _t68 = h2 * _t67
-    _t69 = _t66 + _t68
-    _t70 = tl.where(_c63, _t69, float('-inf'))
-    _r71 = tl.max(tl.where(tmask, _t70, float('-inf')), axis=1)
-    m = _r71
+    _c61 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_62 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_63 = tl.dot(h1.to(DOT_T), tl.trans(_kt_62.to(DOT_T)), input_precision=PREC)
+    _t64 = _dot_63 * 0.08838834764831843
+    _t65 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+    _t66 = h2 * _t65
+    _t67 = _t64 + _t66
+    _t68 = tl.where(_c61, _t67, float('-inf'))
+    _r69 = tl.max(tl.where(tmask, _t68, float('-inf')), axis=1)
+    m = _r69
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f72 = _fin(m)
-    _t73 = _t70 - _f72[:, None]
-    _t74 = tl.exp(_t73)
-    _p75 = tl.where(tmask, _t74, 0.0)
-    _kv_76 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv77 = tl.dot(_p75.to(DOT_T), _kv_76.to(DOT_T), input_precision=PREC)
-    s = _pv77
+    _f70 = _fin(m)
+    _t71 = _t68 - _f70[:, None]
+    _t72 = tl.exp(_t71)
+    _p73 = tl.where(tmask, _t72, 0.0)
+    _kv_74 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv75 = tl.dot(_p73.to(DOT_T), _kv_74.to(DOT_T), input_precision=PREC)
+    s = _pv75
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r78 = tl.sum(tl.where(tmask, _t74, 0.0), axis=1)
-    s2 = _r78
+    _r76 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
+    s2 = _r76
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -287,68 +285,66 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_79 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_80 = tl.dot(h1.to(DOT_T), tl.trans(_kt_79.to(DOT_T)), input_precision=PREC)
-            _t81 = _dot_80 * 0.08838834764831843
-            _t82 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t83 = h2 * _t82
-            _t84 = _t81 + _t83
-            _r85 = tl.max(_t84, axis=1)
-            _t86 = tl.maximum(m, _r85)
-            m_new = _t86
+            _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
+            _t79 = _dot_78 * 0.08838834764831843
+            _t80 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t81 = h2 * _t80
+            _t82 = _t79 + _t81
+            _r83 = tl.max(_t82, axis=1)
+            _t84 = tl.maximum(m, _r83)
+            m_new = _t84
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f87 = _fin(m)
-            _f88 = _fin(m_new)
-            _t89 = _f87 - _f88
+            _f85 = _fin(m_new)
+            _t86 = _t82 - _f85[:, None]
+            _t87 = tl.exp(_t86)
+            _f88 = _fin(m)
+            _t89 = _f88 - _f85
             _t90 = tl.exp(_t89)
             _t91 = s * _t90[:, None]
-            _t92 = _t84 - _f88[:, None]
-            _t93 = tl.exp(_t92)
-            _kv_94 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv95 = tl.dot(_t93.to(DOT_T), _kv_94.to(DOT_T), input_precision=PREC)
-            _t96 = _t91 + _pv95
-            s_new = _t96
+            _kv_92 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv93 = tl.dot(_t87.to(DOT_T), _kv_92.to(DOT_T), acc=_t91, input_precision=PREC)
+            s_new = _pv93
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t97 = s2 * _t90
-            _r98 = tl.sum(_t93, axis=1)
-            _t99 = _t97 + _r98
-            s2_new = _t99
+            _t94 = s2 * _t90
+            _r95 = tl.sum(_t87, axis=1)
+            _t96 = _t94 + _r95
+            s2_new = _t96
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c100 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
-            _t103 = _dot_102 * 0.08838834764831843
-            _t104 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t105 = h2 * _t104
-            _t106 = _t103 + _t105
-            _t107 = tl.where(_c100, _t106, float('-inf'))
-            _r108 = tl.max(tl.where(tmask, _t107, float('-inf')), axis=1)
-            _t109 = tl.maximum(m, _r108)
-            m_new = _t109
+            _c97 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_98 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_99 = tl.dot(h1.to(DOT_T), tl.trans(_kt_98.to(DOT_T)), input_precision=PREC)
+            _t100 = _dot_99 * 0.08838834764831843
+            _t101 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+            _t102 = h2 * _t101
+            _t103 = _t100 + _t102
+            _t104 = tl.where(_c97, _t103, float('-inf'))
+            _r105 = tl.max(tl.where(tmask, _t104, float('-inf')), axis=1)
+            _t106 = tl.maximum(m, _r105)
+            m_new = _t106
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f110 = _fin(m)
-            _f111 = _fin(m_new)
-            _t112 = _f110 - _f111
+            _f107 = _fin(m_new)
+            _t108 = _t104 - _f107[:, None]
+            _t109 = tl.exp(_t108)
+            _p110 = tl.where(tmask, _t109, 0.0)
+            _f111 = _fin(m)
+            _t112 = _f111 - _f107
             _t113 = tl.exp(_t112)
             _t114 = s * _t113[:, None]
-            _t115 = _t107 - _f111[:, None]
-            _t116 = tl.exp(_t115)
-            _p117 = tl.where(tmask, _t116, 0.0)
-            _kv_118 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv119 = tl.dot(_p117.to(DOT_T), _kv_118.to(DOT_T), input_precision=PREC)
-            _t120 = _t114 + _pv119
-            s_new = _t120
+            _kv_115 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv116 = tl.dot(_p110.to(DOT_T), _kv_115.to(DOT_T), acc=_t114, input_precision=PREC)
+            s_new = _pv116
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t121 = s2 * _t113
-            _r122 = tl.sum(tl.where(tmask, _t116, 0.0), axis=1)
-            _t123 = _t121 + _r122
-            s2_new = _t123
+            _t117 = s2 * _t113
+            _r118 = tl.sum(tl.where(tmask, _t109, 0.0), axis=1)
+            _t119 = _t117 + _r118
+            s2_new = _t119
         m = m_new
         s = s_new
         s2 = s2_new
@@ -405,34 +401,34 @@ def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t124 = tl.maximum(m, m_b)
-        m_new = _t124
+        _t120 = tl.maximum(m, m_b)
+        m_new = _t120
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f125 = _fin(m)
-        _f126 = _fin(m_new)
-        _t127 = _f125 - _f126
+        _f121 = _fin(m)
+        _f122 = _fin(m_new)
+        _t123 = _f121 - _f122
+        _t124 = tl.exp(_t123)
+        _t125 = s * _t124[:, None]
+        _f126 = _fin(m_b)
+        _t127 = _f126 - _f122
         _t128 = tl.exp(_t127)
-        _t129 = s * _t128[:, None]
-        _f130 = _fin(m_b)
-        _t131 = _f130 - _f126
-        _t132 = tl.exp(_t131)
-        _t133 = s_b * _t132[:, None]
-        _t134 = _t129 + _t133
-        s_new = _t134
+        _t129 = s_b * _t128[:, None]
+        _t130 = _t125 + _t129
+        s_new = _t130
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t135 = s2 * _t128
-        _t136 = s2_b * _t132
-        _t137 = _t135 + _t136
-        s2_new = _t137
+        _t131 = s2 * _t124
+        _t132 = s2_b * _t128
+        _t133 = _t131 + _t132
+        s2_new = _t133
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t138 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t138).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t134 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t134).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'alibi'

@@ -137,61 +137,59 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
             m_new = _t18
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f19 = _fin(m)
-            _f20 = _fin(m_new)
-            _t21 = _f19 - _f20
-            _t22 = tl.exp(_t21)
-            _t23 = s * _t22[:, None]
-            _t24 = _t16 - _f20[:, None]
-            _t25 = tl.exp(_t24)
+            _f19 = _fin(m_new)
+            _t20 = _t16 - _f19[:, None]
+            _t21 = tl.exp(_t20)
+            _f22 = _fin(m)
+            _t23 = _f22 - _f19
+            _t24 = tl.exp(_t23)
+            _t25 = s * _t24[:, None]
             _kv_26 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv27 = tl.dot(_t25.to(DOT_T), _kv_26.to(DOT_T), input_precision=PREC)
-            _t28 = _t23 + _pv27
-            s_new = _t28
+            _pv27 = tl.dot(_t21.to(DOT_T), _kv_26.to(DOT_T), acc=_t25, input_precision=PREC)
+            s_new = _pv27
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t29 = s2 * _t22
-            _r30 = tl.sum(_t25, axis=1)
-            _t31 = _t29 + _r30
-            s2_new = _t31
+            _t28 = s2 * _t24
+            _r29 = tl.sum(_t21, axis=1)
+            _t30 = _t28 + _r29
+            s2_new = _t30
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c32 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_33 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_34 = tl.dot(h1.to(DOT_T), tl.trans(_kt_33.to(DOT_T)), input_precision=PREC)
-            _t35 = _dot_34 * 0.08838834764831843
-            _t36 = tl.where(_c32, _t35, float('-inf'))
-            _r37 = tl.max(tl.where(tmask, _t36, float('-inf')), axis=1)
-            _t38 = tl.maximum(m, _r37)
-            m_new = _t38
+            _c31 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_32 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_33 = tl.dot(h1.to(DOT_T), tl.trans(_kt_32.to(DOT_T)), input_precision=PREC)
+            _t34 = _dot_33 * 0.08838834764831843
+            _t35 = tl.where(_c31, _t34, float('-inf'))
+            _r36 = tl.max(tl.where(tmask, _t35, float('-inf')), axis=1)
+            _t37 = tl.maximum(m, _r36)
+            m_new = _t37
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f39 = _fin(m)
-            _f40 = _fin(m_new)
-            _t41 = _f39 - _f40
-            _t42 = tl.exp(_t41)
-            _t43 = s * _t42[:, None]
-            _t44 = _t36 - _f40[:, None]
-            _t45 = tl.exp(_t44)
-            _p46 = tl.where(tmask, _t45, 0.0)
-            _kv_47 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv48 = tl.dot(_p46.to(DOT_T), _kv_47.to(DOT_T), input_precision=PREC)
-            _t49 = _t43 + _pv48
-            s_new = _t49
+            _f38 = _fin(m_new)
+            _t39 = _t35 - _f38[:, None]
+            _t40 = tl.exp(_t39)
+            _p41 = tl.where(tmask, _t40, 0.0)
+            _f42 = _fin(m)
+            _t43 = _f42 - _f38
+            _t44 = tl.exp(_t43)
+            _t45 = s * _t44[:, None]
+            _kv_46 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv47 = tl.dot(_p41.to(DOT_T), _kv_46.to(DOT_T), acc=_t45, input_precision=PREC)
+            s_new = _pv47
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t50 = s2 * _t42
-            _r51 = tl.sum(tl.where(tmask, _t45, 0.0), axis=1)
-            _t52 = _t50 + _r51
-            s2_new = _t52
+            _t48 = s2 * _t44
+            _r49 = tl.sum(tl.where(tmask, _t40, 0.0), axis=1)
+            _t50 = _t48 + _r49
+            s2_new = _t50
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t53 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t53).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t51 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t51).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -236,24 +234,24 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c54 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_55 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_56 = tl.dot(h1.to(DOT_T), tl.trans(_kt_55.to(DOT_T)), input_precision=PREC)
-    _t57 = _dot_56 * 0.08838834764831843
-    _t58 = tl.where(_c54, _t57, float('-inf'))
-    _r59 = tl.max(tl.where(tmask, _t58, float('-inf')), axis=1)
-    m = _r59
+    _c52 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_53 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_54 = tl.dot(h1.to(DOT_T), tl.trans(_kt_53.to(DOT_T)), input_precision=PREC)
+    _t55 = _dot_54 * 0.08838834764831843
+    _t56 = tl.where(_c52, _t55, float('-inf'))
+    _r57 = tl.max(tl.where(tmask, _t56, float('-inf')), axis=1)
+    m = _r57
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f60 = _fin(m)
-    _t61 = _t58 - _f60[:, None]
-    _t62 = tl.exp(_t61)
-    _p63 = tl.where(tmask, _t62, 0.0)
-    _kv_64 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv65 = tl.dot(_p63.to(DOT_T), _kv_64.to(DOT_T), input_precision=PREC)
-    s = _pv65
+    _f58 = _fin(m)
+    _t59 = _t56 - _f58[:, None]
+    _t60 = tl.exp(_t59)
+    _p61 = tl.where(tmask, _t60, 0.0)
+    _kv_62 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv63 = tl.dot(_p61.to(DOT_T), _kv_62.to(DOT_T), input_precision=PREC)
+    s = _pv63
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r66 = tl.sum(tl.where(tmask, _t62, 0.0), axis=1)
-    s2 = _r66
+    _r64 = tl.sum(tl.where(tmask, _t60, 0.0), axis=1)
+    s2 = _r64
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -271,62 +269,60 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_67 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_68 = tl.dot(h1.to(DOT_T), tl.trans(_kt_67.to(DOT_T)), input_precision=PREC)
-            _t69 = _dot_68 * 0.08838834764831843
-            _r70 = tl.max(_t69, axis=1)
-            _t71 = tl.maximum(m, _r70)
-            m_new = _t71
+            _kt_65 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_66 = tl.dot(h1.to(DOT_T), tl.trans(_kt_65.to(DOT_T)), input_precision=PREC)
+            _t67 = _dot_66 * 0.08838834764831843
+            _r68 = tl.max(_t67, axis=1)
+            _t69 = tl.maximum(m, _r68)
+            m_new = _t69
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f72 = _fin(m)
-            _f73 = _fin(m_new)
-            _t74 = _f72 - _f73
+            _f70 = _fin(m_new)
+            _t71 = _t67 - _f70[:, None]
+            _t72 = tl.exp(_t71)
+            _f73 = _fin(m)
+            _t74 = _f73 - _f70
             _t75 = tl.exp(_t74)
             _t76 = s * _t75[:, None]
-            _t77 = _t69 - _f73[:, None]
-            _t78 = tl.exp(_t77)
-            _kv_79 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv80 = tl.dot(_t78.to(DOT_T), _kv_79.to(DOT_T), input_precision=PREC)
-            _t81 = _t76 + _pv80
-            s_new = _t81
+            _kv_77 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv78 = tl.dot(_t72.to(DOT_T), _kv_77.to(DOT_T), acc=_t76, input_precision=PREC)
+            s_new = _pv78
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t82 = s2 * _t75
-            _r83 = tl.sum(_t78, axis=1)
-            _t84 = _t82 + _r83
-            s2_new = _t84
+            _t79 = s2 * _t75
+            _r80 = tl.sum(_t72, axis=1)
+            _t81 = _t79 + _r80
+            s2_new = _t81
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c85 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_86 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_87 = tl.dot(h1.to(DOT_T), tl.trans(_kt_86.to(DOT_T)), input_precision=PREC)
-            _t88 = _dot_87 * 0.08838834764831843
-            _t89 = tl.where(_c85, _t88, float('-inf'))
-            _r90 = tl.max(tl.where(tmask, _t89, float('-inf')), axis=1)
-            _t91 = tl.maximum(m, _r90)
-            m_new = _t91
+            _c82 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _kt_83 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_84 = tl.dot(h1.to(DOT_T), tl.trans(_kt_83.to(DOT_T)), input_precision=PREC)
+            _t85 = _dot_84 * 0.08838834764831843
+            _t86 = tl.where(_c82, _t85, float('-inf'))
+            _r87 = tl.max(tl.where(tmask, _t86, float('-inf')), axis=1)
+            _t88 = tl.maximum(m, _r87)
+            m_new = _t88
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f92 = _fin(m)
-            _f93 = _fin(m_new)
-            _t94 = _f92 - _f93
+            _f89 = _fin(m_new)
+            _t90 = _t86 - _f89[:, None]
+            _t91 = tl.exp(_t90)
+            _p92 = tl.where(tmask, _t91, 0.0)
+            _f93 = _fin(m)
+            _t94 = _f93 - _f89
             _t95 = tl.exp(_t94)
             _t96 = s * _t95[:, None]
-            _t97 = _t89 - _f93[:, None]
-            _t98 = tl.exp(_t97)
-            _p99 = tl.where(tmask, _t98, 0.0)
-            _kv_100 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv101 = tl.dot(_p99.to(DOT_T), _kv_100.to(DOT_T), input_precision=PREC)
-            _t102 = _t96 + _pv101
-            s_new = _t102
+            _kv_97 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv98 = tl.dot(_p92.to(DOT_T), _kv_97.to(DOT_T), acc=_t96, input_precision=PREC)
+            s_new = _pv98
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t103 = s2 * _t95
-            _r104 = tl.sum(tl.where(tmask, _t98, 0.0), axis=1)
-            _t105 = _t103 + _r104
-            s2_new = _t105
+            _t99 = s2 * _t95
+            _r100 = tl.sum(tl.where(tmask, _t91, 0.0), axis=1)
+            _t101 = _t99 + _r100
+            s2_new = _t101
         m = m_new
         s = s_new
         s2 = s2_new
@@ -382,34 +378,34 @@ def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t106 = tl.maximum(m, m_b)
-        m_new = _t106
+        _t102 = tl.maximum(m, m_b)
+        m_new = _t102
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f107 = _fin(m)
-        _f108 = _fin(m_new)
-        _t109 = _f107 - _f108
+        _f103 = _fin(m)
+        _f104 = _fin(m_new)
+        _t105 = _f103 - _f104
+        _t106 = tl.exp(_t105)
+        _t107 = s * _t106[:, None]
+        _f108 = _fin(m_b)
+        _t109 = _f108 - _f104
         _t110 = tl.exp(_t109)
-        _t111 = s * _t110[:, None]
-        _f112 = _fin(m_b)
-        _t113 = _f112 - _f108
-        _t114 = tl.exp(_t113)
-        _t115 = s_b * _t114[:, None]
-        _t116 = _t111 + _t115
-        s_new = _t116
+        _t111 = s_b * _t110[:, None]
+        _t112 = _t107 + _t111
+        s_new = _t112
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t117 = s2 * _t110
-        _t118 = s2_b * _t114
-        _t119 = _t117 + _t118
-        s2_new = _t119
+        _t113 = s2 * _t106
+        _t114 = s2_b * _t110
+        _t115 = _t113 + _t114
+        s2_new = _t115
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t120 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t120).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t116 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t116).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'causal'

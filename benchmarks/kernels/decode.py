@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(sum_d(q * k) * 0.08838834764831843 - max_j(sum_d(q * k) * 0.08838834764831843)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -131,59 +131,57 @@ def decode_attn(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s
             m_new = _t16
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f17 = _fin(m)
-            _f18 = _fin(m_new)
-            _t19 = _f17 - _f18
-            _t20 = tl.exp(_t19)
-            _t21 = s * _t20[:, None]
-            _t22 = _t14 - _f18[:, None]
-            _t23 = tl.exp(_t22)
+            _f17 = _fin(m_new)
+            _t18 = _t14 - _f17[:, None]
+            _t19 = tl.exp(_t18)
+            _f20 = _fin(m)
+            _t21 = _f20 - _f17
+            _t22 = tl.exp(_t21)
+            _t23 = s * _t22[:, None]
             _kv_24 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv25 = tl.dot(_t23.to(DOT_T), _kv_24.to(DOT_T), input_precision=PREC)
-            _t26 = _t21 + _pv25
-            s_new = _t26
+            _pv25 = tl.dot(_t19.to(DOT_T), _kv_24.to(DOT_T), acc=_t23, input_precision=PREC)
+            s_new = _pv25
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t27 = s2 * _t20
-            _r28 = tl.sum(_t23, axis=1)
-            _t29 = _t27 + _r28
-            s2_new = _t29
+            _t26 = s2 * _t22
+            _r27 = tl.sum(_t19, axis=1)
+            _t28 = _t26 + _r27
+            s2_new = _t28
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_30 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_31 = tl.dot(h1.to(DOT_T), tl.trans(_kt_30.to(DOT_T)), input_precision=PREC)
-            _t32 = _dot_31 * 0.08838834764831843
-            _r33 = tl.max(tl.where(tmask, _t32, float('-inf')), axis=1)
-            _t34 = tl.maximum(m, _r33)
-            m_new = _t34
+            _kt_29 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_30 = tl.dot(h1.to(DOT_T), tl.trans(_kt_29.to(DOT_T)), input_precision=PREC)
+            _t31 = _dot_30 * 0.08838834764831843
+            _r32 = tl.max(tl.where(tmask, _t31, float('-inf')), axis=1)
+            _t33 = tl.maximum(m, _r32)
+            m_new = _t33
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f35 = _fin(m)
-            _f36 = _fin(m_new)
-            _t37 = _f35 - _f36
-            _t38 = tl.exp(_t37)
-            _t39 = s * _t38[:, None]
-            _t40 = _t32 - _f36[:, None]
-            _t41 = tl.exp(_t40)
-            _p42 = tl.where(tmask, _t41, 0.0)
-            _kv_43 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv44 = tl.dot(_p42.to(DOT_T), _kv_43.to(DOT_T), input_precision=PREC)
-            _t45 = _t39 + _pv44
-            s_new = _t45
+            _f34 = _fin(m_new)
+            _t35 = _t31 - _f34[:, None]
+            _t36 = tl.exp(_t35)
+            _p37 = tl.where(tmask, _t36, 0.0)
+            _f38 = _fin(m)
+            _t39 = _f38 - _f34
+            _t40 = tl.exp(_t39)
+            _t41 = s * _t40[:, None]
+            _kv_42 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv43 = tl.dot(_p37.to(DOT_T), _kv_42.to(DOT_T), acc=_t41, input_precision=PREC)
+            s_new = _pv43
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t46 = s2 * _t38
-            _r47 = tl.sum(tl.where(tmask, _t41, 0.0), axis=1)
-            _t48 = _t46 + _r47
-            s2_new = _t48
+            _t44 = s2 * _t40
+            _r45 = tl.sum(tl.where(tmask, _t36, 0.0), axis=1)
+            _t46 = _t44 + _r45
+            s2_new = _t46
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t49 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t49).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t47 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t47).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -233,22 +231,22 @@ def decode_part(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_50 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_51 = tl.dot(h1.to(DOT_T), tl.trans(_kt_50.to(DOT_T)), input_precision=PREC)
-    _t52 = _dot_51 * 0.08838834764831843
-    _r53 = tl.max(tl.where(tmask, _t52, float('-inf')), axis=1)
-    m = _r53
+    _kt_48 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_49 = tl.dot(h1.to(DOT_T), tl.trans(_kt_48.to(DOT_T)), input_precision=PREC)
+    _t50 = _dot_49 * 0.08838834764831843
+    _r51 = tl.max(tl.where(tmask, _t50, float('-inf')), axis=1)
+    m = _r51
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f54 = _fin(m)
-    _t55 = _t52 - _f54[:, None]
-    _t56 = tl.exp(_t55)
-    _p57 = tl.where(tmask, _t56, 0.0)
-    _kv_58 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv59 = tl.dot(_p57.to(DOT_T), _kv_58.to(DOT_T), input_precision=PREC)
-    s = _pv59
+    _f52 = _fin(m)
+    _t53 = _t50 - _f52[:, None]
+    _t54 = tl.exp(_t53)
+    _p55 = tl.where(tmask, _t54, 0.0)
+    _kv_56 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv57 = tl.dot(_p55.to(DOT_T), _kv_56.to(DOT_T), input_precision=PREC)
+    s = _pv57
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r60 = tl.sum(tl.where(tmask, _t56, 0.0), axis=1)
-    s2 = _r60
+    _r58 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
+    s2 = _r58
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -257,60 +255,58 @@ def decode_part(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s
         if start + BLOCK_J <= chunk_hi:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
-            _t63 = _dot_62 * 0.08838834764831843
-            _r64 = tl.max(_t63, axis=1)
-            _t65 = tl.maximum(m, _r64)
-            m_new = _t65
+            _kt_59 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_60 = tl.dot(h1.to(DOT_T), tl.trans(_kt_59.to(DOT_T)), input_precision=PREC)
+            _t61 = _dot_60 * 0.08838834764831843
+            _r62 = tl.max(_t61, axis=1)
+            _t63 = tl.maximum(m, _r62)
+            m_new = _t63
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f66 = _fin(m)
-            _f67 = _fin(m_new)
-            _t68 = _f66 - _f67
+            _f64 = _fin(m_new)
+            _t65 = _t61 - _f64[:, None]
+            _t66 = tl.exp(_t65)
+            _f67 = _fin(m)
+            _t68 = _f67 - _f64
             _t69 = tl.exp(_t68)
             _t70 = s * _t69[:, None]
-            _t71 = _t63 - _f67[:, None]
-            _t72 = tl.exp(_t71)
-            _kv_73 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv74 = tl.dot(_t72.to(DOT_T), _kv_73.to(DOT_T), input_precision=PREC)
-            _t75 = _t70 + _pv74
-            s_new = _t75
+            _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv72 = tl.dot(_t66.to(DOT_T), _kv_71.to(DOT_T), acc=_t70, input_precision=PREC)
+            s_new = _pv72
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t76 = s2 * _t69
-            _r77 = tl.sum(_t72, axis=1)
-            _t78 = _t76 + _r77
-            s2_new = _t78
+            _t73 = s2 * _t69
+            _r74 = tl.sum(_t66, axis=1)
+            _t75 = _t73 + _r74
+            s2_new = _t75
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_79 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_80 = tl.dot(h1.to(DOT_T), tl.trans(_kt_79.to(DOT_T)), input_precision=PREC)
-            _t81 = _dot_80 * 0.08838834764831843
-            _r82 = tl.max(tl.where(tmask, _t81, float('-inf')), axis=1)
-            _t83 = tl.maximum(m, _r82)
-            m_new = _t83
+            _kt_76 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_77 = tl.dot(h1.to(DOT_T), tl.trans(_kt_76.to(DOT_T)), input_precision=PREC)
+            _t78 = _dot_77 * 0.08838834764831843
+            _r79 = tl.max(tl.where(tmask, _t78, float('-inf')), axis=1)
+            _t80 = tl.maximum(m, _r79)
+            m_new = _t80
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f84 = _fin(m)
-            _f85 = _fin(m_new)
-            _t86 = _f84 - _f85
+            _f81 = _fin(m_new)
+            _t82 = _t78 - _f81[:, None]
+            _t83 = tl.exp(_t82)
+            _p84 = tl.where(tmask, _t83, 0.0)
+            _f85 = _fin(m)
+            _t86 = _f85 - _f81
             _t87 = tl.exp(_t86)
             _t88 = s * _t87[:, None]
-            _t89 = _t81 - _f85[:, None]
-            _t90 = tl.exp(_t89)
-            _p91 = tl.where(tmask, _t90, 0.0)
-            _kv_92 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv93 = tl.dot(_p91.to(DOT_T), _kv_92.to(DOT_T), input_precision=PREC)
-            _t94 = _t88 + _pv93
-            s_new = _t94
+            _kv_89 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv90 = tl.dot(_p84.to(DOT_T), _kv_89.to(DOT_T), acc=_t88, input_precision=PREC)
+            s_new = _pv90
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t95 = s2 * _t87
-            _r96 = tl.sum(tl.where(tmask, _t90, 0.0), axis=1)
-            _t97 = _t95 + _r96
-            s2_new = _t97
+            _t91 = s2 * _t87
+            _r92 = tl.sum(tl.where(tmask, _t83, 0.0), axis=1)
+            _t93 = _t91 + _r92
+            s2_new = _t93
         m = m_new
         s = s_new
         s2 = s2_new
@@ -371,34 +367,34 @@ def decode_combine(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t98 = tl.maximum(m, m_b)
-        m_new = _t98
+        _t94 = tl.maximum(m, m_b)
+        m_new = _t94
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f99 = _fin(m)
-        _f100 = _fin(m_new)
-        _t101 = _f99 - _f100
+        _f95 = _fin(m)
+        _f96 = _fin(m_new)
+        _t97 = _f95 - _f96
+        _t98 = tl.exp(_t97)
+        _t99 = s * _t98[:, None]
+        _f100 = _fin(m_b)
+        _t101 = _f100 - _f96
         _t102 = tl.exp(_t101)
-        _t103 = s * _t102[:, None]
-        _f104 = _fin(m_b)
-        _t105 = _f104 - _f100
-        _t106 = tl.exp(_t105)
-        _t107 = s_b * _t106[:, None]
-        _t108 = _t103 + _t107
-        s_new = _t108
+        _t103 = s_b * _t102[:, None]
+        _t104 = _t99 + _t103
+        s_new = _t104
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t109 = s2 * _t102
-        _t110 = s2_b * _t106
-        _t111 = _t109 + _t110
-        s2_new = _t111
+        _t105 = s2 * _t98
+        _t106 = s2_b * _t102
+        _t107 = _t105 + _t106
+        s2_new = _t107
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t112 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t112).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t108 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t108).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'decode'

@@ -140,64 +140,62 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
             m_new = _t21
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f22 = _fin(m)
-            _f23 = _fin(m_new)
-            _t24 = _f22 - _f23
-            _t25 = tl.exp(_t24)
-            _t26 = s * _t25[:, None]
-            _t27 = _t19 - _f23[:, None]
-            _t28 = tl.exp(_t27)
+            _f22 = _fin(m_new)
+            _t23 = _t19 - _f22[:, None]
+            _t24 = tl.exp(_t23)
+            _f25 = _fin(m)
+            _t26 = _f25 - _f22
+            _t27 = tl.exp(_t26)
+            _t28 = s * _t27[:, None]
             _kv_29 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv30 = tl.dot(_t28.to(DOT_T), _kv_29.to(DOT_T), input_precision=PREC)
-            _t31 = _t26 + _pv30
-            s_new = _t31
+            _pv30 = tl.dot(_t24.to(DOT_T), _kv_29.to(DOT_T), acc=_t28, input_precision=PREC)
+            s_new = _pv30
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t32 = s2 * _t25
-            _r33 = tl.sum(_t28, axis=1)
-            _t34 = _t32 + _r33
-            s2_new = _t34
+            _t31 = s2 * _t27
+            _r32 = tl.sum(_t24, axis=1)
+            _t33 = _t31 + _r32
+            s2_new = _t33
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c35 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t36 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c37 = (_t36 < 256.0)
-            _c38 = (_c35 & _c37)
-            _kt_39 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_40 = tl.dot(h1.to(DOT_T), tl.trans(_kt_39.to(DOT_T)), input_precision=PREC)
-            _t41 = _dot_40 * 0.08838834764831843
-            _t42 = tl.where(_c38, _t41, float('-inf'))
-            _r43 = tl.max(tl.where(tmask, _t42, float('-inf')), axis=1)
-            _t44 = tl.maximum(m, _r43)
-            m_new = _t44
+            _c34 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _t35 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+            _c36 = (_t35 < 256.0)
+            _c37 = (_c34 & _c36)
+            _kt_38 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_39 = tl.dot(h1.to(DOT_T), tl.trans(_kt_38.to(DOT_T)), input_precision=PREC)
+            _t40 = _dot_39 * 0.08838834764831843
+            _t41 = tl.where(_c37, _t40, float('-inf'))
+            _r42 = tl.max(tl.where(tmask, _t41, float('-inf')), axis=1)
+            _t43 = tl.maximum(m, _r42)
+            m_new = _t43
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f45 = _fin(m)
-            _f46 = _fin(m_new)
-            _t47 = _f45 - _f46
-            _t48 = tl.exp(_t47)
-            _t49 = s * _t48[:, None]
-            _t50 = _t42 - _f46[:, None]
-            _t51 = tl.exp(_t50)
-            _p52 = tl.where(tmask, _t51, 0.0)
-            _kv_53 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv54 = tl.dot(_p52.to(DOT_T), _kv_53.to(DOT_T), input_precision=PREC)
-            _t55 = _t49 + _pv54
-            s_new = _t55
+            _f44 = _fin(m_new)
+            _t45 = _t41 - _f44[:, None]
+            _t46 = tl.exp(_t45)
+            _p47 = tl.where(tmask, _t46, 0.0)
+            _f48 = _fin(m)
+            _t49 = _f48 - _f44
+            _t50 = tl.exp(_t49)
+            _t51 = s * _t50[:, None]
+            _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv53 = tl.dot(_p47.to(DOT_T), _kv_52.to(DOT_T), acc=_t51, input_precision=PREC)
+            s_new = _pv53
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t56 = s2 * _t48
-            _r57 = tl.sum(tl.where(tmask, _t51, 0.0), axis=1)
-            _t58 = _t56 + _r57
-            s2_new = _t58
+            _t54 = s2 * _t50
+            _r55 = tl.sum(tl.where(tmask, _t46, 0.0), axis=1)
+            _t56 = _t54 + _r55
+            s2_new = _t56
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t59 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t59).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t57 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t57).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -242,27 +240,27 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _c60 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _t61 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-    _c62 = (_t61 < 256.0)
-    _c63 = (_c60 & _c62)
-    _kt_64 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_65 = tl.dot(h1.to(DOT_T), tl.trans(_kt_64.to(DOT_T)), input_precision=PREC)
-    _t66 = _dot_65 * 0.08838834764831843
-    _t67 = tl.where(_c63, _t66, float('-inf'))
-    _r68 = tl.max(tl.where(tmask, _t67, float('-inf')), axis=1)
-    m = _r68
+    _c58 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _t59 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+    _c60 = (_t59 < 256.0)
+    _c61 = (_c58 & _c60)
+    _kt_62 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_63 = tl.dot(h1.to(DOT_T), tl.trans(_kt_62.to(DOT_T)), input_precision=PREC)
+    _t64 = _dot_63 * 0.08838834764831843
+    _t65 = tl.where(_c61, _t64, float('-inf'))
+    _r66 = tl.max(tl.where(tmask, _t65, float('-inf')), axis=1)
+    m = _r66
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f69 = _fin(m)
-    _t70 = _t67 - _f69[:, None]
-    _t71 = tl.exp(_t70)
-    _p72 = tl.where(tmask, _t71, 0.0)
-    _kv_73 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv74 = tl.dot(_p72.to(DOT_T), _kv_73.to(DOT_T), input_precision=PREC)
-    s = _pv74
+    _f67 = _fin(m)
+    _t68 = _t65 - _f67[:, None]
+    _t69 = tl.exp(_t68)
+    _p70 = tl.where(tmask, _t69, 0.0)
+    _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv72 = tl.dot(_p70.to(DOT_T), _kv_71.to(DOT_T), input_precision=PREC)
+    s = _pv72
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r75 = tl.sum(tl.where(tmask, _t71, 0.0), axis=1)
-    s2 = _r75
+    _r73 = tl.sum(tl.where(tmask, _t69, 0.0), axis=1)
+    s2 = _r73
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -280,65 +278,63 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
             # every score of the tile is visible: no mask arithmetic
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_76 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_77 = tl.dot(h1.to(DOT_T), tl.trans(_kt_76.to(DOT_T)), input_precision=PREC)
-            _t78 = _dot_77 * 0.08838834764831843
-            _r79 = tl.max(_t78, axis=1)
-            _t80 = tl.maximum(m, _r79)
-            m_new = _t80
+            _kt_74 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_75 = tl.dot(h1.to(DOT_T), tl.trans(_kt_74.to(DOT_T)), input_precision=PREC)
+            _t76 = _dot_75 * 0.08838834764831843
+            _r77 = tl.max(_t76, axis=1)
+            _t78 = tl.maximum(m, _r77)
+            m_new = _t78
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f81 = _fin(m)
-            _f82 = _fin(m_new)
-            _t83 = _f81 - _f82
+            _f79 = _fin(m_new)
+            _t80 = _t76 - _f79[:, None]
+            _t81 = tl.exp(_t80)
+            _f82 = _fin(m)
+            _t83 = _f82 - _f79
             _t84 = tl.exp(_t83)
             _t85 = s * _t84[:, None]
-            _t86 = _t78 - _f82[:, None]
-            _t87 = tl.exp(_t86)
-            _kv_88 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv89 = tl.dot(_t87.to(DOT_T), _kv_88.to(DOT_T), input_precision=PREC)
-            _t90 = _t85 + _pv89
-            s_new = _t90
+            _kv_86 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv87 = tl.dot(_t81.to(DOT_T), _kv_86.to(DOT_T), acc=_t85, input_precision=PREC)
+            s_new = _pv87
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t91 = s2 * _t84
-            _r92 = tl.sum(_t87, axis=1)
-            _t93 = _t91 + _r92
-            s2_new = _t93
+            _t88 = s2 * _t84
+            _r89 = tl.sum(_t81, axis=1)
+            _t90 = _t88 + _r89
+            s2_new = _t90
         elif skip == 0:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _c94 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t95 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c96 = (_t95 < 256.0)
-            _c97 = (_c94 & _c96)
-            _kt_98 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_99 = tl.dot(h1.to(DOT_T), tl.trans(_kt_98.to(DOT_T)), input_precision=PREC)
-            _t100 = _dot_99 * 0.08838834764831843
-            _t101 = tl.where(_c97, _t100, float('-inf'))
-            _r102 = tl.max(tl.where(tmask, _t101, float('-inf')), axis=1)
-            _t103 = tl.maximum(m, _r102)
-            m_new = _t103
+            _c91 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+            _t92 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+            _c93 = (_t92 < 256.0)
+            _c94 = (_c91 & _c93)
+            _kt_95 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_96 = tl.dot(h1.to(DOT_T), tl.trans(_kt_95.to(DOT_T)), input_precision=PREC)
+            _t97 = _dot_96 * 0.08838834764831843
+            _t98 = tl.where(_c94, _t97, float('-inf'))
+            _r99 = tl.max(tl.where(tmask, _t98, float('-inf')), axis=1)
+            _t100 = tl.maximum(m, _r99)
+            m_new = _t100
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f104 = _fin(m)
-            _f105 = _fin(m_new)
-            _t106 = _f104 - _f105
+            _f101 = _fin(m_new)
+            _t102 = _t98 - _f101[:, None]
+            _t103 = tl.exp(_t102)
+            _p104 = tl.where(tmask, _t103, 0.0)
+            _f105 = _fin(m)
+            _t106 = _f105 - _f101
             _t107 = tl.exp(_t106)
             _t108 = s * _t107[:, None]
-            _t109 = _t101 - _f105[:, None]
-            _t110 = tl.exp(_t109)
-            _p111 = tl.where(tmask, _t110, 0.0)
-            _kv_112 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv113 = tl.dot(_p111.to(DOT_T), _kv_112.to(DOT_T), input_precision=PREC)
-            _t114 = _t108 + _pv113
-            s_new = _t114
+            _kv_109 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv110 = tl.dot(_p104.to(DOT_T), _kv_109.to(DOT_T), acc=_t108, input_precision=PREC)
+            s_new = _pv110
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t115 = s2 * _t107
-            _r116 = tl.sum(tl.where(tmask, _t110, 0.0), axis=1)
-            _t117 = _t115 + _r116
-            s2_new = _t117
+            _t111 = s2 * _t107
+            _r112 = tl.sum(tl.where(tmask, _t103, 0.0), axis=1)
+            _t113 = _t111 + _r112
+            s2_new = _t113
         m = m_new
         s = s_new
         s2 = s2_new
@@ -394,34 +390,34 @@ def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t118 = tl.maximum(m, m_b)
-        m_new = _t118
+        _t114 = tl.maximum(m, m_b)
+        m_new = _t114
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f119 = _fin(m)
-        _f120 = _fin(m_new)
-        _t121 = _f119 - _f120
+        _f115 = _fin(m)
+        _f116 = _fin(m_new)
+        _t117 = _f115 - _f116
+        _t118 = tl.exp(_t117)
+        _t119 = s * _t118[:, None]
+        _f120 = _fin(m_b)
+        _t121 = _f120 - _f116
         _t122 = tl.exp(_t121)
-        _t123 = s * _t122[:, None]
-        _f124 = _fin(m_b)
-        _t125 = _f124 - _f120
-        _t126 = tl.exp(_t125)
-        _t127 = s_b * _t126[:, None]
-        _t128 = _t123 + _t127
-        s_new = _t128
+        _t123 = s_b * _t122[:, None]
+        _t124 = _t119 + _t123
+        s_new = _t124
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t129 = s2 * _t122
-        _t130 = s2_b * _t126
-        _t131 = _t129 + _t130
-        s2_new = _t131
+        _t125 = s2 * _t118
+        _t126 = s2_b * _t122
+        _t127 = _t125 + _t126
+        s2_new = _t127
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t132 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t132).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t128 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t128).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'sliding_window'

@@ -132,62 +132,60 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
             m_new = _t22
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f23 = _fin(m)
-            _f24 = _fin(m_new)
-            _t25 = _f23 - _f24
-            _t26 = tl.exp(_t25)
-            _t27 = s * _t26[:, None]
-            _t28 = _t20 - _f24[:, None]
-            _t29 = tl.exp(_t28)
+            _f23 = _fin(m_new)
+            _t24 = _t20 - _f23[:, None]
+            _t25 = tl.exp(_t24)
+            _f26 = _fin(m)
+            _t27 = _f26 - _f23
+            _t28 = tl.exp(_t27)
+            _t29 = s * _t28[:, None]
             _kv_30 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv31 = tl.dot(_t29.to(DOT_T), _kv_30.to(DOT_T), input_precision=PREC)
-            _t32 = _t27 + _pv31
-            s_new = _t32
+            _pv31 = tl.dot(_t25.to(DOT_T), _kv_30.to(DOT_T), acc=_t29, input_precision=PREC)
+            s_new = _pv31
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t33 = s2 * _t26
-            _r34 = tl.sum(_t29, axis=1)
-            _t35 = _t33 + _r34
-            s2_new = _t35
+            _t32 = s2 * _t28
+            _r33 = tl.sum(_t25, axis=1)
+            _t34 = _t32 + _r33
+            s2_new = _t34
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_36 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_37 = tl.dot(h1.to(DOT_T), tl.trans(_kt_36.to(DOT_T)), input_precision=PREC)
-            _t38 = _dot_37 * 0.08838834764831843
-            _t39 = _t38 / 30.0
-            _t40 = _tanh(_t39)
-            _t41 = 30.0 * _t40
-            _r42 = tl.max(tl.where(tmask, _t41, float('-inf')), axis=1)
-            _t43 = tl.maximum(m, _r42)
-            m_new = _t43
+            _kt_35 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_36 = tl.dot(h1.to(DOT_T), tl.trans(_kt_35.to(DOT_T)), input_precision=PREC)
+            _t37 = _dot_36 * 0.08838834764831843
+            _t38 = _t37 / 30.0
+            _t39 = _tanh(_t38)
+            _t40 = 30.0 * _t39
+            _r41 = tl.max(tl.where(tmask, _t40, float('-inf')), axis=1)
+            _t42 = tl.maximum(m, _r41)
+            m_new = _t42
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f44 = _fin(m)
-            _f45 = _fin(m_new)
-            _t46 = _f44 - _f45
-            _t47 = tl.exp(_t46)
-            _t48 = s * _t47[:, None]
-            _t49 = _t41 - _f45[:, None]
-            _t50 = tl.exp(_t49)
-            _p51 = tl.where(tmask, _t50, 0.0)
-            _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv53 = tl.dot(_p51.to(DOT_T), _kv_52.to(DOT_T), input_precision=PREC)
-            _t54 = _t48 + _pv53
-            s_new = _t54
+            _f43 = _fin(m_new)
+            _t44 = _t40 - _f43[:, None]
+            _t45 = tl.exp(_t44)
+            _p46 = tl.where(tmask, _t45, 0.0)
+            _f47 = _fin(m)
+            _t48 = _f47 - _f43
+            _t49 = tl.exp(_t48)
+            _t50 = s * _t49[:, None]
+            _kv_51 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv52 = tl.dot(_p46.to(DOT_T), _kv_51.to(DOT_T), acc=_t50, input_precision=PREC)
+            s_new = _pv52
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t55 = s2 * _t47
-            _r56 = tl.sum(tl.where(tmask, _t50, 0.0), axis=1)
-            _t57 = _t55 + _r56
-            s2_new = _t57
+            _t53 = s2 * _t49
+            _r54 = tl.sum(tl.where(tmask, _t45, 0.0), axis=1)
+            _t55 = _t53 + _r54
+            s2_new = _t55
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t58 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t58).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t56 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t56).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -232,25 +230,25 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
     n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_59 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_60 = tl.dot(h1.to(DOT_T), tl.trans(_kt_59.to(DOT_T)), input_precision=PREC)
-    _t61 = _dot_60 * 0.08838834764831843
-    _t62 = _t61 / 30.0
-    _t63 = _tanh(_t62)
-    _t64 = 30.0 * _t63
-    _r65 = tl.max(tl.where(tmask, _t64, float('-inf')), axis=1)
-    m = _r65
+    _kt_57 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_58 = tl.dot(h1.to(DOT_T), tl.trans(_kt_57.to(DOT_T)), input_precision=PREC)
+    _t59 = _dot_58 * 0.08838834764831843
+    _t60 = _t59 / 30.0
+    _t61 = _tanh(_t60)
+    _t62 = 30.0 * _t61
+    _r63 = tl.max(tl.where(tmask, _t62, float('-inf')), axis=1)
+    m = _r63
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f66 = _fin(m)
-    _t67 = _t64 - _f66[:, None]
-    _t68 = tl.exp(_t67)
-    _p69 = tl.where(tmask, _t68, 0.0)
-    _kv_70 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv71 = tl.dot(_p69.to(DOT_T), _kv_70.to(DOT_T), input_precision=PREC)
-    s = _pv71
+    _f64 = _fin(m)
+    _t65 = _t62 - _f64[:, None]
+    _t66 = tl.exp(_t65)
+    _p67 = tl.where(tmask, _t66, 0.0)
+    _kv_68 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv69 = tl.dot(_p67.to(DOT_T), _kv_68.to(DOT_T), input_precision=PREC)
+    s = _pv69
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r72 = tl.sum(tl.where(tmask, _t68, 0.0), axis=1)
-    s2 = _r72
+    _r70 = tl.sum(tl.where(tmask, _t66, 0.0), axis=1)
+    s2 = _r70
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
@@ -259,66 +257,64 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         if start + BLOCK_J <= chunk_hi:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_73 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_74 = tl.dot(h1.to(DOT_T), tl.trans(_kt_73.to(DOT_T)), input_precision=PREC)
-            _t75 = _dot_74 * 0.08838834764831843
-            _t76 = _t75 / 30.0
-            _t77 = _tanh(_t76)
-            _t78 = 30.0 * _t77
-            _r79 = tl.max(_t78, axis=1)
-            _t80 = tl.maximum(m, _r79)
-            m_new = _t80
+            _kt_71 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_72 = tl.dot(h1.to(DOT_T), tl.trans(_kt_71.to(DOT_T)), input_precision=PREC)
+            _t73 = _dot_72 * 0.08838834764831843
+            _t74 = _t73 / 30.0
+            _t75 = _tanh(_t74)
+            _t76 = 30.0 * _t75
+            _r77 = tl.max(_t76, axis=1)
+            _t78 = tl.maximum(m, _r77)
+            m_new = _t78
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f81 = _fin(m)
-            _f82 = _fin(m_new)
-            _t83 = _f81 - _f82
+            _f79 = _fin(m_new)
+            _t80 = _t76 - _f79[:, None]
+            _t81 = tl.exp(_t80)
+            _f82 = _fin(m)
+            _t83 = _f82 - _f79
             _t84 = tl.exp(_t83)
             _t85 = s * _t84[:, None]
-            _t86 = _t78 - _f82[:, None]
-            _t87 = tl.exp(_t86)
-            _kv_88 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv89 = tl.dot(_t87.to(DOT_T), _kv_88.to(DOT_T), input_precision=PREC)
-            _t90 = _t85 + _pv89
-            s_new = _t90
+            _kv_86 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv87 = tl.dot(_t81.to(DOT_T), _kv_86.to(DOT_T), acc=_t85, input_precision=PREC)
+            s_new = _pv87
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t91 = s2 * _t84
-            _r92 = tl.sum(_t87, axis=1)
-            _t93 = _t91 + _r92
-            s2_new = _t93
+            _t88 = s2 * _t84
+            _r89 = tl.sum(_t81, axis=1)
+            _t90 = _t88 + _r89
+            s2_new = _t90
         else:
             # m_AB = max(m_A, max_B(e1))
             #   derived by: max-split
-            _kt_94 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_95 = tl.dot(h1.to(DOT_T), tl.trans(_kt_94.to(DOT_T)), input_precision=PREC)
-            _t96 = _dot_95 * 0.08838834764831843
-            _t97 = _t96 / 30.0
-            _t98 = _tanh(_t97)
-            _t99 = 30.0 * _t98
-            _r100 = tl.max(tl.where(tmask, _t99, float('-inf')), axis=1)
-            _t101 = tl.maximum(m, _r100)
-            m_new = _t101
+            _kt_91 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+            _dot_92 = tl.dot(h1.to(DOT_T), tl.trans(_kt_91.to(DOT_T)), input_precision=PREC)
+            _t93 = _dot_92 * 0.08838834764831843
+            _t94 = _t93 / 30.0
+            _t95 = _tanh(_t94)
+            _t96 = 30.0 * _t95
+            _r97 = tl.max(tl.where(tmask, _t96, float('-inf')), axis=1)
+            _t98 = tl.maximum(m, _r97)
+            m_new = _t98
             # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f102 = _fin(m)
-            _f103 = _fin(m_new)
-            _t104 = _f102 - _f103
+            _f99 = _fin(m_new)
+            _t100 = _t96 - _f99[:, None]
+            _t101 = tl.exp(_t100)
+            _p102 = tl.where(tmask, _t101, 0.0)
+            _f103 = _fin(m)
+            _t104 = _f103 - _f99
             _t105 = tl.exp(_t104)
             _t106 = s * _t105[:, None]
-            _t107 = _t99 - _f103[:, None]
-            _t108 = tl.exp(_t107)
-            _p109 = tl.where(tmask, _t108, 0.0)
-            _kv_110 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv111 = tl.dot(_p109.to(DOT_T), _kv_110.to(DOT_T), input_precision=PREC)
-            _t112 = _t106 + _pv111
-            s_new = _t112
+            _kv_107 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+            _pv108 = tl.dot(_p102.to(DOT_T), _kv_107.to(DOT_T), acc=_t106, input_precision=PREC)
+            s_new = _pv108
             # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
             #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t113 = s2 * _t105
-            _r114 = tl.sum(tl.where(tmask, _t108, 0.0), axis=1)
-            _t115 = _t113 + _r114
-            s2_new = _t115
+            _t109 = s2 * _t105
+            _r110 = tl.sum(tl.where(tmask, _t101, 0.0), axis=1)
+            _t111 = _t109 + _r110
+            s2_new = _t111
         m = m_new
         s = s_new
         s2 = s2_new
@@ -374,34 +370,34 @@ def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t116 = tl.maximum(m, m_b)
-        m_new = _t116
+        _t112 = tl.maximum(m, m_b)
+        m_new = _t112
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f117 = _fin(m)
-        _f118 = _fin(m_new)
-        _t119 = _f117 - _f118
+        _f113 = _fin(m)
+        _f114 = _fin(m_new)
+        _t115 = _f113 - _f114
+        _t116 = tl.exp(_t115)
+        _t117 = s * _t116[:, None]
+        _f118 = _fin(m_b)
+        _t119 = _f118 - _f114
         _t120 = tl.exp(_t119)
-        _t121 = s * _t120[:, None]
-        _f122 = _fin(m_b)
-        _t123 = _f122 - _f118
-        _t124 = tl.exp(_t123)
-        _t125 = s_b * _t124[:, None]
-        _t126 = _t121 + _t125
-        s_new = _t126
+        _t121 = s_b * _t120[:, None]
+        _t122 = _t117 + _t121
+        s_new = _t122
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t127 = s2 * _t120
-        _t128 = s2_b * _t124
-        _t129 = _t127 + _t128
-        s2_new = _t129
+        _t123 = s2 * _t116
+        _t124 = s2_b * _t120
+        _t125 = _t123 + _t124
+        s2_new = _t125
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t130 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t130).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t126 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t126).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'softcap'
