@@ -463,11 +463,6 @@ class ContractionGen:
         L.append("    dcols = tl.arange(0, BLOCK_D)")
         L.append(f"    dmask = dcols < {'len_' + self.C[0] if self.C else 1}")
 
-    def tile_setup(self, L, start, ind, limit="n_j"):
-        L.append(f"{ind}cols = {start} + cols0")
-        L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
-        L.append(f"{ind}n_b = tl.sum(((cols < {limit})).to(tl.float32), axis=0)")
-
     def region(self, mode, ind, full=False, subst=None):
         ctx = CContext(self, mode, full=full)
         em = Emitter(ctx, indent=ind)
@@ -491,57 +486,83 @@ class ContractionGen:
         L.extend(em.lines)
         em.lines.clear()
 
-    def loop_body(self, L, ind, limit):
-        """The rolling update for one key tile: skip / full / masked variants."""
+    def uses_counts(self) -> bool:
+        p = self.p
+        forms = list(p.rolling.values()) + list(p.merge.values()) + list(p.init.values())
+        return any(t.op == "Cnt" for f in forms for t in f.walk())
+
+    def tile_setup(self, L, start, ind, limit="n_j"):
+        L.append(f"{ind}cols = {start} + cols0")
+        L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
+        if self.uses_counts():
+            L.append(f"{ind}n_b = tl.sum(((cols < {limit})).to(tl.float32), axis=0)")
+
+    def key_loop(self, L, lo, hi):
+        """Peel the first visible key tile (the states' definitions), then three loops:
+        masked tiles, tiles proven fully visible (no mask arithmetic), masked tiles.
+        Loads sit at the top level of each loop so the pipeliner can prefetch them."""
         p = self.p
         chain = self.f.rule_chain
         comment = lambda s: (f"{s.name}_AB = {pretty(p.rolling[s.name])}\n  derived by: "
                              f"{' -> '.join(chain(s.name, 'rolling')) or 'definition'}")
         sites = self.mask_sites()
-        skip_ok = bool(sites) and self.skip_is_sound(p, {n for n, _ in sites})
-        self.tile_setup(L, "start", ind, limit)
+        ind = "    "
         if not sites:
-            # no mask in the program: only the last tile needs bounds masking
-            L.append(f"{ind}if start + BLOCK_J <= {limit}:")
-            ctx, em = self.region("roll", ind + "    ", full=True)
-            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
-            L.append(f"{ind}else:")
-            ctx, em = self.region("roll", ind + "    ")
-            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
+            L.append(f"{ind}# no mask: every tile but a partial last one is fully visible")
+            L.append(f"{ind}first = {lo}")
+            L.append(f"{ind}end = {hi}")
+            L.append(f"{ind}f_lo = first")
+            L.append(f"{ind}f_hi = first + (({hi}) - first) // BLOCK_J * BLOCK_J")
         else:
-            L.append(f"{ind}j_lo = start * 1.0")
-            L.append(f"{ind}j_hi = (tl.minimum(start + BLOCK_J, {limit}) - 1) * 1.0")
+            skip_ok = self.skip_is_sound(p, {n for n, _ in sites})
+            L.append(f"{ind}# mask analysis: interval arithmetic over each key tile's index box finds the")
+            L.append(f"{ind}# tiles the mask excludes entirely (skipped{'' if skip_ok else ': not sound here, none'}) "
+                     "and the first run of tiles it includes entirely")
+            L.append(f"{ind}first = {hi} + 0 * ({lo})")
+            L.append(f"{ind}end = 0 * ({hi}) + ({lo})")
+            L.append(f"{ind}f_lo = {hi} + 0 * ({lo})")
+            L.append(f"{ind}f_hi = 0 * ({hi}) + ({lo})")
+            L.append(f"{ind}run = 0 * ({hi})")
+            L.append(f"{ind}for start in range({lo}, {hi}, BLOCK_J):")
+            L.append(f"{ind}    j_lo = start * 1.0")
+            L.append(f"{ind}    j_hi = (tl.minimum(start + BLOCK_J, {hi}) - 1) * 1.0")
             ivl: list = []
             trues, falses = [], []
             for _, cond in sites:
                 t_, f_ = self.truth(cond, ivl)
                 trues.append(t_)
                 falses.append(f_)
-            L.extend(f"{ind}{x}" for x in ivl)
-            L.append(f"{ind}# mask analysis over this tile's index box (interval arithmetic)")
-            L.append(f"{ind}full = {' & '.join(trues)} & (start + BLOCK_J <= {limit})")
-            L.append(f"{ind}skip = {' | '.join(falses)}" if skip_ok else f"{ind}skip = False")
-            for s in p.states:
-                L.append(f"{ind}{s.name}_new = {s.name}")
-            L.append(f"{ind}if full:")
-            L.append(f"{ind}    # every score of the tile is visible: no mask arithmetic")
-            subst = {n: self.leaves[n].args[1] for n, _ in sites}
-            ctx, em = self.region("roll", ind + "    ", full=True, subst=subst)
-            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
-            L.append(f"{ind}elif skip == 0:")
-            ctx, em = self.region("roll", ind + "    ")
-            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
-        for s in p.states:
-            L.append(f"{ind}{s.name} = {s.name}_new")
-        L.append(f"{ind}n_a = n_a + n_b")
-
-    def init_tile(self, L, start, limit):
-        p = self.p
-        self.tile_setup(L, start, "    ", limit)
-        ctx, em = self.region("init", "    ")
-        self.emit_states(p.init, em, L, "    ", "",
+            L.extend(f"{ind}    {x}" for x in ivl)
+            L.append(f"{ind}    full = {' & '.join(trues)} & (start + BLOCK_J <= {hi})")
+            L.append(f"{ind}    seen = " + (f"~({' | '.join(falses)})" if skip_ok else "full | ~full"))
+            L.append(f"{ind}    first = tl.where(seen & (first == {hi}), start, first)")
+            L.append(f"{ind}    end = tl.where(seen, tl.minimum(start + BLOCK_J, {hi}), end)")
+            L.append(f"{ind}    f_lo = tl.where(full & (run == 0), start, f_lo)")
+            L.append(f"{ind}    run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))")
+            L.append(f"{ind}    f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)")
+            L.append(f"{ind}# a row tile that sees no key still runs one (masked) tile: its states are empty")
+            L.append(f"{ind}first = tl.where(first == {hi}, {lo}, first)")
+            L.append(f"{ind}end = tl.maximum(end, tl.minimum(first + BLOCK_J, {hi}))")
+        L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)")
+        L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")
+        # peel: the first tile computes the states from their definitions
+        self.tile_setup(L, "first", ind, "end")
+        ctx, em = self.region("init", ind)
+        self.emit_states(p.init, em, L, ind, "",
                          lambda s: f"{s.name}: its definition on the first tile:  {pretty(p.init[s.name])}")
-        L.append("    n_a = n_b")
+        if self.uses_counts():
+            L.append(f"{ind}n_a = n_b")
+        subst = {n: self.leaves[n].args[1] for n, _ in sites}
+        for lo_, hi_, full, what in (("first + BLOCK_J", "a", False, "masked"), ("a", "b", True, "fully visible"),
+                                     ("b", "end", False, "masked")):
+            L.append(f"{ind}for start in range({lo_}, {hi_}, BLOCK_J):  # {what} tiles")
+            self.tile_setup(L, "start", ind + "    ", "end")
+            ctx, em = self.region("roll", ind + "    ", full=full, subst=subst if full else None)
+            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
+            for s_ in p.states:
+                L.append(f"{ind}    {s_.name} = {s_.name}_new")
+            if self.uses_counts():
+                L.append(f"{ind}    n_a = n_a + n_b")
 
     def store_outputs(self, L, ind="    "):
         ctx, em = self.region("final", ind)
@@ -570,10 +591,7 @@ class ContractionGen:
              "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state"]
         self.prologue(L)
         body = []
-        self.init_tile(body, "0", "n_j")
-        body.append("    for start in range(BLOCK_J, n_j, BLOCK_J):")
-        self.loop_body(body, "        ", "n_j")
-        ctx, em = self.region("final", "    ")
+        self.key_loop(body, "0", "n_j")
         self.store_outputs(body)
         return "\n".join(L + self.hoisting + body)
 
@@ -590,9 +608,7 @@ class ContractionGen:
              "    # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace"]
         self.prologue(L)
         body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
-        self.init_tile(body, "chunk_lo", "chunk_hi")
-        body.append("    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):")
-        self.loop_body(body, "        ", "chunk_hi")
+        self.key_loop(body, "chunk_lo", "chunk_hi")
         body.append("    base = (sid * n_grid + pid_g) * n_rows")
         for s in p.states:
             if self._is_vec(s):

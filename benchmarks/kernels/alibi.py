@@ -92,9 +92,30 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     dmask = dcols < len_d
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
     h2 = tl.load(slope_ptr + off_slope_g).to(tl.float32)
-    cols = 0 + cols0
-    tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = n_j + 0 * (0)
+    end = 0 * (n_j) + (0)
+    f_lo = n_j + 0 * (0)
+    f_hi = 0 * (n_j) + (0)
+    run = 0 * (n_j)
+    for start in range(0, n_j, BLOCK_J):
+        j_lo = start * 1.0
+        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
+        seen = ~((j_lo > i_hi))
+        first = tl.where(seen & (first == n_j), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == n_j, 0, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
     _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
     _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
@@ -117,90 +138,120 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
     _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
     s2 = _r16
-    n_a = n_b
-    for start in range(BLOCK_J, n_j, BLOCK_J):
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
-        j_lo = start * 1.0
-        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
-        skip = (j_lo > i_hi)
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_17 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_18 = tl.dot(h1.to(DOT_T), tl.trans(_kt_17.to(DOT_T)), input_precision=PREC)
-            _t19 = _dot_18 * 0.08838834764831843
-            _t20 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t21 = h2 * _t20
-            _t22 = _t19 + _t21
-            _r23 = tl.max(_t22, axis=1)
-            _t24 = tl.maximum(m, _r23)
-            m_new = _t24
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f25 = _fin(m_new)
-            _t26 = _t22 - _f25[:, None]
-            _t27 = tl.exp(_t26)
-            _f28 = _fin(m)
-            _t29 = _f28 - _f25
-            _t30 = tl.exp(_t29)
-            _t31 = s * _t30[:, None]
-            _kv_32 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv33 = tl.dot(_t27.to(DOT_T), _kv_32.to(DOT_T), acc=_t31, input_precision=PREC)
-            s_new = _pv33
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t34 = s2 * _t30
-            _r35 = tl.sum(_t27, axis=1)
-            _t36 = _t34 + _r35
-            s2_new = _t36
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c37 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_38 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_39 = tl.dot(h1.to(DOT_T), tl.trans(_kt_38.to(DOT_T)), input_precision=PREC)
-            _t40 = _dot_39 * 0.08838834764831843
-            _t41 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t42 = h2 * _t41
-            _t43 = _t40 + _t42
-            _t44 = tl.where(_c37, _t43, float('-inf'))
-            _r45 = tl.max(tl.where(tmask, _t44, float('-inf')), axis=1)
-            _t46 = tl.maximum(m, _r45)
-            m_new = _t46
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f47 = _fin(m_new)
-            _t48 = _t44 - _f47[:, None]
-            _t49 = tl.exp(_t48)
-            _p50 = tl.where(tmask, _t49, 0.0)
-            _f51 = _fin(m)
-            _t52 = _f51 - _f47
-            _t53 = tl.exp(_t52)
-            _t54 = s * _t53[:, None]
-            _kv_55 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv56 = tl.dot(_p50.to(DOT_T), _kv_55.to(DOT_T), acc=_t54, input_precision=PREC)
-            s_new = _pv56
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t57 = s2 * _t53
-            _r58 = tl.sum(tl.where(tmask, _t49, 0.0), axis=1)
-            _t59 = _t57 + _r58
-            s2_new = _t59
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c17 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_18 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_19 = tl.dot(h1.to(DOT_T), tl.trans(_kt_18.to(DOT_T)), input_precision=PREC)
+        _t20 = _dot_19 * 0.08838834764831843
+        _t21 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t22 = h2 * _t21
+        _t23 = _t20 + _t22
+        _t24 = tl.where(_c17, _t23, float('-inf'))
+        _r25 = tl.max(tl.where(tmask, _t24, float('-inf')), axis=1)
+        _t26 = tl.maximum(m, _r25)
+        m_new = _t26
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f27 = _fin(m_new)
+        _t28 = _t24 - _f27[:, None]
+        _t29 = tl.exp(_t28)
+        _p30 = tl.where(tmask, _t29, 0.0)
+        _f31 = _fin(m)
+        _t32 = _f31 - _f27
+        _t33 = tl.exp(_t32)
+        _t34 = s * _t33[:, None]
+        _kv_35 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv36 = tl.dot(_p30.to(DOT_T), _kv_35.to(DOT_T), acc=_t34, input_precision=PREC)
+        s_new = _pv36
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t37 = s2 * _t33
+        _r38 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
+        _t39 = _t37 + _r38
+        s2_new = _t39
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_40 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_41 = tl.dot(h1.to(DOT_T), tl.trans(_kt_40.to(DOT_T)), input_precision=PREC)
+        _t42 = _dot_41 * 0.08838834764831843
+        _t43 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t44 = h2 * _t43
+        _t45 = _t42 + _t44
+        _r46 = tl.max(_t45, axis=1)
+        _t47 = tl.maximum(m, _r46)
+        m_new = _t47
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f48 = _fin(m_new)
+        _t49 = _t45 - _f48[:, None]
+        _t50 = tl.exp(_t49)
+        _f51 = _fin(m)
+        _t52 = _f51 - _f48
+        _t53 = tl.exp(_t52)
+        _t54 = s * _t53[:, None]
+        _kv_55 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv56 = tl.dot(_t50.to(DOT_T), _kv_55.to(DOT_T), acc=_t54, input_precision=PREC)
+        s_new = _pv56
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t57 = s2 * _t53
+        _r58 = tl.sum(_t50, axis=1)
+        _t59 = _t57 + _r58
+        s2_new = _t59
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c60 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
+        _t63 = _dot_62 * 0.08838834764831843
+        _t64 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t65 = h2 * _t64
+        _t66 = _t63 + _t65
+        _t67 = tl.where(_c60, _t66, float('-inf'))
+        _r68 = tl.max(tl.where(tmask, _t67, float('-inf')), axis=1)
+        _t69 = tl.maximum(m, _r68)
+        m_new = _t69
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f70 = _fin(m_new)
+        _t71 = _t67 - _f70[:, None]
+        _t72 = tl.exp(_t71)
+        _p73 = tl.where(tmask, _t72, 0.0)
+        _f74 = _fin(m)
+        _t75 = _f74 - _f70
+        _t76 = tl.exp(_t75)
+        _t77 = s * _t76[:, None]
+        _kv_78 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv79 = tl.dot(_p73.to(DOT_T), _kv_78.to(DOT_T), acc=_t77, input_precision=PREC)
+        s_new = _pv79
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t80 = s2 * _t76
+        _r81 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
+        _t82 = _t80 + _r81
+        s2_new = _t82
+        m = m_new
+        s = s_new
+        s2 = s2_new
     # output o = s_J / s2_J
-    _t60 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t60).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t83 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t83).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -243,112 +294,163 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     sid = tl.program_id(2)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    cols = chunk_lo + cols0
-    tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
-    # m: its definition on the first tile:  max_B(e1)
-    _c61 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_62 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_63 = tl.dot(h1.to(DOT_T), tl.trans(_kt_62.to(DOT_T)), input_precision=PREC)
-    _t64 = _dot_63 * 0.08838834764831843
-    _t65 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-    _t66 = h2 * _t65
-    _t67 = _t64 + _t66
-    _t68 = tl.where(_c61, _t67, float('-inf'))
-    _r69 = tl.max(tl.where(tmask, _t68, float('-inf')), axis=1)
-    m = _r69
-    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f70 = _fin(m)
-    _t71 = _t68 - _f70[:, None]
-    _t72 = tl.exp(_t71)
-    _p73 = tl.where(tmask, _t72, 0.0)
-    _kv_74 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv75 = tl.dot(_p73.to(DOT_T), _kv_74.to(DOT_T), input_precision=PREC)
-    s = _pv75
-    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r76 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
-    s2 = _r76
-    n_a = n_b
-    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
-        cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = chunk_hi + 0 * (chunk_lo)
+    end = 0 * (chunk_hi) + (chunk_lo)
+    f_lo = chunk_hi + 0 * (chunk_lo)
+    f_hi = 0 * (chunk_hi) + (chunk_lo)
+    run = 0 * (chunk_hi)
+    for start in range(chunk_lo, chunk_hi, BLOCK_J):
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
         full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi)
-        skip = (j_lo > i_hi)
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
-            _t79 = _dot_78 * 0.08838834764831843
-            _t80 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t81 = h2 * _t80
-            _t82 = _t79 + _t81
-            _r83 = tl.max(_t82, axis=1)
-            _t84 = tl.maximum(m, _r83)
-            m_new = _t84
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f85 = _fin(m_new)
-            _t86 = _t82 - _f85[:, None]
-            _t87 = tl.exp(_t86)
-            _f88 = _fin(m)
-            _t89 = _f88 - _f85
-            _t90 = tl.exp(_t89)
-            _t91 = s * _t90[:, None]
-            _kv_92 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv93 = tl.dot(_t87.to(DOT_T), _kv_92.to(DOT_T), acc=_t91, input_precision=PREC)
-            s_new = _pv93
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t94 = s2 * _t90
-            _r95 = tl.sum(_t87, axis=1)
-            _t96 = _t94 + _r95
-            s2_new = _t96
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c97 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_98 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_99 = tl.dot(h1.to(DOT_T), tl.trans(_kt_98.to(DOT_T)), input_precision=PREC)
-            _t100 = _dot_99 * 0.08838834764831843
-            _t101 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-            _t102 = h2 * _t101
-            _t103 = _t100 + _t102
-            _t104 = tl.where(_c97, _t103, float('-inf'))
-            _r105 = tl.max(tl.where(tmask, _t104, float('-inf')), axis=1)
-            _t106 = tl.maximum(m, _r105)
-            m_new = _t106
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f107 = _fin(m_new)
-            _t108 = _t104 - _f107[:, None]
-            _t109 = tl.exp(_t108)
-            _p110 = tl.where(tmask, _t109, 0.0)
-            _f111 = _fin(m)
-            _t112 = _f111 - _f107
-            _t113 = tl.exp(_t112)
-            _t114 = s * _t113[:, None]
-            _kv_115 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv116 = tl.dot(_p110.to(DOT_T), _kv_115.to(DOT_T), acc=_t114, input_precision=PREC)
-            s_new = _pv116
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t117 = s2 * _t113
-            _r118 = tl.sum(tl.where(tmask, _t109, 0.0), axis=1)
-            _t119 = _t117 + _r118
-            s2_new = _t119
+        seen = ~((j_lo > i_hi))
+        first = tl.where(seen & (first == chunk_hi), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == chunk_hi, chunk_lo, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
+    # m: its definition on the first tile:  max_B(e1)
+    _c84 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_85 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_86 = tl.dot(h1.to(DOT_T), tl.trans(_kt_85.to(DOT_T)), input_precision=PREC)
+    _t87 = _dot_86 * 0.08838834764831843
+    _t88 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+    _t89 = h2 * _t88
+    _t90 = _t87 + _t89
+    _t91 = tl.where(_c84, _t90, float('-inf'))
+    _r92 = tl.max(tl.where(tmask, _t91, float('-inf')), axis=1)
+    m = _r92
+    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
+    _f93 = _fin(m)
+    _t94 = _t91 - _f93[:, None]
+    _t95 = tl.exp(_t94)
+    _p96 = tl.where(tmask, _t95, 0.0)
+    _kv_97 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv98 = tl.dot(_p96.to(DOT_T), _kv_97.to(DOT_T), input_precision=PREC)
+    s = _pv98
+    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
+    _r99 = tl.sum(tl.where(tmask, _t95, 0.0), axis=1)
+    s2 = _r99
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c100 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
+        _t103 = _dot_102 * 0.08838834764831843
+        _t104 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t105 = h2 * _t104
+        _t106 = _t103 + _t105
+        _t107 = tl.where(_c100, _t106, float('-inf'))
+        _r108 = tl.max(tl.where(tmask, _t107, float('-inf')), axis=1)
+        _t109 = tl.maximum(m, _r108)
+        m_new = _t109
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f110 = _fin(m_new)
+        _t111 = _t107 - _f110[:, None]
+        _t112 = tl.exp(_t111)
+        _p113 = tl.where(tmask, _t112, 0.0)
+        _f114 = _fin(m)
+        _t115 = _f114 - _f110
+        _t116 = tl.exp(_t115)
+        _t117 = s * _t116[:, None]
+        _kv_118 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv119 = tl.dot(_p113.to(DOT_T), _kv_118.to(DOT_T), acc=_t117, input_precision=PREC)
+        s_new = _pv119
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t120 = s2 * _t116
+        _r121 = tl.sum(tl.where(tmask, _t112, 0.0), axis=1)
+        _t122 = _t120 + _r121
+        s2_new = _t122
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_123 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_124 = tl.dot(h1.to(DOT_T), tl.trans(_kt_123.to(DOT_T)), input_precision=PREC)
+        _t125 = _dot_124 * 0.08838834764831843
+        _t126 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t127 = h2 * _t126
+        _t128 = _t125 + _t127
+        _r129 = tl.max(_t128, axis=1)
+        _t130 = tl.maximum(m, _r129)
+        m_new = _t130
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f131 = _fin(m_new)
+        _t132 = _t128 - _f131[:, None]
+        _t133 = tl.exp(_t132)
+        _f134 = _fin(m)
+        _t135 = _f134 - _f131
+        _t136 = tl.exp(_t135)
+        _t137 = s * _t136[:, None]
+        _kv_138 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv139 = tl.dot(_t133.to(DOT_T), _kv_138.to(DOT_T), acc=_t137, input_precision=PREC)
+        s_new = _pv139
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t140 = s2 * _t136
+        _r141 = tl.sum(_t133, axis=1)
+        _t142 = _t140 + _r141
+        s2_new = _t142
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c143 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_144 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_145 = tl.dot(h1.to(DOT_T), tl.trans(_kt_144.to(DOT_T)), input_precision=PREC)
+        _t146 = _dot_145 * 0.08838834764831843
+        _t147 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t148 = h2 * _t147
+        _t149 = _t146 + _t148
+        _t150 = tl.where(_c143, _t149, float('-inf'))
+        _r151 = tl.max(tl.where(tmask, _t150, float('-inf')), axis=1)
+        _t152 = tl.maximum(m, _r151)
+        m_new = _t152
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f153 = _fin(m_new)
+        _t154 = _t150 - _f153[:, None]
+        _t155 = tl.exp(_t154)
+        _p156 = tl.where(tmask, _t155, 0.0)
+        _f157 = _fin(m)
+        _t158 = _f157 - _f153
+        _t159 = tl.exp(_t158)
+        _t160 = s * _t159[:, None]
+        _kv_161 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv162 = tl.dot(_p156.to(DOT_T), _kv_161.to(DOT_T), acc=_t160, input_precision=PREC)
+        s_new = _pv162
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t163 = s2 * _t159
+        _r164 = tl.sum(tl.where(tmask, _t155, 0.0), axis=1)
+        _t165 = _t163 + _r164
+        s2_new = _t165
+        m = m_new
+        s = s_new
+        s2 = s2_new
     base = (sid * n_grid + pid_g) * n_rows
     tl.store(ws_m + base + rows, m, mask=rmask)
     tl.store(ws_s + (base + rows)[:, None] * BLOCK_E + ecols[None, :], s, mask=rmask[:, None])
@@ -401,34 +503,34 @@ def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t120 = tl.maximum(m, m_b)
-        m_new = _t120
+        _t166 = tl.maximum(m, m_b)
+        m_new = _t166
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f121 = _fin(m)
-        _f122 = _fin(m_new)
-        _t123 = _f121 - _f122
-        _t124 = tl.exp(_t123)
-        _t125 = s * _t124[:, None]
-        _f126 = _fin(m_b)
-        _t127 = _f126 - _f122
-        _t128 = tl.exp(_t127)
-        _t129 = s_b * _t128[:, None]
-        _t130 = _t125 + _t129
-        s_new = _t130
+        _f167 = _fin(m)
+        _f168 = _fin(m_new)
+        _t169 = _f167 - _f168
+        _t170 = tl.exp(_t169)
+        _t171 = s * _t170[:, None]
+        _f172 = _fin(m_b)
+        _t173 = _f172 - _f168
+        _t174 = tl.exp(_t173)
+        _t175 = s_b * _t174[:, None]
+        _t176 = _t171 + _t175
+        s_new = _t176
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t131 = s2 * _t124
-        _t132 = s2_b * _t128
-        _t133 = _t131 + _t132
-        s2_new = _t133
+        _t177 = s2 * _t170
+        _t178 = s2_b * _t174
+        _t179 = _t177 + _t178
+        s2_new = _t179
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t134 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t134).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t180 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t180).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'alibi'

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -90,9 +90,30 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < len_d
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    cols = 0 + cols0
-    tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = n_j + 0 * (0)
+    end = 0 * (n_j) + (0)
+    f_lo = n_j + 0 * (0)
+    f_hi = 0 * (n_j) + (0)
+    run = 0 * (n_j)
+    for start in range(0, n_j, BLOCK_J):
+        j_lo = start * 1.0
+        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
+        seen = ~((j_lo > i_hi))
+        first = tl.where(seen & (first == n_j), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == n_j, 0, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
     _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
     _kt_2 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
@@ -112,84 +133,111 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
     _r13 = tl.sum(tl.where(tmask, _t9, 0.0), axis=1)
     s2 = _r13
-    n_a = n_b
-    for start in range(BLOCK_J, n_j, BLOCK_J):
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
-        j_lo = start * 1.0
-        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
-        skip = (j_lo > i_hi)
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_14 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_15 = tl.dot(h1.to(DOT_T), tl.trans(_kt_14.to(DOT_T)), input_precision=PREC)
-            _t16 = _dot_15 * 0.08838834764831843
-            _r17 = tl.max(_t16, axis=1)
-            _t18 = tl.maximum(m, _r17)
-            m_new = _t18
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f19 = _fin(m_new)
-            _t20 = _t16 - _f19[:, None]
-            _t21 = tl.exp(_t20)
-            _f22 = _fin(m)
-            _t23 = _f22 - _f19
-            _t24 = tl.exp(_t23)
-            _t25 = s * _t24[:, None]
-            _kv_26 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv27 = tl.dot(_t21.to(DOT_T), _kv_26.to(DOT_T), acc=_t25, input_precision=PREC)
-            s_new = _pv27
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t28 = s2 * _t24
-            _r29 = tl.sum(_t21, axis=1)
-            _t30 = _t28 + _r29
-            s2_new = _t30
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c31 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_32 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_33 = tl.dot(h1.to(DOT_T), tl.trans(_kt_32.to(DOT_T)), input_precision=PREC)
-            _t34 = _dot_33 * 0.08838834764831843
-            _t35 = tl.where(_c31, _t34, float('-inf'))
-            _r36 = tl.max(tl.where(tmask, _t35, float('-inf')), axis=1)
-            _t37 = tl.maximum(m, _r36)
-            m_new = _t37
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f38 = _fin(m_new)
-            _t39 = _t35 - _f38[:, None]
-            _t40 = tl.exp(_t39)
-            _p41 = tl.where(tmask, _t40, 0.0)
-            _f42 = _fin(m)
-            _t43 = _f42 - _f38
-            _t44 = tl.exp(_t43)
-            _t45 = s * _t44[:, None]
-            _kv_46 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv47 = tl.dot(_p41.to(DOT_T), _kv_46.to(DOT_T), acc=_t45, input_precision=PREC)
-            s_new = _pv47
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t48 = s2 * _t44
-            _r49 = tl.sum(tl.where(tmask, _t40, 0.0), axis=1)
-            _t50 = _t48 + _r49
-            s2_new = _t50
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c14 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
+        _t17 = _dot_16 * 0.08838834764831843
+        _t18 = tl.where(_c14, _t17, float('-inf'))
+        _r19 = tl.max(tl.where(tmask, _t18, float('-inf')), axis=1)
+        _t20 = tl.maximum(m, _r19)
+        m_new = _t20
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f21 = _fin(m_new)
+        _t22 = _t18 - _f21[:, None]
+        _t23 = tl.exp(_t22)
+        _p24 = tl.where(tmask, _t23, 0.0)
+        _f25 = _fin(m)
+        _t26 = _f25 - _f21
+        _t27 = tl.exp(_t26)
+        _t28 = s * _t27[:, None]
+        _kv_29 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv30 = tl.dot(_p24.to(DOT_T), _kv_29.to(DOT_T), acc=_t28, input_precision=PREC)
+        s_new = _pv30
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t31 = s2 * _t27
+        _r32 = tl.sum(tl.where(tmask, _t23, 0.0), axis=1)
+        _t33 = _t31 + _r32
+        s2_new = _t33
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_34 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_35 = tl.dot(h1.to(DOT_T), tl.trans(_kt_34.to(DOT_T)), input_precision=PREC)
+        _t36 = _dot_35 * 0.08838834764831843
+        _r37 = tl.max(_t36, axis=1)
+        _t38 = tl.maximum(m, _r37)
+        m_new = _t38
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f39 = _fin(m_new)
+        _t40 = _t36 - _f39[:, None]
+        _t41 = tl.exp(_t40)
+        _f42 = _fin(m)
+        _t43 = _f42 - _f39
+        _t44 = tl.exp(_t43)
+        _t45 = s * _t44[:, None]
+        _kv_46 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv47 = tl.dot(_t41.to(DOT_T), _kv_46.to(DOT_T), acc=_t45, input_precision=PREC)
+        s_new = _pv47
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t48 = s2 * _t44
+        _r49 = tl.sum(_t41, axis=1)
+        _t50 = _t48 + _r49
+        s2_new = _t50
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c51 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_52 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_53 = tl.dot(h1.to(DOT_T), tl.trans(_kt_52.to(DOT_T)), input_precision=PREC)
+        _t54 = _dot_53 * 0.08838834764831843
+        _t55 = tl.where(_c51, _t54, float('-inf'))
+        _r56 = tl.max(tl.where(tmask, _t55, float('-inf')), axis=1)
+        _t57 = tl.maximum(m, _r56)
+        m_new = _t57
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f58 = _fin(m_new)
+        _t59 = _t55 - _f58[:, None]
+        _t60 = tl.exp(_t59)
+        _p61 = tl.where(tmask, _t60, 0.0)
+        _f62 = _fin(m)
+        _t63 = _f62 - _f58
+        _t64 = tl.exp(_t63)
+        _t65 = s * _t64[:, None]
+        _kv_66 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv67 = tl.dot(_p61.to(DOT_T), _kv_66.to(DOT_T), acc=_t65, input_precision=PREC)
+        s_new = _pv67
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t68 = s2 * _t64
+        _r69 = tl.sum(tl.where(tmask, _t60, 0.0), axis=1)
+        _t70 = _t68 + _r69
+        s2_new = _t70
+        m = m_new
+        s = s_new
+        s2 = s2_new
     # output o = s_J / s2_J
-    _t51 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t51).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t71 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t71).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -230,103 +278,151 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     sid = tl.program_id(2)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    cols = chunk_lo + cols0
-    tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
-    # m: its definition on the first tile:  max_B(e1)
-    _c52 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_53 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_54 = tl.dot(h1.to(DOT_T), tl.trans(_kt_53.to(DOT_T)), input_precision=PREC)
-    _t55 = _dot_54 * 0.08838834764831843
-    _t56 = tl.where(_c52, _t55, float('-inf'))
-    _r57 = tl.max(tl.where(tmask, _t56, float('-inf')), axis=1)
-    m = _r57
-    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f58 = _fin(m)
-    _t59 = _t56 - _f58[:, None]
-    _t60 = tl.exp(_t59)
-    _p61 = tl.where(tmask, _t60, 0.0)
-    _kv_62 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv63 = tl.dot(_p61.to(DOT_T), _kv_62.to(DOT_T), input_precision=PREC)
-    s = _pv63
-    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r64 = tl.sum(tl.where(tmask, _t60, 0.0), axis=1)
-    s2 = _r64
-    n_a = n_b
-    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
-        cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = chunk_hi + 0 * (chunk_lo)
+    end = 0 * (chunk_hi) + (chunk_lo)
+    f_lo = chunk_hi + 0 * (chunk_lo)
+    f_hi = 0 * (chunk_hi) + (chunk_lo)
+    run = 0 * (chunk_hi)
+    for start in range(chunk_lo, chunk_hi, BLOCK_J):
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
         full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi)
-        skip = (j_lo > i_hi)
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_65 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_66 = tl.dot(h1.to(DOT_T), tl.trans(_kt_65.to(DOT_T)), input_precision=PREC)
-            _t67 = _dot_66 * 0.08838834764831843
-            _r68 = tl.max(_t67, axis=1)
-            _t69 = tl.maximum(m, _r68)
-            m_new = _t69
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f70 = _fin(m_new)
-            _t71 = _t67 - _f70[:, None]
-            _t72 = tl.exp(_t71)
-            _f73 = _fin(m)
-            _t74 = _f73 - _f70
-            _t75 = tl.exp(_t74)
-            _t76 = s * _t75[:, None]
-            _kv_77 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv78 = tl.dot(_t72.to(DOT_T), _kv_77.to(DOT_T), acc=_t76, input_precision=PREC)
-            s_new = _pv78
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t79 = s2 * _t75
-            _r80 = tl.sum(_t72, axis=1)
-            _t81 = _t79 + _r80
-            s2_new = _t81
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c82 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _kt_83 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_84 = tl.dot(h1.to(DOT_T), tl.trans(_kt_83.to(DOT_T)), input_precision=PREC)
-            _t85 = _dot_84 * 0.08838834764831843
-            _t86 = tl.where(_c82, _t85, float('-inf'))
-            _r87 = tl.max(tl.where(tmask, _t86, float('-inf')), axis=1)
-            _t88 = tl.maximum(m, _r87)
-            m_new = _t88
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f89 = _fin(m_new)
-            _t90 = _t86 - _f89[:, None]
-            _t91 = tl.exp(_t90)
-            _p92 = tl.where(tmask, _t91, 0.0)
-            _f93 = _fin(m)
-            _t94 = _f93 - _f89
-            _t95 = tl.exp(_t94)
-            _t96 = s * _t95[:, None]
-            _kv_97 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv98 = tl.dot(_p92.to(DOT_T), _kv_97.to(DOT_T), acc=_t96, input_precision=PREC)
-            s_new = _pv98
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t99 = s2 * _t95
-            _r100 = tl.sum(tl.where(tmask, _t91, 0.0), axis=1)
-            _t101 = _t99 + _r100
-            s2_new = _t101
+        seen = ~((j_lo > i_hi))
+        first = tl.where(seen & (first == chunk_hi), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == chunk_hi, chunk_lo, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
+    # m: its definition on the first tile:  max_B(e1)
+    _c72 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_73 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_74 = tl.dot(h1.to(DOT_T), tl.trans(_kt_73.to(DOT_T)), input_precision=PREC)
+    _t75 = _dot_74 * 0.08838834764831843
+    _t76 = tl.where(_c72, _t75, float('-inf'))
+    _r77 = tl.max(tl.where(tmask, _t76, float('-inf')), axis=1)
+    m = _r77
+    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
+    _f78 = _fin(m)
+    _t79 = _t76 - _f78[:, None]
+    _t80 = tl.exp(_t79)
+    _p81 = tl.where(tmask, _t80, 0.0)
+    _kv_82 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv83 = tl.dot(_p81.to(DOT_T), _kv_82.to(DOT_T), input_precision=PREC)
+    s = _pv83
+    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
+    _r84 = tl.sum(tl.where(tmask, _t80, 0.0), axis=1)
+    s2 = _r84
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c85 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_86 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_87 = tl.dot(h1.to(DOT_T), tl.trans(_kt_86.to(DOT_T)), input_precision=PREC)
+        _t88 = _dot_87 * 0.08838834764831843
+        _t89 = tl.where(_c85, _t88, float('-inf'))
+        _r90 = tl.max(tl.where(tmask, _t89, float('-inf')), axis=1)
+        _t91 = tl.maximum(m, _r90)
+        m_new = _t91
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f92 = _fin(m_new)
+        _t93 = _t89 - _f92[:, None]
+        _t94 = tl.exp(_t93)
+        _p95 = tl.where(tmask, _t94, 0.0)
+        _f96 = _fin(m)
+        _t97 = _f96 - _f92
+        _t98 = tl.exp(_t97)
+        _t99 = s * _t98[:, None]
+        _kv_100 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv101 = tl.dot(_p95.to(DOT_T), _kv_100.to(DOT_T), acc=_t99, input_precision=PREC)
+        s_new = _pv101
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t102 = s2 * _t98
+        _r103 = tl.sum(tl.where(tmask, _t94, 0.0), axis=1)
+        _t104 = _t102 + _r103
+        s2_new = _t104
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_105 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_106 = tl.dot(h1.to(DOT_T), tl.trans(_kt_105.to(DOT_T)), input_precision=PREC)
+        _t107 = _dot_106 * 0.08838834764831843
+        _r108 = tl.max(_t107, axis=1)
+        _t109 = tl.maximum(m, _r108)
+        m_new = _t109
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f110 = _fin(m_new)
+        _t111 = _t107 - _f110[:, None]
+        _t112 = tl.exp(_t111)
+        _f113 = _fin(m)
+        _t114 = _f113 - _f110
+        _t115 = tl.exp(_t114)
+        _t116 = s * _t115[:, None]
+        _kv_117 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv118 = tl.dot(_t112.to(DOT_T), _kv_117.to(DOT_T), acc=_t116, input_precision=PREC)
+        s_new = _pv118
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t119 = s2 * _t115
+        _r120 = tl.sum(_t112, axis=1)
+        _t121 = _t119 + _r120
+        s2_new = _t121
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c122 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_123 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_124 = tl.dot(h1.to(DOT_T), tl.trans(_kt_123.to(DOT_T)), input_precision=PREC)
+        _t125 = _dot_124 * 0.08838834764831843
+        _t126 = tl.where(_c122, _t125, float('-inf'))
+        _r127 = tl.max(tl.where(tmask, _t126, float('-inf')), axis=1)
+        _t128 = tl.maximum(m, _r127)
+        m_new = _t128
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f129 = _fin(m_new)
+        _t130 = _t126 - _f129[:, None]
+        _t131 = tl.exp(_t130)
+        _p132 = tl.where(tmask, _t131, 0.0)
+        _f133 = _fin(m)
+        _t134 = _f133 - _f129
+        _t135 = tl.exp(_t134)
+        _t136 = s * _t135[:, None]
+        _kv_137 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv138 = tl.dot(_p132.to(DOT_T), _kv_137.to(DOT_T), acc=_t136, input_precision=PREC)
+        s_new = _pv138
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t139 = s2 * _t135
+        _r140 = tl.sum(tl.where(tmask, _t131, 0.0), axis=1)
+        _t141 = _t139 + _r140
+        s2_new = _t141
+        m = m_new
+        s = s_new
+        s2 = s2_new
     base = (sid * n_grid + pid_g) * n_rows
     tl.store(ws_m + base + rows, m, mask=rmask)
     tl.store(ws_s + (base + rows)[:, None] * BLOCK_E + ecols[None, :], s, mask=rmask[:, None])
@@ -378,34 +474,34 @@ def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t102 = tl.maximum(m, m_b)
-        m_new = _t102
+        _t142 = tl.maximum(m, m_b)
+        m_new = _t142
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f103 = _fin(m)
-        _f104 = _fin(m_new)
-        _t105 = _f103 - _f104
-        _t106 = tl.exp(_t105)
-        _t107 = s * _t106[:, None]
-        _f108 = _fin(m_b)
-        _t109 = _f108 - _f104
-        _t110 = tl.exp(_t109)
-        _t111 = s_b * _t110[:, None]
-        _t112 = _t107 + _t111
-        s_new = _t112
+        _f143 = _fin(m)
+        _f144 = _fin(m_new)
+        _t145 = _f143 - _f144
+        _t146 = tl.exp(_t145)
+        _t147 = s * _t146[:, None]
+        _f148 = _fin(m_b)
+        _t149 = _f148 - _f144
+        _t150 = tl.exp(_t149)
+        _t151 = s_b * _t150[:, None]
+        _t152 = _t147 + _t151
+        s_new = _t152
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t113 = s2 * _t106
-        _t114 = s2_b * _t110
-        _t115 = _t113 + _t114
-        s2_new = _t115
+        _t153 = s2 * _t146
+        _t154 = s2_b * _t150
+        _t155 = _t153 + _t154
+        s2_new = _t155
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t116 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t116).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t156 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t156).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'causal'

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(sum_d(q * k) * 0.08838834764831843 - max_j(sum_d(q * k) * 0.08838834764831843)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 7 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -95,9 +95,15 @@ def gqa_attn(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s_k_
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < len_d
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    cols = 0 + cols0
-    tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
+    # no mask: every tile but a partial last one is fully visible
+    first = 0
+    end = n_j
+    f_lo = first
+    f_hi = first + ((n_j) - first) // BLOCK_J * BLOCK_J
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
     _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
     _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
@@ -115,73 +121,107 @@ def gqa_attn(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s_k_
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
     _r11 = tl.sum(tl.where(tmask, _t7, 0.0), axis=1)
     s2 = _r11
-    n_a = n_b
-    for start in range(BLOCK_J, n_j, BLOCK_J):
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
-        if start + BLOCK_J <= n_j:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_12 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_13 = tl.dot(h1.to(DOT_T), tl.trans(_kt_12.to(DOT_T)), input_precision=PREC)
-            _t14 = _dot_13 * 0.08838834764831843
-            _r15 = tl.max(_t14, axis=1)
-            _t16 = tl.maximum(m, _r15)
-            m_new = _t16
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f17 = _fin(m_new)
-            _t18 = _t14 - _f17[:, None]
-            _t19 = tl.exp(_t18)
-            _f20 = _fin(m)
-            _t21 = _f20 - _f17
-            _t22 = tl.exp(_t21)
-            _t23 = s * _t22[:, None]
-            _kv_24 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv25 = tl.dot(_t19.to(DOT_T), _kv_24.to(DOT_T), acc=_t23, input_precision=PREC)
-            s_new = _pv25
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t26 = s2 * _t22
-            _r27 = tl.sum(_t19, axis=1)
-            _t28 = _t26 + _r27
-            s2_new = _t28
-        else:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_29 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_30 = tl.dot(h1.to(DOT_T), tl.trans(_kt_29.to(DOT_T)), input_precision=PREC)
-            _t31 = _dot_30 * 0.08838834764831843
-            _r32 = tl.max(tl.where(tmask, _t31, float('-inf')), axis=1)
-            _t33 = tl.maximum(m, _r32)
-            m_new = _t33
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f34 = _fin(m_new)
-            _t35 = _t31 - _f34[:, None]
-            _t36 = tl.exp(_t35)
-            _p37 = tl.where(tmask, _t36, 0.0)
-            _f38 = _fin(m)
-            _t39 = _f38 - _f34
-            _t40 = tl.exp(_t39)
-            _t41 = s * _t40[:, None]
-            _kv_42 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv43 = tl.dot(_p37.to(DOT_T), _kv_42.to(DOT_T), acc=_t41, input_precision=PREC)
-            s_new = _pv43
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t44 = s2 * _t40
-            _r45 = tl.sum(tl.where(tmask, _t36, 0.0), axis=1)
-            _t46 = _t44 + _r45
-            s2_new = _t46
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_12 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_13 = tl.dot(h1.to(DOT_T), tl.trans(_kt_12.to(DOT_T)), input_precision=PREC)
+        _t14 = _dot_13 * 0.08838834764831843
+        _r15 = tl.max(tl.where(tmask, _t14, float('-inf')), axis=1)
+        _t16 = tl.maximum(m, _r15)
+        m_new = _t16
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f17 = _fin(m_new)
+        _t18 = _t14 - _f17[:, None]
+        _t19 = tl.exp(_t18)
+        _p20 = tl.where(tmask, _t19, 0.0)
+        _f21 = _fin(m)
+        _t22 = _f21 - _f17
+        _t23 = tl.exp(_t22)
+        _t24 = s * _t23[:, None]
+        _kv_25 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv26 = tl.dot(_p20.to(DOT_T), _kv_25.to(DOT_T), acc=_t24, input_precision=PREC)
+        s_new = _pv26
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t27 = s2 * _t23
+        _r28 = tl.sum(tl.where(tmask, _t19, 0.0), axis=1)
+        _t29 = _t27 + _r28
+        s2_new = _t29
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_30 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_31 = tl.dot(h1.to(DOT_T), tl.trans(_kt_30.to(DOT_T)), input_precision=PREC)
+        _t32 = _dot_31 * 0.08838834764831843
+        _r33 = tl.max(_t32, axis=1)
+        _t34 = tl.maximum(m, _r33)
+        m_new = _t34
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f35 = _fin(m_new)
+        _t36 = _t32 - _f35[:, None]
+        _t37 = tl.exp(_t36)
+        _f38 = _fin(m)
+        _t39 = _f38 - _f35
+        _t40 = tl.exp(_t39)
+        _t41 = s * _t40[:, None]
+        _kv_42 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv43 = tl.dot(_t37.to(DOT_T), _kv_42.to(DOT_T), acc=_t41, input_precision=PREC)
+        s_new = _pv43
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t44 = s2 * _t40
+        _r45 = tl.sum(_t37, axis=1)
+        _t46 = _t44 + _r45
+        s2_new = _t46
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_47 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_48 = tl.dot(h1.to(DOT_T), tl.trans(_kt_47.to(DOT_T)), input_precision=PREC)
+        _t49 = _dot_48 * 0.08838834764831843
+        _r50 = tl.max(tl.where(tmask, _t49, float('-inf')), axis=1)
+        _t51 = tl.maximum(m, _r50)
+        m_new = _t51
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f52 = _fin(m_new)
+        _t53 = _t49 - _f52[:, None]
+        _t54 = tl.exp(_t53)
+        _p55 = tl.where(tmask, _t54, 0.0)
+        _f56 = _fin(m)
+        _t57 = _f56 - _f52
+        _t58 = tl.exp(_t57)
+        _t59 = s * _t58[:, None]
+        _kv_60 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv61 = tl.dot(_p55.to(DOT_T), _kv_60.to(DOT_T), acc=_t59, input_precision=PREC)
+        s_new = _pv61
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t62 = s2 * _t58
+        _r63 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
+        _t64 = _t62 + _r63
+        s2_new = _t64
+        m = m_new
+        s = s_new
+        s2 = s2_new
     # output o = s_J / s2_J
-    _t47 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t47).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t65 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t65).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -227,90 +267,130 @@ def gqa_part(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s_k_
     sid = tl.program_id(2)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    cols = chunk_lo + cols0
-    tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
+    # no mask: every tile but a partial last one is fully visible
+    first = chunk_lo
+    end = chunk_hi
+    f_lo = first
+    f_hi = first + ((chunk_hi) - first) // BLOCK_J * BLOCK_J
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_48 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_49 = tl.dot(h1.to(DOT_T), tl.trans(_kt_48.to(DOT_T)), input_precision=PREC)
-    _t50 = _dot_49 * 0.08838834764831843
-    _r51 = tl.max(tl.where(tmask, _t50, float('-inf')), axis=1)
-    m = _r51
+    _kt_66 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_67 = tl.dot(h1.to(DOT_T), tl.trans(_kt_66.to(DOT_T)), input_precision=PREC)
+    _t68 = _dot_67 * 0.08838834764831843
+    _r69 = tl.max(tl.where(tmask, _t68, float('-inf')), axis=1)
+    m = _r69
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f52 = _fin(m)
-    _t53 = _t50 - _f52[:, None]
-    _t54 = tl.exp(_t53)
-    _p55 = tl.where(tmask, _t54, 0.0)
-    _kv_56 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv57 = tl.dot(_p55.to(DOT_T), _kv_56.to(DOT_T), input_precision=PREC)
-    s = _pv57
+    _f70 = _fin(m)
+    _t71 = _t68 - _f70[:, None]
+    _t72 = tl.exp(_t71)
+    _p73 = tl.where(tmask, _t72, 0.0)
+    _kv_74 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv75 = tl.dot(_p73.to(DOT_T), _kv_74.to(DOT_T), input_precision=PREC)
+    s = _pv75
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r58 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
-    s2 = _r58
-    n_a = n_b
-    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
+    _r76 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
+    s2 = _r76
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
-        if start + BLOCK_J <= chunk_hi:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_59 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_60 = tl.dot(h1.to(DOT_T), tl.trans(_kt_59.to(DOT_T)), input_precision=PREC)
-            _t61 = _dot_60 * 0.08838834764831843
-            _r62 = tl.max(_t61, axis=1)
-            _t63 = tl.maximum(m, _r62)
-            m_new = _t63
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f64 = _fin(m_new)
-            _t65 = _t61 - _f64[:, None]
-            _t66 = tl.exp(_t65)
-            _f67 = _fin(m)
-            _t68 = _f67 - _f64
-            _t69 = tl.exp(_t68)
-            _t70 = s * _t69[:, None]
-            _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv72 = tl.dot(_t66.to(DOT_T), _kv_71.to(DOT_T), acc=_t70, input_precision=PREC)
-            s_new = _pv72
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t73 = s2 * _t69
-            _r74 = tl.sum(_t66, axis=1)
-            _t75 = _t73 + _r74
-            s2_new = _t75
-        else:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_76 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_77 = tl.dot(h1.to(DOT_T), tl.trans(_kt_76.to(DOT_T)), input_precision=PREC)
-            _t78 = _dot_77 * 0.08838834764831843
-            _r79 = tl.max(tl.where(tmask, _t78, float('-inf')), axis=1)
-            _t80 = tl.maximum(m, _r79)
-            m_new = _t80
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f81 = _fin(m_new)
-            _t82 = _t78 - _f81[:, None]
-            _t83 = tl.exp(_t82)
-            _p84 = tl.where(tmask, _t83, 0.0)
-            _f85 = _fin(m)
-            _t86 = _f85 - _f81
-            _t87 = tl.exp(_t86)
-            _t88 = s * _t87[:, None]
-            _kv_89 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv90 = tl.dot(_p84.to(DOT_T), _kv_89.to(DOT_T), acc=_t88, input_precision=PREC)
-            s_new = _pv90
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t91 = s2 * _t87
-            _r92 = tl.sum(tl.where(tmask, _t83, 0.0), axis=1)
-            _t93 = _t91 + _r92
-            s2_new = _t93
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
+        _t79 = _dot_78 * 0.08838834764831843
+        _r80 = tl.max(tl.where(tmask, _t79, float('-inf')), axis=1)
+        _t81 = tl.maximum(m, _r80)
+        m_new = _t81
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f82 = _fin(m_new)
+        _t83 = _t79 - _f82[:, None]
+        _t84 = tl.exp(_t83)
+        _p85 = tl.where(tmask, _t84, 0.0)
+        _f86 = _fin(m)
+        _t87 = _f86 - _f82
+        _t88 = tl.exp(_t87)
+        _t89 = s * _t88[:, None]
+        _kv_90 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv91 = tl.dot(_p85.to(DOT_T), _kv_90.to(DOT_T), acc=_t89, input_precision=PREC)
+        s_new = _pv91
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t92 = s2 * _t88
+        _r93 = tl.sum(tl.where(tmask, _t84, 0.0), axis=1)
+        _t94 = _t92 + _r93
+        s2_new = _t94
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_95 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_96 = tl.dot(h1.to(DOT_T), tl.trans(_kt_95.to(DOT_T)), input_precision=PREC)
+        _t97 = _dot_96 * 0.08838834764831843
+        _r98 = tl.max(_t97, axis=1)
+        _t99 = tl.maximum(m, _r98)
+        m_new = _t99
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f100 = _fin(m_new)
+        _t101 = _t97 - _f100[:, None]
+        _t102 = tl.exp(_t101)
+        _f103 = _fin(m)
+        _t104 = _f103 - _f100
+        _t105 = tl.exp(_t104)
+        _t106 = s * _t105[:, None]
+        _kv_107 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv108 = tl.dot(_t102.to(DOT_T), _kv_107.to(DOT_T), acc=_t106, input_precision=PREC)
+        s_new = _pv108
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t109 = s2 * _t105
+        _r110 = tl.sum(_t102, axis=1)
+        _t111 = _t109 + _r110
+        s2_new = _t111
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_112 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_113 = tl.dot(h1.to(DOT_T), tl.trans(_kt_112.to(DOT_T)), input_precision=PREC)
+        _t114 = _dot_113 * 0.08838834764831843
+        _r115 = tl.max(tl.where(tmask, _t114, float('-inf')), axis=1)
+        _t116 = tl.maximum(m, _r115)
+        m_new = _t116
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f117 = _fin(m_new)
+        _t118 = _t114 - _f117[:, None]
+        _t119 = tl.exp(_t118)
+        _p120 = tl.where(tmask, _t119, 0.0)
+        _f121 = _fin(m)
+        _t122 = _f121 - _f117
+        _t123 = tl.exp(_t122)
+        _t124 = s * _t123[:, None]
+        _kv_125 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv126 = tl.dot(_p120.to(DOT_T), _kv_125.to(DOT_T), acc=_t124, input_precision=PREC)
+        s_new = _pv126
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t127 = s2 * _t123
+        _r128 = tl.sum(tl.where(tmask, _t119, 0.0), axis=1)
+        _t129 = _t127 + _r128
+        s2_new = _t129
+        m = m_new
+        s = s_new
+        s2 = s2_new
     base = (sid * n_grid + pid_g) * n_rows
     tl.store(ws_m + base + rows, m, mask=rmask)
     tl.store(ws_s + (base + rows)[:, None] * BLOCK_E + ecols[None, :], s, mask=rmask[:, None])
@@ -367,34 +447,34 @@ def gqa_combine(q_ptr, s_q_b, s_q_g, s_q_r, s_q_i, s_q_d, k_ptr, s_k_b, s_k_g, s
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t94 = tl.maximum(m, m_b)
-        m_new = _t94
+        _t130 = tl.maximum(m, m_b)
+        m_new = _t130
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f95 = _fin(m)
-        _f96 = _fin(m_new)
-        _t97 = _f95 - _f96
-        _t98 = tl.exp(_t97)
-        _t99 = s * _t98[:, None]
-        _f100 = _fin(m_b)
-        _t101 = _f100 - _f96
-        _t102 = tl.exp(_t101)
-        _t103 = s_b * _t102[:, None]
-        _t104 = _t99 + _t103
-        s_new = _t104
+        _f131 = _fin(m)
+        _f132 = _fin(m_new)
+        _t133 = _f131 - _f132
+        _t134 = tl.exp(_t133)
+        _t135 = s * _t134[:, None]
+        _f136 = _fin(m_b)
+        _t137 = _f136 - _f132
+        _t138 = tl.exp(_t137)
+        _t139 = s_b * _t138[:, None]
+        _t140 = _t135 + _t139
+        s_new = _t140
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t105 = s2 * _t98
-        _t106 = s2_b * _t102
-        _t107 = _t105 + _t106
-        s2_new = _t107
+        _t141 = s2 * _t134
+        _t142 = s2_b * _t138
+        _t143 = _t141 + _t142
+        s2_new = _t143
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t108 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t108).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t144 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t144).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'gqa'

@@ -90,9 +90,30 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < len_d
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    cols = 0 + cols0
-    tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = n_j + 0 * (0)
+    end = 0 * (n_j) + (0)
+    f_lo = n_j + 0 * (0)
+    f_hi = 0 * (n_j) + (0)
+    run = 0 * (n_j)
+    for start in range(0, n_j, BLOCK_J):
+        j_lo = start * 1.0
+        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
+        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= n_j)
+        seen = ~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))
+        first = tl.where(seen & (first == n_j), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == n_j, 0, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
     _c1 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
     _t2 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
@@ -115,87 +136,117 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
     _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
     s2 = _r16
-    n_a = n_b
-    for start in range(BLOCK_J, n_j, BLOCK_J):
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
-        j_lo = start * 1.0
-        j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
-        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= n_j)
-        skip = ((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0))
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_17 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_18 = tl.dot(h1.to(DOT_T), tl.trans(_kt_17.to(DOT_T)), input_precision=PREC)
-            _t19 = _dot_18 * 0.08838834764831843
-            _r20 = tl.max(_t19, axis=1)
-            _t21 = tl.maximum(m, _r20)
-            m_new = _t21
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f22 = _fin(m_new)
-            _t23 = _t19 - _f22[:, None]
-            _t24 = tl.exp(_t23)
-            _f25 = _fin(m)
-            _t26 = _f25 - _f22
-            _t27 = tl.exp(_t26)
-            _t28 = s * _t27[:, None]
-            _kv_29 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv30 = tl.dot(_t24.to(DOT_T), _kv_29.to(DOT_T), acc=_t28, input_precision=PREC)
-            s_new = _pv30
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t31 = s2 * _t27
-            _r32 = tl.sum(_t24, axis=1)
-            _t33 = _t31 + _r32
-            s2_new = _t33
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c34 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t35 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c36 = (_t35 < 256.0)
-            _c37 = (_c34 & _c36)
-            _kt_38 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_39 = tl.dot(h1.to(DOT_T), tl.trans(_kt_38.to(DOT_T)), input_precision=PREC)
-            _t40 = _dot_39 * 0.08838834764831843
-            _t41 = tl.where(_c37, _t40, float('-inf'))
-            _r42 = tl.max(tl.where(tmask, _t41, float('-inf')), axis=1)
-            _t43 = tl.maximum(m, _r42)
-            m_new = _t43
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f44 = _fin(m_new)
-            _t45 = _t41 - _f44[:, None]
-            _t46 = tl.exp(_t45)
-            _p47 = tl.where(tmask, _t46, 0.0)
-            _f48 = _fin(m)
-            _t49 = _f48 - _f44
-            _t50 = tl.exp(_t49)
-            _t51 = s * _t50[:, None]
-            _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv53 = tl.dot(_p47.to(DOT_T), _kv_52.to(DOT_T), acc=_t51, input_precision=PREC)
-            s_new = _pv53
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t54 = s2 * _t50
-            _r55 = tl.sum(tl.where(tmask, _t46, 0.0), axis=1)
-            _t56 = _t54 + _r55
-            s2_new = _t56
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c17 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t18 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c19 = (_t18 < 256.0)
+        _c20 = (_c17 & _c19)
+        _kt_21 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_22 = tl.dot(h1.to(DOT_T), tl.trans(_kt_21.to(DOT_T)), input_precision=PREC)
+        _t23 = _dot_22 * 0.08838834764831843
+        _t24 = tl.where(_c20, _t23, float('-inf'))
+        _r25 = tl.max(tl.where(tmask, _t24, float('-inf')), axis=1)
+        _t26 = tl.maximum(m, _r25)
+        m_new = _t26
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f27 = _fin(m_new)
+        _t28 = _t24 - _f27[:, None]
+        _t29 = tl.exp(_t28)
+        _p30 = tl.where(tmask, _t29, 0.0)
+        _f31 = _fin(m)
+        _t32 = _f31 - _f27
+        _t33 = tl.exp(_t32)
+        _t34 = s * _t33[:, None]
+        _kv_35 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv36 = tl.dot(_p30.to(DOT_T), _kv_35.to(DOT_T), acc=_t34, input_precision=PREC)
+        s_new = _pv36
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t37 = s2 * _t33
+        _r38 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
+        _t39 = _t37 + _r38
+        s2_new = _t39
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_40 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_41 = tl.dot(h1.to(DOT_T), tl.trans(_kt_40.to(DOT_T)), input_precision=PREC)
+        _t42 = _dot_41 * 0.08838834764831843
+        _r43 = tl.max(_t42, axis=1)
+        _t44 = tl.maximum(m, _r43)
+        m_new = _t44
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f45 = _fin(m_new)
+        _t46 = _t42 - _f45[:, None]
+        _t47 = tl.exp(_t46)
+        _f48 = _fin(m)
+        _t49 = _f48 - _f45
+        _t50 = tl.exp(_t49)
+        _t51 = s * _t50[:, None]
+        _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv53 = tl.dot(_t47.to(DOT_T), _kv_52.to(DOT_T), acc=_t51, input_precision=PREC)
+        s_new = _pv53
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t54 = s2 * _t50
+        _r55 = tl.sum(_t47, axis=1)
+        _t56 = _t54 + _r55
+        s2_new = _t56
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c57 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t58 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c59 = (_t58 < 256.0)
+        _c60 = (_c57 & _c59)
+        _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
+        _t63 = _dot_62 * 0.08838834764831843
+        _t64 = tl.where(_c60, _t63, float('-inf'))
+        _r65 = tl.max(tl.where(tmask, _t64, float('-inf')), axis=1)
+        _t66 = tl.maximum(m, _r65)
+        m_new = _t66
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f67 = _fin(m_new)
+        _t68 = _t64 - _f67[:, None]
+        _t69 = tl.exp(_t68)
+        _p70 = tl.where(tmask, _t69, 0.0)
+        _f71 = _fin(m)
+        _t72 = _f71 - _f67
+        _t73 = tl.exp(_t72)
+        _t74 = s * _t73[:, None]
+        _kv_75 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv76 = tl.dot(_p70.to(DOT_T), _kv_75.to(DOT_T), acc=_t74, input_precision=PREC)
+        s_new = _pv76
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t77 = s2 * _t73
+        _r78 = tl.sum(tl.where(tmask, _t69, 0.0), axis=1)
+        _t79 = _t77 + _r78
+        s2_new = _t79
+        m = m_new
+        s = s_new
+        s2 = s2_new
     # output o = s_J / s2_J
-    _t57 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t57).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t80 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t80).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -236,109 +287,160 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     sid = tl.program_id(2)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    cols = chunk_lo + cols0
-    tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
-    # m: its definition on the first tile:  max_B(e1)
-    _c58 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _t59 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-    _c60 = (_t59 < 256.0)
-    _c61 = (_c58 & _c60)
-    _kt_62 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_63 = tl.dot(h1.to(DOT_T), tl.trans(_kt_62.to(DOT_T)), input_precision=PREC)
-    _t64 = _dot_63 * 0.08838834764831843
-    _t65 = tl.where(_c61, _t64, float('-inf'))
-    _r66 = tl.max(tl.where(tmask, _t65, float('-inf')), axis=1)
-    m = _r66
-    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f67 = _fin(m)
-    _t68 = _t65 - _f67[:, None]
-    _t69 = tl.exp(_t68)
-    _p70 = tl.where(tmask, _t69, 0.0)
-    _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv72 = tl.dot(_p70.to(DOT_T), _kv_71.to(DOT_T), input_precision=PREC)
-    s = _pv72
-    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r73 = tl.sum(tl.where(tmask, _t69, 0.0), axis=1)
-    s2 = _r73
-    n_a = n_b
-    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
-        cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
+    # mask analysis: interval arithmetic over each key tile's index box finds the
+    # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
+    first = chunk_hi + 0 * (chunk_lo)
+    end = 0 * (chunk_hi) + (chunk_lo)
+    f_lo = chunk_hi + 0 * (chunk_lo)
+    f_hi = 0 * (chunk_hi) + (chunk_lo)
+    run = 0 * (chunk_hi)
+    for start in range(chunk_lo, chunk_hi, BLOCK_J):
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        # mask analysis over this tile's index box (interval arithmetic)
         full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= chunk_hi)
-        skip = ((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0))
-        m_new = m
-        s_new = s
-        s2_new = s2
-        if full:
-            # every score of the tile is visible: no mask arithmetic
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_74 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_75 = tl.dot(h1.to(DOT_T), tl.trans(_kt_74.to(DOT_T)), input_precision=PREC)
-            _t76 = _dot_75 * 0.08838834764831843
-            _r77 = tl.max(_t76, axis=1)
-            _t78 = tl.maximum(m, _r77)
-            m_new = _t78
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f79 = _fin(m_new)
-            _t80 = _t76 - _f79[:, None]
-            _t81 = tl.exp(_t80)
-            _f82 = _fin(m)
-            _t83 = _f82 - _f79
-            _t84 = tl.exp(_t83)
-            _t85 = s * _t84[:, None]
-            _kv_86 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv87 = tl.dot(_t81.to(DOT_T), _kv_86.to(DOT_T), acc=_t85, input_precision=PREC)
-            s_new = _pv87
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t88 = s2 * _t84
-            _r89 = tl.sum(_t81, axis=1)
-            _t90 = _t88 + _r89
-            s2_new = _t90
-        elif skip == 0:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _c91 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-            _t92 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-            _c93 = (_t92 < 256.0)
-            _c94 = (_c91 & _c93)
-            _kt_95 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_96 = tl.dot(h1.to(DOT_T), tl.trans(_kt_95.to(DOT_T)), input_precision=PREC)
-            _t97 = _dot_96 * 0.08838834764831843
-            _t98 = tl.where(_c94, _t97, float('-inf'))
-            _r99 = tl.max(tl.where(tmask, _t98, float('-inf')), axis=1)
-            _t100 = tl.maximum(m, _r99)
-            m_new = _t100
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f101 = _fin(m_new)
-            _t102 = _t98 - _f101[:, None]
-            _t103 = tl.exp(_t102)
-            _p104 = tl.where(tmask, _t103, 0.0)
-            _f105 = _fin(m)
-            _t106 = _f105 - _f101
-            _t107 = tl.exp(_t106)
-            _t108 = s * _t107[:, None]
-            _kv_109 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv110 = tl.dot(_p104.to(DOT_T), _kv_109.to(DOT_T), acc=_t108, input_precision=PREC)
-            s_new = _pv110
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t111 = s2 * _t107
-            _r112 = tl.sum(tl.where(tmask, _t103, 0.0), axis=1)
-            _t113 = _t111 + _r112
-            s2_new = _t113
+        seen = ~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))
+        first = tl.where(seen & (first == chunk_hi), start, first)
+        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
+        f_lo = tl.where(full & (run == 0), start, f_lo)
+        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
+        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+    # a row tile that sees no key still runs one (masked) tile: its states are empty
+    first = tl.where(first == chunk_hi, chunk_lo, first)
+    end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
+    # m: its definition on the first tile:  max_B(e1)
+    _c81 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _t82 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+    _c83 = (_t82 < 256.0)
+    _c84 = (_c81 & _c83)
+    _kt_85 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_86 = tl.dot(h1.to(DOT_T), tl.trans(_kt_85.to(DOT_T)), input_precision=PREC)
+    _t87 = _dot_86 * 0.08838834764831843
+    _t88 = tl.where(_c84, _t87, float('-inf'))
+    _r89 = tl.max(tl.where(tmask, _t88, float('-inf')), axis=1)
+    m = _r89
+    # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
+    _f90 = _fin(m)
+    _t91 = _t88 - _f90[:, None]
+    _t92 = tl.exp(_t91)
+    _p93 = tl.where(tmask, _t92, 0.0)
+    _kv_94 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv95 = tl.dot(_p93.to(DOT_T), _kv_94.to(DOT_T), input_precision=PREC)
+    s = _pv95
+    # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
+    _r96 = tl.sum(tl.where(tmask, _t92, 0.0), axis=1)
+    s2 = _r96
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c97 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t98 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c99 = (_t98 < 256.0)
+        _c100 = (_c97 & _c99)
+        _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
+        _t103 = _dot_102 * 0.08838834764831843
+        _t104 = tl.where(_c100, _t103, float('-inf'))
+        _r105 = tl.max(tl.where(tmask, _t104, float('-inf')), axis=1)
+        _t106 = tl.maximum(m, _r105)
+        m_new = _t106
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f107 = _fin(m_new)
+        _t108 = _t104 - _f107[:, None]
+        _t109 = tl.exp(_t108)
+        _p110 = tl.where(tmask, _t109, 0.0)
+        _f111 = _fin(m)
+        _t112 = _f111 - _f107
+        _t113 = tl.exp(_t112)
+        _t114 = s * _t113[:, None]
+        _kv_115 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv116 = tl.dot(_p110.to(DOT_T), _kv_115.to(DOT_T), acc=_t114, input_precision=PREC)
+        s_new = _pv116
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t117 = s2 * _t113
+        _r118 = tl.sum(tl.where(tmask, _t109, 0.0), axis=1)
+        _t119 = _t117 + _r118
+        s2_new = _t119
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_120 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_121 = tl.dot(h1.to(DOT_T), tl.trans(_kt_120.to(DOT_T)), input_precision=PREC)
+        _t122 = _dot_121 * 0.08838834764831843
+        _r123 = tl.max(_t122, axis=1)
+        _t124 = tl.maximum(m, _r123)
+        m_new = _t124
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f125 = _fin(m_new)
+        _t126 = _t122 - _f125[:, None]
+        _t127 = tl.exp(_t126)
+        _f128 = _fin(m)
+        _t129 = _f128 - _f125
+        _t130 = tl.exp(_t129)
+        _t131 = s * _t130[:, None]
+        _kv_132 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv133 = tl.dot(_t127.to(DOT_T), _kv_132.to(DOT_T), acc=_t131, input_precision=PREC)
+        s_new = _pv133
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t134 = s2 * _t130
+        _r135 = tl.sum(_t127, axis=1)
+        _t136 = _t134 + _r135
+        s2_new = _t136
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _c137 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t138 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c139 = (_t138 < 256.0)
+        _c140 = (_c137 & _c139)
+        _kt_141 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_142 = tl.dot(h1.to(DOT_T), tl.trans(_kt_141.to(DOT_T)), input_precision=PREC)
+        _t143 = _dot_142 * 0.08838834764831843
+        _t144 = tl.where(_c140, _t143, float('-inf'))
+        _r145 = tl.max(tl.where(tmask, _t144, float('-inf')), axis=1)
+        _t146 = tl.maximum(m, _r145)
+        m_new = _t146
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f147 = _fin(m_new)
+        _t148 = _t144 - _f147[:, None]
+        _t149 = tl.exp(_t148)
+        _p150 = tl.where(tmask, _t149, 0.0)
+        _f151 = _fin(m)
+        _t152 = _f151 - _f147
+        _t153 = tl.exp(_t152)
+        _t154 = s * _t153[:, None]
+        _kv_155 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv156 = tl.dot(_p150.to(DOT_T), _kv_155.to(DOT_T), acc=_t154, input_precision=PREC)
+        s_new = _pv156
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t157 = s2 * _t153
+        _r158 = tl.sum(tl.where(tmask, _t149, 0.0), axis=1)
+        _t159 = _t157 + _r158
+        s2_new = _t159
+        m = m_new
+        s = s_new
+        s2 = s2_new
     base = (sid * n_grid + pid_g) * n_rows
     tl.store(ws_m + base + rows, m, mask=rmask)
     tl.store(ws_s + (base + rows)[:, None] * BLOCK_E + ecols[None, :], s, mask=rmask[:, None])
@@ -390,34 +492,34 @@ def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t114 = tl.maximum(m, m_b)
-        m_new = _t114
+        _t160 = tl.maximum(m, m_b)
+        m_new = _t160
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f115 = _fin(m)
-        _f116 = _fin(m_new)
-        _t117 = _f115 - _f116
-        _t118 = tl.exp(_t117)
-        _t119 = s * _t118[:, None]
-        _f120 = _fin(m_b)
-        _t121 = _f120 - _f116
-        _t122 = tl.exp(_t121)
-        _t123 = s_b * _t122[:, None]
-        _t124 = _t119 + _t123
-        s_new = _t124
+        _f161 = _fin(m)
+        _f162 = _fin(m_new)
+        _t163 = _f161 - _f162
+        _t164 = tl.exp(_t163)
+        _t165 = s * _t164[:, None]
+        _f166 = _fin(m_b)
+        _t167 = _f166 - _f162
+        _t168 = tl.exp(_t167)
+        _t169 = s_b * _t168[:, None]
+        _t170 = _t165 + _t169
+        s_new = _t170
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t125 = s2 * _t118
-        _t126 = s2_b * _t122
-        _t127 = _t125 + _t126
-        s2_new = _t127
+        _t171 = s2 * _t164
+        _t172 = s2_b * _t168
+        _t173 = _t171 + _t172
+        s2_new = _t173
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t128 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t128).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t174 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t174).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'sliding_window'

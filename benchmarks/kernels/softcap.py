@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30) - max_j(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -90,9 +90,15 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < len_d
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    cols = 0 + cols0
-    tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
+    # no mask: every tile but a partial last one is fully visible
+    first = 0
+    end = n_j
+    f_lo = first
+    f_hi = first + ((n_j) - first) // BLOCK_J * BLOCK_J
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
     _kt_1 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
     _dot_2 = tl.dot(h1.to(DOT_T), tl.trans(_kt_1.to(DOT_T)), input_precision=PREC)
@@ -113,79 +119,116 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
     _r14 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
     s2 = _r14
-    n_a = n_b
-    for start in range(BLOCK_J, n_j, BLOCK_J):
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j)).to(tl.float32), axis=0)
-        if start + BLOCK_J <= n_j:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
-            _t17 = _dot_16 * 0.08838834764831843
-            _t18 = _t17 / 30.0
-            _t19 = _tanh(_t18)
-            _t20 = 30.0 * _t19
-            _r21 = tl.max(_t20, axis=1)
-            _t22 = tl.maximum(m, _r21)
-            m_new = _t22
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f23 = _fin(m_new)
-            _t24 = _t20 - _f23[:, None]
-            _t25 = tl.exp(_t24)
-            _f26 = _fin(m)
-            _t27 = _f26 - _f23
-            _t28 = tl.exp(_t27)
-            _t29 = s * _t28[:, None]
-            _kv_30 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv31 = tl.dot(_t25.to(DOT_T), _kv_30.to(DOT_T), acc=_t29, input_precision=PREC)
-            s_new = _pv31
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t32 = s2 * _t28
-            _r33 = tl.sum(_t25, axis=1)
-            _t34 = _t32 + _r33
-            s2_new = _t34
-        else:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_35 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_36 = tl.dot(h1.to(DOT_T), tl.trans(_kt_35.to(DOT_T)), input_precision=PREC)
-            _t37 = _dot_36 * 0.08838834764831843
-            _t38 = _t37 / 30.0
-            _t39 = _tanh(_t38)
-            _t40 = 30.0 * _t39
-            _r41 = tl.max(tl.where(tmask, _t40, float('-inf')), axis=1)
-            _t42 = tl.maximum(m, _r41)
-            m_new = _t42
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f43 = _fin(m_new)
-            _t44 = _t40 - _f43[:, None]
-            _t45 = tl.exp(_t44)
-            _p46 = tl.where(tmask, _t45, 0.0)
-            _f47 = _fin(m)
-            _t48 = _f47 - _f43
-            _t49 = tl.exp(_t48)
-            _t50 = s * _t49[:, None]
-            _kv_51 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv52 = tl.dot(_p46.to(DOT_T), _kv_51.to(DOT_T), acc=_t50, input_precision=PREC)
-            s_new = _pv52
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t53 = s2 * _t49
-            _r54 = tl.sum(tl.where(tmask, _t45, 0.0), axis=1)
-            _t55 = _t53 + _r54
-            s2_new = _t55
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
+        _t17 = _dot_16 * 0.08838834764831843
+        _t18 = _t17 / 30.0
+        _t19 = _tanh(_t18)
+        _t20 = 30.0 * _t19
+        _r21 = tl.max(tl.where(tmask, _t20, float('-inf')), axis=1)
+        _t22 = tl.maximum(m, _r21)
+        m_new = _t22
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f23 = _fin(m_new)
+        _t24 = _t20 - _f23[:, None]
+        _t25 = tl.exp(_t24)
+        _p26 = tl.where(tmask, _t25, 0.0)
+        _f27 = _fin(m)
+        _t28 = _f27 - _f23
+        _t29 = tl.exp(_t28)
+        _t30 = s * _t29[:, None]
+        _kv_31 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv32 = tl.dot(_p26.to(DOT_T), _kv_31.to(DOT_T), acc=_t30, input_precision=PREC)
+        s_new = _pv32
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t33 = s2 * _t29
+        _r34 = tl.sum(tl.where(tmask, _t25, 0.0), axis=1)
+        _t35 = _t33 + _r34
+        s2_new = _t35
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_36 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_37 = tl.dot(h1.to(DOT_T), tl.trans(_kt_36.to(DOT_T)), input_precision=PREC)
+        _t38 = _dot_37 * 0.08838834764831843
+        _t39 = _t38 / 30.0
+        _t40 = _tanh(_t39)
+        _t41 = 30.0 * _t40
+        _r42 = tl.max(_t41, axis=1)
+        _t43 = tl.maximum(m, _r42)
+        m_new = _t43
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f44 = _fin(m_new)
+        _t45 = _t41 - _f44[:, None]
+        _t46 = tl.exp(_t45)
+        _f47 = _fin(m)
+        _t48 = _f47 - _f44
+        _t49 = tl.exp(_t48)
+        _t50 = s * _t49[:, None]
+        _kv_51 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv52 = tl.dot(_t46.to(DOT_T), _kv_51.to(DOT_T), acc=_t50, input_precision=PREC)
+        s_new = _pv52
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t53 = s2 * _t49
+        _r54 = tl.sum(_t46, axis=1)
+        _t55 = _t53 + _r54
+        s2_new = _t55
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_56 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_57 = tl.dot(h1.to(DOT_T), tl.trans(_kt_56.to(DOT_T)), input_precision=PREC)
+        _t58 = _dot_57 * 0.08838834764831843
+        _t59 = _t58 / 30.0
+        _t60 = _tanh(_t59)
+        _t61 = 30.0 * _t60
+        _r62 = tl.max(tl.where(tmask, _t61, float('-inf')), axis=1)
+        _t63 = tl.maximum(m, _r62)
+        m_new = _t63
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f64 = _fin(m_new)
+        _t65 = _t61 - _f64[:, None]
+        _t66 = tl.exp(_t65)
+        _p67 = tl.where(tmask, _t66, 0.0)
+        _f68 = _fin(m)
+        _t69 = _f68 - _f64
+        _t70 = tl.exp(_t69)
+        _t71 = s * _t70[:, None]
+        _kv_72 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv73 = tl.dot(_p67.to(DOT_T), _kv_72.to(DOT_T), acc=_t71, input_precision=PREC)
+        s_new = _pv73
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t74 = s2 * _t70
+        _r75 = tl.sum(tl.where(tmask, _t66, 0.0), axis=1)
+        _t76 = _t74 + _r75
+        s2_new = _t76
+        m = m_new
+        s = s_new
+        s2 = s2_new
     # output o = s_J / s2_J
-    _t56 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t56).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t77 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t77).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
@@ -226,99 +269,142 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     sid = tl.program_id(2)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    cols = chunk_lo + cols0
-    tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
+    # no mask: every tile but a partial last one is fully visible
+    first = chunk_lo
+    end = chunk_hi
+    f_lo = first
+    f_hi = first + ((chunk_hi) - first) // BLOCK_J * BLOCK_J
+    a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
+    b = tl.minimum(tl.maximum(f_hi, a), end)
+    cols = first + cols0
+    tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_57 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_58 = tl.dot(h1.to(DOT_T), tl.trans(_kt_57.to(DOT_T)), input_precision=PREC)
-    _t59 = _dot_58 * 0.08838834764831843
-    _t60 = _t59 / 30.0
-    _t61 = _tanh(_t60)
-    _t62 = 30.0 * _t61
-    _r63 = tl.max(tl.where(tmask, _t62, float('-inf')), axis=1)
-    m = _r63
+    _kt_78 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_79 = tl.dot(h1.to(DOT_T), tl.trans(_kt_78.to(DOT_T)), input_precision=PREC)
+    _t80 = _dot_79 * 0.08838834764831843
+    _t81 = _t80 / 30.0
+    _t82 = _tanh(_t81)
+    _t83 = 30.0 * _t82
+    _r84 = tl.max(tl.where(tmask, _t83, float('-inf')), axis=1)
+    m = _r84
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f64 = _fin(m)
-    _t65 = _t62 - _f64[:, None]
-    _t66 = tl.exp(_t65)
-    _p67 = tl.where(tmask, _t66, 0.0)
-    _kv_68 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv69 = tl.dot(_p67.to(DOT_T), _kv_68.to(DOT_T), input_precision=PREC)
-    s = _pv69
+    _f85 = _fin(m)
+    _t86 = _t83 - _f85[:, None]
+    _t87 = tl.exp(_t86)
+    _p88 = tl.where(tmask, _t87, 0.0)
+    _kv_89 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv90 = tl.dot(_p88.to(DOT_T), _kv_89.to(DOT_T), input_precision=PREC)
+    s = _pv90
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r70 = tl.sum(tl.where(tmask, _t66, 0.0), axis=1)
-    s2 = _r70
-    n_a = n_b
-    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
+    _r91 = tl.sum(tl.where(tmask, _t87, 0.0), axis=1)
+    s2 = _r91
+    for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
-        tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi)).to(tl.float32), axis=0)
-        if start + BLOCK_J <= chunk_hi:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_71 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_72 = tl.dot(h1.to(DOT_T), tl.trans(_kt_71.to(DOT_T)), input_precision=PREC)
-            _t73 = _dot_72 * 0.08838834764831843
-            _t74 = _t73 / 30.0
-            _t75 = _tanh(_t74)
-            _t76 = 30.0 * _t75
-            _r77 = tl.max(_t76, axis=1)
-            _t78 = tl.maximum(m, _r77)
-            m_new = _t78
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f79 = _fin(m_new)
-            _t80 = _t76 - _f79[:, None]
-            _t81 = tl.exp(_t80)
-            _f82 = _fin(m)
-            _t83 = _f82 - _f79
-            _t84 = tl.exp(_t83)
-            _t85 = s * _t84[:, None]
-            _kv_86 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv87 = tl.dot(_t81.to(DOT_T), _kv_86.to(DOT_T), acc=_t85, input_precision=PREC)
-            s_new = _pv87
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t88 = s2 * _t84
-            _r89 = tl.sum(_t81, axis=1)
-            _t90 = _t88 + _r89
-            s2_new = _t90
-        else:
-            # m_AB = max(m_A, max_B(e1))
-            #   derived by: max-split
-            _kt_91 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-            _dot_92 = tl.dot(h1.to(DOT_T), tl.trans(_kt_91.to(DOT_T)), input_precision=PREC)
-            _t93 = _dot_92 * 0.08838834764831843
-            _t94 = _t93 / 30.0
-            _t95 = _tanh(_t94)
-            _t96 = 30.0 * _t95
-            _r97 = tl.max(tl.where(tmask, _t96, float('-inf')), axis=1)
-            _t98 = tl.maximum(m, _r97)
-            m_new = _t98
-            # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-            _f99 = _fin(m_new)
-            _t100 = _t96 - _f99[:, None]
-            _t101 = tl.exp(_t100)
-            _p102 = tl.where(tmask, _t101, 0.0)
-            _f103 = _fin(m)
-            _t104 = _f103 - _f99
-            _t105 = tl.exp(_t104)
-            _t106 = s * _t105[:, None]
-            _kv_107 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-            _pv108 = tl.dot(_p102.to(DOT_T), _kv_107.to(DOT_T), acc=_t106, input_precision=PREC)
-            s_new = _pv108
-            # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
-            #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-            _t109 = s2 * _t105
-            _r110 = tl.sum(tl.where(tmask, _t101, 0.0), axis=1)
-            _t111 = _t109 + _r110
-            s2_new = _t111
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_92 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_93 = tl.dot(h1.to(DOT_T), tl.trans(_kt_92.to(DOT_T)), input_precision=PREC)
+        _t94 = _dot_93 * 0.08838834764831843
+        _t95 = _t94 / 30.0
+        _t96 = _tanh(_t95)
+        _t97 = 30.0 * _t96
+        _r98 = tl.max(tl.where(tmask, _t97, float('-inf')), axis=1)
+        _t99 = tl.maximum(m, _r98)
+        m_new = _t99
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f100 = _fin(m_new)
+        _t101 = _t97 - _f100[:, None]
+        _t102 = tl.exp(_t101)
+        _p103 = tl.where(tmask, _t102, 0.0)
+        _f104 = _fin(m)
+        _t105 = _f104 - _f100
+        _t106 = tl.exp(_t105)
+        _t107 = s * _t106[:, None]
+        _kv_108 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv109 = tl.dot(_p103.to(DOT_T), _kv_108.to(DOT_T), acc=_t107, input_precision=PREC)
+        s_new = _pv109
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t110 = s2 * _t106
+        _r111 = tl.sum(tl.where(tmask, _t102, 0.0), axis=1)
+        _t112 = _t110 + _r111
+        s2_new = _t112
         m = m_new
         s = s_new
         s2 = s2_new
-        n_a = n_a + n_b
+    for start in range(a, b, BLOCK_J):  # fully visible tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_113 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_114 = tl.dot(h1.to(DOT_T), tl.trans(_kt_113.to(DOT_T)), input_precision=PREC)
+        _t115 = _dot_114 * 0.08838834764831843
+        _t116 = _t115 / 30.0
+        _t117 = _tanh(_t116)
+        _t118 = 30.0 * _t117
+        _r119 = tl.max(_t118, axis=1)
+        _t120 = tl.maximum(m, _r119)
+        m_new = _t120
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f121 = _fin(m_new)
+        _t122 = _t118 - _f121[:, None]
+        _t123 = tl.exp(_t122)
+        _f124 = _fin(m)
+        _t125 = _f124 - _f121
+        _t126 = tl.exp(_t125)
+        _t127 = s * _t126[:, None]
+        _kv_128 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv129 = tl.dot(_t123.to(DOT_T), _kv_128.to(DOT_T), acc=_t127, input_precision=PREC)
+        s_new = _pv129
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t130 = s2 * _t126
+        _r131 = tl.sum(_t123, axis=1)
+        _t132 = _t130 + _r131
+        s2_new = _t132
+        m = m_new
+        s = s_new
+        s2 = s2_new
+    for start in range(b, end, BLOCK_J):  # masked tiles
+        cols = start + cols0
+        tmask = rmask[:, None] & (cols[None, :] < end)
+        # m_AB = max(m_A, max_B(e1))
+        #   derived by: max-split
+        _kt_133 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_134 = tl.dot(h1.to(DOT_T), tl.trans(_kt_133.to(DOT_T)), input_precision=PREC)
+        _t135 = _dot_134 * 0.08838834764831843
+        _t136 = _t135 / 30.0
+        _t137 = _tanh(_t136)
+        _t138 = 30.0 * _t137
+        _r139 = tl.max(tl.where(tmask, _t138, float('-inf')), axis=1)
+        _t140 = tl.maximum(m, _r139)
+        m_new = _t140
+        # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
+        _f141 = _fin(m_new)
+        _t142 = _t138 - _f141[:, None]
+        _t143 = tl.exp(_t142)
+        _p144 = tl.where(tmask, _t143, 0.0)
+        _f145 = _fin(m)
+        _t146 = _f145 - _f141
+        _t147 = tl.exp(_t146)
+        _t148 = s * _t147[:, None]
+        _kv_149 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv150 = tl.dot(_p144.to(DOT_T), _kv_149.to(DOT_T), acc=_t148, input_precision=PREC)
+        s_new = _pv150
+        # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
+        #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
+        _t151 = s2 * _t147
+        _r152 = tl.sum(tl.where(tmask, _t143, 0.0), axis=1)
+        _t153 = _t151 + _r152
+        s2_new = _t153
+        m = m_new
+        s = s_new
+        s2 = s2_new
     base = (sid * n_grid + pid_g) * n_rows
     tl.store(ws_m + base + rows, m, mask=rmask)
     tl.store(ws_s + (base + rows)[:, None] * BLOCK_E + ecols[None, :], s, mask=rmask[:, None])
@@ -370,34 +456,34 @@ def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t112 = tl.maximum(m, m_b)
-        m_new = _t112
+        _t154 = tl.maximum(m, m_b)
+        m_new = _t154
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f113 = _fin(m)
-        _f114 = _fin(m_new)
-        _t115 = _f113 - _f114
-        _t116 = tl.exp(_t115)
-        _t117 = s * _t116[:, None]
-        _f118 = _fin(m_b)
-        _t119 = _f118 - _f114
-        _t120 = tl.exp(_t119)
-        _t121 = s_b * _t120[:, None]
-        _t122 = _t117 + _t121
-        s_new = _t122
+        _f155 = _fin(m)
+        _f156 = _fin(m_new)
+        _t157 = _f155 - _f156
+        _t158 = tl.exp(_t157)
+        _t159 = s * _t158[:, None]
+        _f160 = _fin(m_b)
+        _t161 = _f160 - _f156
+        _t162 = tl.exp(_t161)
+        _t163 = s_b * _t162[:, None]
+        _t164 = _t159 + _t163
+        s_new = _t164
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t123 = s2 * _t116
-        _t124 = s2_b * _t120
-        _t125 = _t123 + _t124
-        s2_new = _t125
+        _t165 = s2 * _t158
+        _t166 = s2_b * _t162
+        _t167 = _t165 + _t166
+        s2_new = _t167
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t126 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t126).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t168 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t168).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'softcap'
