@@ -44,6 +44,8 @@ def _flat_mul(t: Term):
 class CContext(Context):
     """Context for the contraction family: adds E vectors, key-side vectors, dots."""
 
+    fold_exp2 = True
+
     def __init__(self, gen, mode, full=False):
         super().__init__(gen, mode)
         self.full = full
@@ -518,12 +520,14 @@ class ContractionGen:
             L.append(f"{ind}# mask analysis: interval arithmetic over each key tile's index box finds the")
             L.append(f"{ind}# tiles the mask excludes entirely (skipped{'' if skip_ok else ': not sound here, none'}) "
                      "and the first run of tiles it includes entirely")
-            L.append(f"{ind}first = {hi} + 0 * ({lo})")
+            L.append(f"{ind}BIG = 2147483647")
+            L.append(f"{ind}first = 0 * ({hi}) + BIG")
             L.append(f"{ind}end = 0 * ({hi}) + ({lo})")
-            L.append(f"{ind}f_lo = {hi} + 0 * ({lo})")
-            L.append(f"{ind}f_hi = 0 * ({hi}) + ({lo})")
-            L.append(f"{ind}run = 0 * ({hi})")
-            L.append(f"{ind}for start in range({lo}, {hi}, BLOCK_J):")
+            L.append(f"{ind}f_lo = 0 * ({hi}) + BIG")
+            L.append(f"{ind}f_hi = 0 * ({hi}) + ({hi})")
+            L.append(f"{ind}for t0 in range({lo}, {hi}, SCAN * BLOCK_J):  # all tiles at once, SCAN per step")
+            L.append(f"{ind}    start = t0 + tl.arange(0, SCAN) * BLOCK_J")
+            L.append(f"{ind}    valid = start < {hi}")
             L.append(f"{ind}    j_lo = start * 1.0")
             L.append(f"{ind}    j_hi = (tl.minimum(start + BLOCK_J, {hi}) - 1) * 1.0")
             ivl: list = []
@@ -533,16 +537,20 @@ class ContractionGen:
                 trues.append(t_)
                 falses.append(f_)
             L.extend(f"{ind}    {x}" for x in ivl)
-            L.append(f"{ind}    full = {' & '.join(trues)} & (start + BLOCK_J <= {hi})")
-            L.append(f"{ind}    seen = " + (f"~({' | '.join(falses)})" if skip_ok else "full | ~full"))
-            L.append(f"{ind}    first = tl.where(seen & (first == {hi}), start, first)")
-            L.append(f"{ind}    end = tl.where(seen, tl.minimum(start + BLOCK_J, {hi}), end)")
-            L.append(f"{ind}    f_lo = tl.where(full & (run == 0), start, f_lo)")
-            L.append(f"{ind}    run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))")
-            L.append(f"{ind}    f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)")
+            L.append(f"{ind}    full = {' & '.join(trues)} & (start + BLOCK_J <= {hi}) & valid")
+            L.append(f"{ind}    seen = " + (f"(~({' | '.join(falses)})) & valid" if skip_ok else "valid"))
+            L.append(f"{ind}    first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))")
+            L.append(f"{ind}    end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, {hi}), 0), axis=0))")
+            L.append(f"{ind}    c_lo = tl.min(tl.where(full, start, BIG), axis=0)")
+            L.append(f"{ind}    c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, "
+                     f"tl.minimum(t0 + SCAN * BLOCK_J, {hi})), axis=0)")
+            L.append(f"{ind}    take = (f_lo == BIG) & (c_lo < BIG)")
+            L.append(f"{ind}    f_hi = tl.where(take, c_hi, f_hi)")
+            L.append(f"{ind}    f_lo = tl.where(take, c_lo, f_lo)")
             L.append(f"{ind}# a row tile that sees no key still runs one (masked) tile: its states are empty")
-            L.append(f"{ind}first = tl.where(first == {hi}, {lo}, first)")
+            L.append(f"{ind}first = tl.where(first == BIG, {lo}, first)")
             L.append(f"{ind}end = tl.maximum(end, tl.minimum(first + BLOCK_J, {hi}))")
+            L.append(f"{ind}f_lo = tl.minimum(f_lo, end)")
         L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)")
         L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")
         # peel: the first tile computes the states from their definitions
@@ -587,7 +595,7 @@ class ContractionGen:
         self.p = self.f.passes[0]
         L = ["@triton.jit",
              f"def {self.name}_attn({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
-             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):",
+             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
              "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state"]
         self.prologue(L)
         body = []
@@ -604,7 +612,7 @@ class ContractionGen:
         L = ["@triton.jit",
              f"def {self.name}_part({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, n_grid, "
              "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
-             "PREC: tl.constexpr, DOT_T: tl.constexpr):",
+             "PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
              "    # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace"]
         self.prologue(L)
         body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
@@ -623,7 +631,7 @@ class ContractionGen:
         L = ["@triton.jit",
              f"def {self.name}_combine({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, NSPLIT, n_grid, "
              "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
-             "PREC: tl.constexpr, DOT_T: tl.constexpr):",
+             "PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
              "    # fold the partial states of every key chunk with the derived merge"]
         self.prologue(L)
         body = []
@@ -742,7 +750,8 @@ class ContractionGen:
             "    schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)",
             "    # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong",
             "    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32",
-            "    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)",
+            "    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))",
+            "    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)",
             "    if on_gpu:",
             "        kw['num_stages'] = ns",
             "    if schedule == 'loop':",

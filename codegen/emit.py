@@ -143,6 +143,11 @@ class Emitter:
         if op == "Neg":
             a, sa = self.emit(t.args[0])
             return self.bind(f"-{a}", sa)
+        if op == "Exp" and getattr(ctx, "fold_exp2", False):
+            # exp(x) = exp2(x * log2(e)), with the constant folded into the operands so that
+            # (s * c - m) * log2(e) becomes one fused multiply-add per element
+            a, sa = self.emit(_scale_log2e(t.args[0], ctx))
+            return self.bind(f"tl.exp2({a})", sa)
         if op in _FN:
             a, sa = self.emit(t.args[0])
             return self.bind(f"{_FN[op]}({a})", sa)
@@ -191,6 +196,29 @@ class Emitter:
         if t.op == "RMax":
             return self.bind(f"tl.max(tl.where({mask}, {body}, float('-inf')), axis=1)", "row", "r")
         return self.bind(f"tl.min(tl.where({mask}, {body}, float('inf')), axis=1)", "row", "r")
+
+
+LOG2E = 1.4426950408889634
+
+
+def _scale_log2e(t: Term, ctx) -> Term:
+    """``t * log2(e)``, pushed through +, -, negation, where and constant factors."""
+    op = t.op
+    if op in ("Add", "Sub"):
+        return Term(op, (_scale_log2e(t.args[0], ctx), _scale_log2e(t.args[1], ctx)))
+    if op == "Neg":
+        return Term(op, (_scale_log2e(t.args[0], ctx),))
+    if op == "Num":
+        return Term("Num", (float(t.args[0]) * LOG2E,))
+    if op == "Mul" and t.args[1].op == "Num":
+        return Term("Mul", (t.args[0], Term("Num", (float(t.args[1].args[0]) * LOG2E,))))
+    if op == "Mul" and t.args[0].op == "Num":
+        return Term("Mul", (Term("Num", (float(t.args[0].args[0]) * LOG2E,)), t.args[1]))
+    if op == "Where":
+        return Term(op, (t.args[0], _scale_log2e(t.args[1], ctx), _scale_log2e(t.args[2], ctx)))
+    if op == "Elm":
+        return _scale_log2e(ctx.leaf(t.args[0]), ctx)
+    return Term("Mul", (t, Term("Num", (LOG2E,))))
 
 
 def _is_atom(e: str) -> bool:

@@ -109,7 +109,7 @@ def test_sliding_window_skips_and_is_exact(kernels):
     o = kern(q=q, k=k, v=v, block_i=32, block_j=32)
     _check(o, reference(q, k, v, mask=(j <= i) & (i - j < WINDOW)), torch.float32)
     # the mask analysis produced tile skipping and mask-free full tiles
-    assert "seen = ~(" in kern.source and "# fully visible tiles" in kern.source
+    assert "seen = (~(" in kern.source and "# fully visible tiles" in kern.source
     src = kern.source
     assert "tl.where(" in src.split("# fully visible tiles")[0]  # masked loops evaluate the mask
 

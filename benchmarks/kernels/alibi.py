@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843 + slope * (index(j) - index(i)), -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -56,7 +56,7 @@ def _tanh(a):
 
 
 @triton.jit
-def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -94,24 +94,29 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     h2 = tl.load(slope_ptr + off_slope_g).to(tl.float32)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = n_j + 0 * (0)
+    BIG = 2147483647
+    first = 0 * (n_j) + BIG
     end = 0 * (n_j) + (0)
-    f_lo = n_j + 0 * (0)
-    f_hi = 0 * (n_j) + (0)
-    run = 0 * (n_j)
-    for start in range(0, n_j, BLOCK_J):
+    f_lo = 0 * (n_j) + BIG
+    f_hi = 0 * (n_j) + (n_j)
+    for t0 in range(0, n_j, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < n_j
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
-        seen = ~((j_lo > i_hi))
-        first = tl.where(seen & (first == n_j), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j) & valid
+        seen = (~((j_lo > i_hi))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_j), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, n_j)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == n_j, 0, first)
+    first = tl.where(first == BIG, 0, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
@@ -128,51 +133,62 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
     m = _r9
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f10 = _fin(m)
-    _t11 = _t8 - _f10[:, None]
-    _t12 = tl.exp(_t11)
-    _p13 = tl.where(tmask, _t12, 0.0)
-    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-    s = _pv15
+    _t10 = _dot_3 * 0.12751743082459868
+    _t11 = _t6 * 1.4426950408889634
+    _t12 = _t10 + _t11
+    _t13 = tl.where(_c1, _t12, float('-inf'))
+    _f14 = _fin(m)
+    _t15 = _f14 * 1.4426950408889634
+    _t16 = _t13 - _t15[:, None]
+    _t17 = tl.exp2(_t16)
+    _p18 = tl.where(tmask, _t17, 0.0)
+    _kv_19 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv20 = tl.dot(_p18.to(DOT_T), _kv_19.to(DOT_T), input_precision=PREC)
+    s = _pv20
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-    s2 = _r16
+    _r21 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
+    s2 = _r21
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c17 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_18 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_19 = tl.dot(h1.to(DOT_T), tl.trans(_kt_18.to(DOT_T)), input_precision=PREC)
-        _t20 = _dot_19 * 0.08838834764831843
-        _t21 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t22 = h2 * _t21
-        _t23 = _t20 + _t22
-        _t24 = tl.where(_c17, _t23, float('-inf'))
-        _r25 = tl.max(tl.where(tmask, _t24, float('-inf')), axis=1)
-        _t26 = tl.maximum(m, _r25)
-        m_new = _t26
+        _c22 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_23 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_24 = tl.dot(h1.to(DOT_T), tl.trans(_kt_23.to(DOT_T)), input_precision=PREC)
+        _t25 = _dot_24 * 0.08838834764831843
+        _t26 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t27 = h2 * _t26
+        _t28 = _t25 + _t27
+        _t29 = tl.where(_c22, _t28, float('-inf'))
+        _r30 = tl.max(tl.where(tmask, _t29, float('-inf')), axis=1)
+        _t31 = tl.maximum(m, _r30)
+        m_new = _t31
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f27 = _fin(m_new)
-        _t28 = _t24 - _f27[:, None]
-        _t29 = tl.exp(_t28)
-        _p30 = tl.where(tmask, _t29, 0.0)
-        _f31 = _fin(m)
-        _t32 = _f31 - _f27
-        _t33 = tl.exp(_t32)
-        _t34 = s * _t33[:, None]
-        _kv_35 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv36 = tl.dot(_p30.to(DOT_T), _kv_35.to(DOT_T), acc=_t34, input_precision=PREC)
-        s_new = _pv36
+        _t32 = _dot_24 * 0.12751743082459868
+        _t33 = _t27 * 1.4426950408889634
+        _t34 = _t32 + _t33
+        _t35 = tl.where(_c22, _t34, float('-inf'))
+        _f36 = _fin(m_new)
+        _t37 = _f36 * 1.4426950408889634
+        _t38 = _t35 - _t37[:, None]
+        _t39 = tl.exp2(_t38)
+        _p40 = tl.where(tmask, _t39, 0.0)
+        _f41 = _fin(m)
+        _t42 = _f41 * 1.4426950408889634
+        _t43 = _t42 - _t37
+        _t44 = tl.exp2(_t43)
+        _t45 = s * _t44[:, None]
+        _kv_46 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv47 = tl.dot(_p40.to(DOT_T), _kv_46.to(DOT_T), acc=_t45, input_precision=PREC)
+        s_new = _pv47
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t37 = s2 * _t33
-        _r38 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
-        _t39 = _t37 + _r38
-        s2_new = _t39
+        _t48 = s2 * _t44
+        _r49 = tl.sum(tl.where(tmask, _t39, 0.0), axis=1)
+        _t50 = _t48 + _r49
+        s2_new = _t50
         m = m_new
         s = s_new
         s2 = s2_new
@@ -181,33 +197,38 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_40 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_41 = tl.dot(h1.to(DOT_T), tl.trans(_kt_40.to(DOT_T)), input_precision=PREC)
-        _t42 = _dot_41 * 0.08838834764831843
-        _t43 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t44 = h2 * _t43
-        _t45 = _t42 + _t44
-        _r46 = tl.max(_t45, axis=1)
-        _t47 = tl.maximum(m, _r46)
-        m_new = _t47
+        _kt_51 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_52 = tl.dot(h1.to(DOT_T), tl.trans(_kt_51.to(DOT_T)), input_precision=PREC)
+        _t53 = _dot_52 * 0.08838834764831843
+        _t54 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t55 = h2 * _t54
+        _t56 = _t53 + _t55
+        _r57 = tl.max(_t56, axis=1)
+        _t58 = tl.maximum(m, _r57)
+        m_new = _t58
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f48 = _fin(m_new)
-        _t49 = _t45 - _f48[:, None]
-        _t50 = tl.exp(_t49)
-        _f51 = _fin(m)
-        _t52 = _f51 - _f48
-        _t53 = tl.exp(_t52)
-        _t54 = s * _t53[:, None]
-        _kv_55 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv56 = tl.dot(_t50.to(DOT_T), _kv_55.to(DOT_T), acc=_t54, input_precision=PREC)
-        s_new = _pv56
+        _t59 = _dot_52 * 0.12751743082459868
+        _t60 = _t55 * 1.4426950408889634
+        _t61 = _t59 + _t60
+        _f62 = _fin(m_new)
+        _t63 = _f62 * 1.4426950408889634
+        _t64 = _t61 - _t63[:, None]
+        _t65 = tl.exp2(_t64)
+        _f66 = _fin(m)
+        _t67 = _f66 * 1.4426950408889634
+        _t68 = _t67 - _t63
+        _t69 = tl.exp2(_t68)
+        _t70 = s * _t69[:, None]
+        _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv72 = tl.dot(_t65.to(DOT_T), _kv_71.to(DOT_T), acc=_t70, input_precision=PREC)
+        s_new = _pv72
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t57 = s2 * _t53
-        _r58 = tl.sum(_t50, axis=1)
-        _t59 = _t57 + _r58
-        s2_new = _t59
+        _t73 = s2 * _t69
+        _r74 = tl.sum(_t65, axis=1)
+        _t75 = _t73 + _r74
+        s2_new = _t75
         m = m_new
         s = s_new
         s2 = s2_new
@@ -216,46 +237,52 @@ def alibi_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c60 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
-        _t63 = _dot_62 * 0.08838834764831843
-        _t64 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t65 = h2 * _t64
-        _t66 = _t63 + _t65
-        _t67 = tl.where(_c60, _t66, float('-inf'))
-        _r68 = tl.max(tl.where(tmask, _t67, float('-inf')), axis=1)
-        _t69 = tl.maximum(m, _r68)
-        m_new = _t69
+        _c76 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
+        _t79 = _dot_78 * 0.08838834764831843
+        _t80 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t81 = h2 * _t80
+        _t82 = _t79 + _t81
+        _t83 = tl.where(_c76, _t82, float('-inf'))
+        _r84 = tl.max(tl.where(tmask, _t83, float('-inf')), axis=1)
+        _t85 = tl.maximum(m, _r84)
+        m_new = _t85
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f70 = _fin(m_new)
-        _t71 = _t67 - _f70[:, None]
-        _t72 = tl.exp(_t71)
-        _p73 = tl.where(tmask, _t72, 0.0)
-        _f74 = _fin(m)
-        _t75 = _f74 - _f70
-        _t76 = tl.exp(_t75)
-        _t77 = s * _t76[:, None]
-        _kv_78 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv79 = tl.dot(_p73.to(DOT_T), _kv_78.to(DOT_T), acc=_t77, input_precision=PREC)
-        s_new = _pv79
+        _t86 = _dot_78 * 0.12751743082459868
+        _t87 = _t81 * 1.4426950408889634
+        _t88 = _t86 + _t87
+        _t89 = tl.where(_c76, _t88, float('-inf'))
+        _f90 = _fin(m_new)
+        _t91 = _f90 * 1.4426950408889634
+        _t92 = _t89 - _t91[:, None]
+        _t93 = tl.exp2(_t92)
+        _p94 = tl.where(tmask, _t93, 0.0)
+        _f95 = _fin(m)
+        _t96 = _f95 * 1.4426950408889634
+        _t97 = _t96 - _t91
+        _t98 = tl.exp2(_t97)
+        _t99 = s * _t98[:, None]
+        _kv_100 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv101 = tl.dot(_p94.to(DOT_T), _kv_100.to(DOT_T), acc=_t99, input_precision=PREC)
+        s_new = _pv101
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t80 = s2 * _t76
-        _r81 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
-        _t82 = _t80 + _r81
-        s2_new = _t82
+        _t102 = s2 * _t98
+        _r103 = tl.sum(tl.where(tmask, _t93, 0.0), axis=1)
+        _t104 = _t102 + _r103
+        s2_new = _t104
         m = m_new
         s = s_new
         s2 = s2_new
     # output o = s_J / s2_J
-    _t83 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t83).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t105 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t105).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -296,85 +323,101 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = chunk_hi + 0 * (chunk_lo)
+    BIG = 2147483647
+    first = 0 * (chunk_hi) + BIG
     end = 0 * (chunk_hi) + (chunk_lo)
-    f_lo = chunk_hi + 0 * (chunk_lo)
-    f_hi = 0 * (chunk_hi) + (chunk_lo)
-    run = 0 * (chunk_hi)
-    for start in range(chunk_lo, chunk_hi, BLOCK_J):
+    f_lo = 0 * (chunk_hi) + BIG
+    f_hi = 0 * (chunk_hi) + (chunk_hi)
+    for t0 in range(chunk_lo, chunk_hi, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < chunk_hi
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi)
-        seen = ~((j_lo > i_hi))
-        first = tl.where(seen & (first == chunk_hi), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi) & valid
+        seen = (~((j_lo > i_hi))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, chunk_hi)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == chunk_hi, chunk_lo, first)
+    first = tl.where(first == BIG, chunk_lo, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
     tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _c84 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_85 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_86 = tl.dot(h1.to(DOT_T), tl.trans(_kt_85.to(DOT_T)), input_precision=PREC)
-    _t87 = _dot_86 * 0.08838834764831843
-    _t88 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-    _t89 = h2 * _t88
-    _t90 = _t87 + _t89
-    _t91 = tl.where(_c84, _t90, float('-inf'))
-    _r92 = tl.max(tl.where(tmask, _t91, float('-inf')), axis=1)
-    m = _r92
+    _c106 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_107 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_108 = tl.dot(h1.to(DOT_T), tl.trans(_kt_107.to(DOT_T)), input_precision=PREC)
+    _t109 = _dot_108 * 0.08838834764831843
+    _t110 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+    _t111 = h2 * _t110
+    _t112 = _t109 + _t111
+    _t113 = tl.where(_c106, _t112, float('-inf'))
+    _r114 = tl.max(tl.where(tmask, _t113, float('-inf')), axis=1)
+    m = _r114
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f93 = _fin(m)
-    _t94 = _t91 - _f93[:, None]
-    _t95 = tl.exp(_t94)
-    _p96 = tl.where(tmask, _t95, 0.0)
-    _kv_97 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv98 = tl.dot(_p96.to(DOT_T), _kv_97.to(DOT_T), input_precision=PREC)
-    s = _pv98
+    _t115 = _dot_108 * 0.12751743082459868
+    _t116 = _t111 * 1.4426950408889634
+    _t117 = _t115 + _t116
+    _t118 = tl.where(_c106, _t117, float('-inf'))
+    _f119 = _fin(m)
+    _t120 = _f119 * 1.4426950408889634
+    _t121 = _t118 - _t120[:, None]
+    _t122 = tl.exp2(_t121)
+    _p123 = tl.where(tmask, _t122, 0.0)
+    _kv_124 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv125 = tl.dot(_p123.to(DOT_T), _kv_124.to(DOT_T), input_precision=PREC)
+    s = _pv125
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r99 = tl.sum(tl.where(tmask, _t95, 0.0), axis=1)
-    s2 = _r99
+    _r126 = tl.sum(tl.where(tmask, _t122, 0.0), axis=1)
+    s2 = _r126
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c100 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
-        _t103 = _dot_102 * 0.08838834764831843
-        _t104 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t105 = h2 * _t104
-        _t106 = _t103 + _t105
-        _t107 = tl.where(_c100, _t106, float('-inf'))
-        _r108 = tl.max(tl.where(tmask, _t107, float('-inf')), axis=1)
-        _t109 = tl.maximum(m, _r108)
-        m_new = _t109
+        _c127 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_128 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_129 = tl.dot(h1.to(DOT_T), tl.trans(_kt_128.to(DOT_T)), input_precision=PREC)
+        _t130 = _dot_129 * 0.08838834764831843
+        _t131 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t132 = h2 * _t131
+        _t133 = _t130 + _t132
+        _t134 = tl.where(_c127, _t133, float('-inf'))
+        _r135 = tl.max(tl.where(tmask, _t134, float('-inf')), axis=1)
+        _t136 = tl.maximum(m, _r135)
+        m_new = _t136
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f110 = _fin(m_new)
-        _t111 = _t107 - _f110[:, None]
-        _t112 = tl.exp(_t111)
-        _p113 = tl.where(tmask, _t112, 0.0)
-        _f114 = _fin(m)
-        _t115 = _f114 - _f110
-        _t116 = tl.exp(_t115)
-        _t117 = s * _t116[:, None]
-        _kv_118 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv119 = tl.dot(_p113.to(DOT_T), _kv_118.to(DOT_T), acc=_t117, input_precision=PREC)
-        s_new = _pv119
+        _t137 = _dot_129 * 0.12751743082459868
+        _t138 = _t132 * 1.4426950408889634
+        _t139 = _t137 + _t138
+        _t140 = tl.where(_c127, _t139, float('-inf'))
+        _f141 = _fin(m_new)
+        _t142 = _f141 * 1.4426950408889634
+        _t143 = _t140 - _t142[:, None]
+        _t144 = tl.exp2(_t143)
+        _p145 = tl.where(tmask, _t144, 0.0)
+        _f146 = _fin(m)
+        _t147 = _f146 * 1.4426950408889634
+        _t148 = _t147 - _t142
+        _t149 = tl.exp2(_t148)
+        _t150 = s * _t149[:, None]
+        _kv_151 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv152 = tl.dot(_p145.to(DOT_T), _kv_151.to(DOT_T), acc=_t150, input_precision=PREC)
+        s_new = _pv152
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t120 = s2 * _t116
-        _r121 = tl.sum(tl.where(tmask, _t112, 0.0), axis=1)
-        _t122 = _t120 + _r121
-        s2_new = _t122
+        _t153 = s2 * _t149
+        _r154 = tl.sum(tl.where(tmask, _t144, 0.0), axis=1)
+        _t155 = _t153 + _r154
+        s2_new = _t155
         m = m_new
         s = s_new
         s2 = s2_new
@@ -383,33 +426,38 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_123 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_124 = tl.dot(h1.to(DOT_T), tl.trans(_kt_123.to(DOT_T)), input_precision=PREC)
-        _t125 = _dot_124 * 0.08838834764831843
-        _t126 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t127 = h2 * _t126
-        _t128 = _t125 + _t127
-        _r129 = tl.max(_t128, axis=1)
-        _t130 = tl.maximum(m, _r129)
-        m_new = _t130
+        _kt_156 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_157 = tl.dot(h1.to(DOT_T), tl.trans(_kt_156.to(DOT_T)), input_precision=PREC)
+        _t158 = _dot_157 * 0.08838834764831843
+        _t159 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t160 = h2 * _t159
+        _t161 = _t158 + _t160
+        _r162 = tl.max(_t161, axis=1)
+        _t163 = tl.maximum(m, _r162)
+        m_new = _t163
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f131 = _fin(m_new)
-        _t132 = _t128 - _f131[:, None]
-        _t133 = tl.exp(_t132)
-        _f134 = _fin(m)
-        _t135 = _f134 - _f131
-        _t136 = tl.exp(_t135)
-        _t137 = s * _t136[:, None]
-        _kv_138 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv139 = tl.dot(_t133.to(DOT_T), _kv_138.to(DOT_T), acc=_t137, input_precision=PREC)
-        s_new = _pv139
+        _t164 = _dot_157 * 0.12751743082459868
+        _t165 = _t160 * 1.4426950408889634
+        _t166 = _t164 + _t165
+        _f167 = _fin(m_new)
+        _t168 = _f167 * 1.4426950408889634
+        _t169 = _t166 - _t168[:, None]
+        _t170 = tl.exp2(_t169)
+        _f171 = _fin(m)
+        _t172 = _f171 * 1.4426950408889634
+        _t173 = _t172 - _t168
+        _t174 = tl.exp2(_t173)
+        _t175 = s * _t174[:, None]
+        _kv_176 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv177 = tl.dot(_t170.to(DOT_T), _kv_176.to(DOT_T), acc=_t175, input_precision=PREC)
+        s_new = _pv177
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t140 = s2 * _t136
-        _r141 = tl.sum(_t133, axis=1)
-        _t142 = _t140 + _r141
-        s2_new = _t142
+        _t178 = s2 * _t174
+        _r179 = tl.sum(_t170, axis=1)
+        _t180 = _t178 + _r179
+        s2_new = _t180
         m = m_new
         s = s_new
         s2 = s2_new
@@ -418,36 +466,42 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c143 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_144 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_145 = tl.dot(h1.to(DOT_T), tl.trans(_kt_144.to(DOT_T)), input_precision=PREC)
-        _t146 = _dot_145 * 0.08838834764831843
-        _t147 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
-        _t148 = h2 * _t147
-        _t149 = _t146 + _t148
-        _t150 = tl.where(_c143, _t149, float('-inf'))
-        _r151 = tl.max(tl.where(tmask, _t150, float('-inf')), axis=1)
-        _t152 = tl.maximum(m, _r151)
-        m_new = _t152
+        _c181 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_182 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_183 = tl.dot(h1.to(DOT_T), tl.trans(_kt_182.to(DOT_T)), input_precision=PREC)
+        _t184 = _dot_183 * 0.08838834764831843
+        _t185 = cols[None, :].to(tl.float32) - idx_i.to(tl.float32)[:, None]
+        _t186 = h2 * _t185
+        _t187 = _t184 + _t186
+        _t188 = tl.where(_c181, _t187, float('-inf'))
+        _r189 = tl.max(tl.where(tmask, _t188, float('-inf')), axis=1)
+        _t190 = tl.maximum(m, _r189)
+        m_new = _t190
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f153 = _fin(m_new)
-        _t154 = _t150 - _f153[:, None]
-        _t155 = tl.exp(_t154)
-        _p156 = tl.where(tmask, _t155, 0.0)
-        _f157 = _fin(m)
-        _t158 = _f157 - _f153
-        _t159 = tl.exp(_t158)
-        _t160 = s * _t159[:, None]
-        _kv_161 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv162 = tl.dot(_p156.to(DOT_T), _kv_161.to(DOT_T), acc=_t160, input_precision=PREC)
-        s_new = _pv162
+        _t191 = _dot_183 * 0.12751743082459868
+        _t192 = _t186 * 1.4426950408889634
+        _t193 = _t191 + _t192
+        _t194 = tl.where(_c181, _t193, float('-inf'))
+        _f195 = _fin(m_new)
+        _t196 = _f195 * 1.4426950408889634
+        _t197 = _t194 - _t196[:, None]
+        _t198 = tl.exp2(_t197)
+        _p199 = tl.where(tmask, _t198, 0.0)
+        _f200 = _fin(m)
+        _t201 = _f200 * 1.4426950408889634
+        _t202 = _t201 - _t196
+        _t203 = tl.exp2(_t202)
+        _t204 = s * _t203[:, None]
+        _kv_205 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv206 = tl.dot(_p199.to(DOT_T), _kv_205.to(DOT_T), acc=_t204, input_precision=PREC)
+        s_new = _pv206
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t163 = s2 * _t159
-        _r164 = tl.sum(tl.where(tmask, _t155, 0.0), axis=1)
-        _t165 = _t163 + _r164
-        s2_new = _t165
+        _t207 = s2 * _t203
+        _r208 = tl.sum(tl.where(tmask, _t198, 0.0), axis=1)
+        _t209 = _t207 + _r208
+        s2_new = _t209
         m = m_new
         s = s_new
         s2 = s2_new
@@ -458,7 +512,7 @@ def alibi_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_
 
 
 @triton.jit
-def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, slope_ptr, s_slope_h, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # fold the partial states of every key chunk with the derived merge
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -503,34 +557,37 @@ def alibi_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t166 = tl.maximum(m, m_b)
-        m_new = _t166
+        _t210 = tl.maximum(m, m_b)
+        m_new = _t210
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f167 = _fin(m)
-        _f168 = _fin(m_new)
-        _t169 = _f167 - _f168
-        _t170 = tl.exp(_t169)
-        _t171 = s * _t170[:, None]
-        _f172 = _fin(m_b)
-        _t173 = _f172 - _f168
-        _t174 = tl.exp(_t173)
-        _t175 = s_b * _t174[:, None]
-        _t176 = _t171 + _t175
-        s_new = _t176
+        _f211 = _fin(m)
+        _t212 = _f211 * 1.4426950408889634
+        _f213 = _fin(m_new)
+        _t214 = _f213 * 1.4426950408889634
+        _t215 = _t212 - _t214
+        _t216 = tl.exp2(_t215)
+        _t217 = s * _t216[:, None]
+        _f218 = _fin(m_b)
+        _t219 = _f218 * 1.4426950408889634
+        _t220 = _t219 - _t214
+        _t221 = tl.exp2(_t220)
+        _t222 = s_b * _t221[:, None]
+        _t223 = _t217 + _t222
+        s_new = _t223
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t177 = s2 * _t170
-        _t178 = s2_b * _t174
-        _t179 = _t177 + _t178
-        s2_new = _t179
+        _t224 = s2 * _t216
+        _t225 = s2_b * _t221
+        _t226 = _t224 + _t225
+        s2_new = _t226
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t180 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t180).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t227 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t227).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'alibi'
@@ -640,7 +697,8 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)
     # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32
-    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)
+    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))
+    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)
     if on_gpu:
         kw['num_stages'] = ns
     if schedule == 'loop':

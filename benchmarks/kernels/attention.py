@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(sum_d(q * k) * 0.08838834764831843 - max_j(sum_d(q * k) * 0.08838834764831843)))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -56,7 +56,7 @@ def _tanh(a):
 
 
 @triton.jit
-def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -106,46 +106,51 @@ def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     _r4 = tl.max(tl.where(tmask, _t3, float('-inf')), axis=1)
     m = _r4
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f5 = _fin(m)
-    _t6 = _t3 - _f5[:, None]
-    _t7 = tl.exp(_t6)
-    _p8 = tl.where(tmask, _t7, 0.0)
-    _kv_9 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv10 = tl.dot(_p8.to(DOT_T), _kv_9.to(DOT_T), input_precision=PREC)
-    s = _pv10
+    _t5 = _dot_2 * 0.12751743082459868
+    _f6 = _fin(m)
+    _t7 = _f6 * 1.4426950408889634
+    _t8 = _t5 - _t7[:, None]
+    _t9 = tl.exp2(_t8)
+    _p10 = tl.where(tmask, _t9, 0.0)
+    _kv_11 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv12 = tl.dot(_p10.to(DOT_T), _kv_11.to(DOT_T), input_precision=PREC)
+    s = _pv12
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r11 = tl.sum(tl.where(tmask, _t7, 0.0), axis=1)
-    s2 = _r11
+    _r13 = tl.sum(tl.where(tmask, _t9, 0.0), axis=1)
+    s2 = _r13
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_12 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_13 = tl.dot(h1.to(DOT_T), tl.trans(_kt_12.to(DOT_T)), input_precision=PREC)
-        _t14 = _dot_13 * 0.08838834764831843
-        _r15 = tl.max(tl.where(tmask, _t14, float('-inf')), axis=1)
-        _t16 = tl.maximum(m, _r15)
-        m_new = _t16
+        _kt_14 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_15 = tl.dot(h1.to(DOT_T), tl.trans(_kt_14.to(DOT_T)), input_precision=PREC)
+        _t16 = _dot_15 * 0.08838834764831843
+        _r17 = tl.max(tl.where(tmask, _t16, float('-inf')), axis=1)
+        _t18 = tl.maximum(m, _r17)
+        m_new = _t18
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f17 = _fin(m_new)
-        _t18 = _t14 - _f17[:, None]
-        _t19 = tl.exp(_t18)
-        _p20 = tl.where(tmask, _t19, 0.0)
-        _f21 = _fin(m)
-        _t22 = _f21 - _f17
-        _t23 = tl.exp(_t22)
-        _t24 = s * _t23[:, None]
-        _kv_25 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv26 = tl.dot(_p20.to(DOT_T), _kv_25.to(DOT_T), acc=_t24, input_precision=PREC)
-        s_new = _pv26
+        _t19 = _dot_15 * 0.12751743082459868
+        _f20 = _fin(m_new)
+        _t21 = _f20 * 1.4426950408889634
+        _t22 = _t19 - _t21[:, None]
+        _t23 = tl.exp2(_t22)
+        _p24 = tl.where(tmask, _t23, 0.0)
+        _f25 = _fin(m)
+        _t26 = _f25 * 1.4426950408889634
+        _t27 = _t26 - _t21
+        _t28 = tl.exp2(_t27)
+        _t29 = s * _t28[:, None]
+        _kv_30 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv31 = tl.dot(_p24.to(DOT_T), _kv_30.to(DOT_T), acc=_t29, input_precision=PREC)
+        s_new = _pv31
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t27 = s2 * _t23
-        _r28 = tl.sum(tl.where(tmask, _t19, 0.0), axis=1)
-        _t29 = _t27 + _r28
-        s2_new = _t29
+        _t32 = s2 * _t28
+        _r33 = tl.sum(tl.where(tmask, _t23, 0.0), axis=1)
+        _t34 = _t32 + _r33
+        s2_new = _t34
         m = m_new
         s = s_new
         s2 = s2_new
@@ -154,30 +159,33 @@ def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_30 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_31 = tl.dot(h1.to(DOT_T), tl.trans(_kt_30.to(DOT_T)), input_precision=PREC)
-        _t32 = _dot_31 * 0.08838834764831843
-        _r33 = tl.max(_t32, axis=1)
-        _t34 = tl.maximum(m, _r33)
-        m_new = _t34
+        _kt_35 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_36 = tl.dot(h1.to(DOT_T), tl.trans(_kt_35.to(DOT_T)), input_precision=PREC)
+        _t37 = _dot_36 * 0.08838834764831843
+        _r38 = tl.max(_t37, axis=1)
+        _t39 = tl.maximum(m, _r38)
+        m_new = _t39
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f35 = _fin(m_new)
-        _t36 = _t32 - _f35[:, None]
-        _t37 = tl.exp(_t36)
-        _f38 = _fin(m)
-        _t39 = _f38 - _f35
-        _t40 = tl.exp(_t39)
-        _t41 = s * _t40[:, None]
-        _kv_42 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv43 = tl.dot(_t37.to(DOT_T), _kv_42.to(DOT_T), acc=_t41, input_precision=PREC)
-        s_new = _pv43
+        _t40 = _dot_36 * 0.12751743082459868
+        _f41 = _fin(m_new)
+        _t42 = _f41 * 1.4426950408889634
+        _t43 = _t40 - _t42[:, None]
+        _t44 = tl.exp2(_t43)
+        _f45 = _fin(m)
+        _t46 = _f45 * 1.4426950408889634
+        _t47 = _t46 - _t42
+        _t48 = tl.exp2(_t47)
+        _t49 = s * _t48[:, None]
+        _kv_50 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv51 = tl.dot(_t44.to(DOT_T), _kv_50.to(DOT_T), acc=_t49, input_precision=PREC)
+        s_new = _pv51
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t44 = s2 * _t40
-        _r45 = tl.sum(_t37, axis=1)
-        _t46 = _t44 + _r45
-        s2_new = _t46
+        _t52 = s2 * _t48
+        _r53 = tl.sum(_t44, axis=1)
+        _t54 = _t52 + _r53
+        s2_new = _t54
         m = m_new
         s = s_new
         s2 = s2_new
@@ -186,41 +194,44 @@ def attention_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_47 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_48 = tl.dot(h1.to(DOT_T), tl.trans(_kt_47.to(DOT_T)), input_precision=PREC)
-        _t49 = _dot_48 * 0.08838834764831843
-        _r50 = tl.max(tl.where(tmask, _t49, float('-inf')), axis=1)
-        _t51 = tl.maximum(m, _r50)
-        m_new = _t51
+        _kt_55 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_56 = tl.dot(h1.to(DOT_T), tl.trans(_kt_55.to(DOT_T)), input_precision=PREC)
+        _t57 = _dot_56 * 0.08838834764831843
+        _r58 = tl.max(tl.where(tmask, _t57, float('-inf')), axis=1)
+        _t59 = tl.maximum(m, _r58)
+        m_new = _t59
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f52 = _fin(m_new)
-        _t53 = _t49 - _f52[:, None]
-        _t54 = tl.exp(_t53)
-        _p55 = tl.where(tmask, _t54, 0.0)
-        _f56 = _fin(m)
-        _t57 = _f56 - _f52
-        _t58 = tl.exp(_t57)
-        _t59 = s * _t58[:, None]
-        _kv_60 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv61 = tl.dot(_p55.to(DOT_T), _kv_60.to(DOT_T), acc=_t59, input_precision=PREC)
-        s_new = _pv61
+        _t60 = _dot_56 * 0.12751743082459868
+        _f61 = _fin(m_new)
+        _t62 = _f61 * 1.4426950408889634
+        _t63 = _t60 - _t62[:, None]
+        _t64 = tl.exp2(_t63)
+        _p65 = tl.where(tmask, _t64, 0.0)
+        _f66 = _fin(m)
+        _t67 = _f66 * 1.4426950408889634
+        _t68 = _t67 - _t62
+        _t69 = tl.exp2(_t68)
+        _t70 = s * _t69[:, None]
+        _kv_71 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv72 = tl.dot(_p65.to(DOT_T), _kv_71.to(DOT_T), acc=_t70, input_precision=PREC)
+        s_new = _pv72
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t62 = s2 * _t58
-        _r63 = tl.sum(tl.where(tmask, _t54, 0.0), axis=1)
-        _t64 = _t62 + _r63
-        s2_new = _t64
+        _t73 = s2 * _t69
+        _r74 = tl.sum(tl.where(tmask, _t64, 0.0), axis=1)
+        _t75 = _t73 + _r74
+        s2_new = _t75
         m = m_new
         s = s_new
         s2 = s2_new
     # output o = s_J / s2_J
-    _t65 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t65).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t76 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t76).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -267,52 +278,57 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
     cols = first + cols0
     tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_66 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_67 = tl.dot(h1.to(DOT_T), tl.trans(_kt_66.to(DOT_T)), input_precision=PREC)
-    _t68 = _dot_67 * 0.08838834764831843
-    _r69 = tl.max(tl.where(tmask, _t68, float('-inf')), axis=1)
-    m = _r69
+    _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
+    _t79 = _dot_78 * 0.08838834764831843
+    _r80 = tl.max(tl.where(tmask, _t79, float('-inf')), axis=1)
+    m = _r80
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f70 = _fin(m)
-    _t71 = _t68 - _f70[:, None]
-    _t72 = tl.exp(_t71)
-    _p73 = tl.where(tmask, _t72, 0.0)
-    _kv_74 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv75 = tl.dot(_p73.to(DOT_T), _kv_74.to(DOT_T), input_precision=PREC)
-    s = _pv75
+    _t81 = _dot_78 * 0.12751743082459868
+    _f82 = _fin(m)
+    _t83 = _f82 * 1.4426950408889634
+    _t84 = _t81 - _t83[:, None]
+    _t85 = tl.exp2(_t84)
+    _p86 = tl.where(tmask, _t85, 0.0)
+    _kv_87 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv88 = tl.dot(_p86.to(DOT_T), _kv_87.to(DOT_T), input_precision=PREC)
+    s = _pv88
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r76 = tl.sum(tl.where(tmask, _t72, 0.0), axis=1)
-    s2 = _r76
+    _r89 = tl.sum(tl.where(tmask, _t85, 0.0), axis=1)
+    s2 = _r89
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_77 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_78 = tl.dot(h1.to(DOT_T), tl.trans(_kt_77.to(DOT_T)), input_precision=PREC)
-        _t79 = _dot_78 * 0.08838834764831843
-        _r80 = tl.max(tl.where(tmask, _t79, float('-inf')), axis=1)
-        _t81 = tl.maximum(m, _r80)
-        m_new = _t81
+        _kt_90 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_91 = tl.dot(h1.to(DOT_T), tl.trans(_kt_90.to(DOT_T)), input_precision=PREC)
+        _t92 = _dot_91 * 0.08838834764831843
+        _r93 = tl.max(tl.where(tmask, _t92, float('-inf')), axis=1)
+        _t94 = tl.maximum(m, _r93)
+        m_new = _t94
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f82 = _fin(m_new)
-        _t83 = _t79 - _f82[:, None]
-        _t84 = tl.exp(_t83)
-        _p85 = tl.where(tmask, _t84, 0.0)
-        _f86 = _fin(m)
-        _t87 = _f86 - _f82
-        _t88 = tl.exp(_t87)
-        _t89 = s * _t88[:, None]
-        _kv_90 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv91 = tl.dot(_p85.to(DOT_T), _kv_90.to(DOT_T), acc=_t89, input_precision=PREC)
-        s_new = _pv91
+        _t95 = _dot_91 * 0.12751743082459868
+        _f96 = _fin(m_new)
+        _t97 = _f96 * 1.4426950408889634
+        _t98 = _t95 - _t97[:, None]
+        _t99 = tl.exp2(_t98)
+        _p100 = tl.where(tmask, _t99, 0.0)
+        _f101 = _fin(m)
+        _t102 = _f101 * 1.4426950408889634
+        _t103 = _t102 - _t97
+        _t104 = tl.exp2(_t103)
+        _t105 = s * _t104[:, None]
+        _kv_106 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv107 = tl.dot(_p100.to(DOT_T), _kv_106.to(DOT_T), acc=_t105, input_precision=PREC)
+        s_new = _pv107
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t92 = s2 * _t88
-        _r93 = tl.sum(tl.where(tmask, _t84, 0.0), axis=1)
-        _t94 = _t92 + _r93
-        s2_new = _t94
+        _t108 = s2 * _t104
+        _r109 = tl.sum(tl.where(tmask, _t99, 0.0), axis=1)
+        _t110 = _t108 + _r109
+        s2_new = _t110
         m = m_new
         s = s_new
         s2 = s2_new
@@ -321,30 +337,33 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_95 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_96 = tl.dot(h1.to(DOT_T), tl.trans(_kt_95.to(DOT_T)), input_precision=PREC)
-        _t97 = _dot_96 * 0.08838834764831843
-        _r98 = tl.max(_t97, axis=1)
-        _t99 = tl.maximum(m, _r98)
-        m_new = _t99
+        _kt_111 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_112 = tl.dot(h1.to(DOT_T), tl.trans(_kt_111.to(DOT_T)), input_precision=PREC)
+        _t113 = _dot_112 * 0.08838834764831843
+        _r114 = tl.max(_t113, axis=1)
+        _t115 = tl.maximum(m, _r114)
+        m_new = _t115
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f100 = _fin(m_new)
-        _t101 = _t97 - _f100[:, None]
-        _t102 = tl.exp(_t101)
-        _f103 = _fin(m)
-        _t104 = _f103 - _f100
-        _t105 = tl.exp(_t104)
-        _t106 = s * _t105[:, None]
-        _kv_107 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv108 = tl.dot(_t102.to(DOT_T), _kv_107.to(DOT_T), acc=_t106, input_precision=PREC)
-        s_new = _pv108
+        _t116 = _dot_112 * 0.12751743082459868
+        _f117 = _fin(m_new)
+        _t118 = _f117 * 1.4426950408889634
+        _t119 = _t116 - _t118[:, None]
+        _t120 = tl.exp2(_t119)
+        _f121 = _fin(m)
+        _t122 = _f121 * 1.4426950408889634
+        _t123 = _t122 - _t118
+        _t124 = tl.exp2(_t123)
+        _t125 = s * _t124[:, None]
+        _kv_126 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv127 = tl.dot(_t120.to(DOT_T), _kv_126.to(DOT_T), acc=_t125, input_precision=PREC)
+        s_new = _pv127
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t109 = s2 * _t105
-        _r110 = tl.sum(_t102, axis=1)
-        _t111 = _t109 + _r110
-        s2_new = _t111
+        _t128 = s2 * _t124
+        _r129 = tl.sum(_t120, axis=1)
+        _t130 = _t128 + _r129
+        s2_new = _t130
         m = m_new
         s = s_new
         s2 = s2_new
@@ -353,31 +372,34 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_112 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_113 = tl.dot(h1.to(DOT_T), tl.trans(_kt_112.to(DOT_T)), input_precision=PREC)
-        _t114 = _dot_113 * 0.08838834764831843
-        _r115 = tl.max(tl.where(tmask, _t114, float('-inf')), axis=1)
-        _t116 = tl.maximum(m, _r115)
-        m_new = _t116
+        _kt_131 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_132 = tl.dot(h1.to(DOT_T), tl.trans(_kt_131.to(DOT_T)), input_precision=PREC)
+        _t133 = _dot_132 * 0.08838834764831843
+        _r134 = tl.max(tl.where(tmask, _t133, float('-inf')), axis=1)
+        _t135 = tl.maximum(m, _r134)
+        m_new = _t135
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f117 = _fin(m_new)
-        _t118 = _t114 - _f117[:, None]
-        _t119 = tl.exp(_t118)
-        _p120 = tl.where(tmask, _t119, 0.0)
-        _f121 = _fin(m)
-        _t122 = _f121 - _f117
-        _t123 = tl.exp(_t122)
-        _t124 = s * _t123[:, None]
-        _kv_125 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv126 = tl.dot(_p120.to(DOT_T), _kv_125.to(DOT_T), acc=_t124, input_precision=PREC)
-        s_new = _pv126
+        _t136 = _dot_132 * 0.12751743082459868
+        _f137 = _fin(m_new)
+        _t138 = _f137 * 1.4426950408889634
+        _t139 = _t136 - _t138[:, None]
+        _t140 = tl.exp2(_t139)
+        _p141 = tl.where(tmask, _t140, 0.0)
+        _f142 = _fin(m)
+        _t143 = _f142 * 1.4426950408889634
+        _t144 = _t143 - _t138
+        _t145 = tl.exp2(_t144)
+        _t146 = s * _t145[:, None]
+        _kv_147 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv148 = tl.dot(_p141.to(DOT_T), _kv_147.to(DOT_T), acc=_t146, input_precision=PREC)
+        s_new = _pv148
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t127 = s2 * _t123
-        _r128 = tl.sum(tl.where(tmask, _t119, 0.0), axis=1)
-        _t129 = _t127 + _r128
-        s2_new = _t129
+        _t149 = s2 * _t145
+        _r150 = tl.sum(tl.where(tmask, _t140, 0.0), axis=1)
+        _t151 = _t149 + _r150
+        s2_new = _t151
         m = m_new
         s = s_new
         s2 = s2_new
@@ -388,7 +410,7 @@ def attention_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
 
 
 @triton.jit
-def attention_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def attention_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # fold the partial states of every key chunk with the derived merge
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -432,34 +454,37 @@ def attention_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t130 = tl.maximum(m, m_b)
-        m_new = _t130
+        _t152 = tl.maximum(m, m_b)
+        m_new = _t152
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f131 = _fin(m)
-        _f132 = _fin(m_new)
-        _t133 = _f131 - _f132
-        _t134 = tl.exp(_t133)
-        _t135 = s * _t134[:, None]
-        _f136 = _fin(m_b)
-        _t137 = _f136 - _f132
-        _t138 = tl.exp(_t137)
-        _t139 = s_b * _t138[:, None]
-        _t140 = _t135 + _t139
-        s_new = _t140
+        _f153 = _fin(m)
+        _t154 = _f153 * 1.4426950408889634
+        _f155 = _fin(m_new)
+        _t156 = _f155 * 1.4426950408889634
+        _t157 = _t154 - _t156
+        _t158 = tl.exp2(_t157)
+        _t159 = s * _t158[:, None]
+        _f160 = _fin(m_b)
+        _t161 = _f160 * 1.4426950408889634
+        _t162 = _t161 - _t156
+        _t163 = tl.exp2(_t162)
+        _t164 = s_b * _t163[:, None]
+        _t165 = _t159 + _t164
+        s_new = _t165
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t141 = s2 * _t134
-        _t142 = s2_b * _t138
-        _t143 = _t141 + _t142
-        s2_new = _t143
+        _t166 = s2 * _t158
+        _t167 = s2_b * _t163
+        _t168 = _t166 + _t167
+        s2_new = _t168
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t144 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t144).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t169 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t169).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'attention'
@@ -569,7 +594,8 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)
     # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32
-    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)
+    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))
+    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)
     if on_gpu:
         kw['num_stages'] = ns
     if schedule == 'loop':

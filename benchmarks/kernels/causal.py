@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf) - max_j(where(index(j) <= index(i), sum_d(q * k) * 0.08838834764831843, -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 4 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -56,7 +56,7 @@ def _tanh(a):
 
 
 @triton.jit
-def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -92,24 +92,29 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = n_j + 0 * (0)
+    BIG = 2147483647
+    first = 0 * (n_j) + BIG
     end = 0 * (n_j) + (0)
-    f_lo = n_j + 0 * (0)
-    f_hi = 0 * (n_j) + (0)
-    run = 0 * (n_j)
-    for start in range(0, n_j, BLOCK_J):
+    f_lo = 0 * (n_j) + BIG
+    f_hi = 0 * (n_j) + (n_j)
+    for t0 in range(0, n_j, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < n_j
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j)
-        seen = ~((j_lo > i_hi))
-        first = tl.where(seen & (first == n_j), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= n_j) & valid
+        seen = (~((j_lo > i_hi))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_j), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, n_j)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == n_j, 0, first)
+    first = tl.where(first == BIG, 0, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
@@ -123,48 +128,55 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     _r6 = tl.max(tl.where(tmask, _t5, float('-inf')), axis=1)
     m = _r6
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f7 = _fin(m)
-    _t8 = _t5 - _f7[:, None]
-    _t9 = tl.exp(_t8)
-    _p10 = tl.where(tmask, _t9, 0.0)
-    _kv_11 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv12 = tl.dot(_p10.to(DOT_T), _kv_11.to(DOT_T), input_precision=PREC)
-    s = _pv12
+    _t7 = _dot_3 * 0.12751743082459868
+    _t8 = tl.where(_c1, _t7, float('-inf'))
+    _f9 = _fin(m)
+    _t10 = _f9 * 1.4426950408889634
+    _t11 = _t8 - _t10[:, None]
+    _t12 = tl.exp2(_t11)
+    _p13 = tl.where(tmask, _t12, 0.0)
+    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
+    s = _pv15
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r13 = tl.sum(tl.where(tmask, _t9, 0.0), axis=1)
-    s2 = _r13
+    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
+    s2 = _r16
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c14 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
-        _t17 = _dot_16 * 0.08838834764831843
-        _t18 = tl.where(_c14, _t17, float('-inf'))
-        _r19 = tl.max(tl.where(tmask, _t18, float('-inf')), axis=1)
-        _t20 = tl.maximum(m, _r19)
-        m_new = _t20
+        _c17 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_18 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_19 = tl.dot(h1.to(DOT_T), tl.trans(_kt_18.to(DOT_T)), input_precision=PREC)
+        _t20 = _dot_19 * 0.08838834764831843
+        _t21 = tl.where(_c17, _t20, float('-inf'))
+        _r22 = tl.max(tl.where(tmask, _t21, float('-inf')), axis=1)
+        _t23 = tl.maximum(m, _r22)
+        m_new = _t23
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f21 = _fin(m_new)
-        _t22 = _t18 - _f21[:, None]
-        _t23 = tl.exp(_t22)
-        _p24 = tl.where(tmask, _t23, 0.0)
-        _f25 = _fin(m)
-        _t26 = _f25 - _f21
-        _t27 = tl.exp(_t26)
-        _t28 = s * _t27[:, None]
-        _kv_29 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv30 = tl.dot(_p24.to(DOT_T), _kv_29.to(DOT_T), acc=_t28, input_precision=PREC)
-        s_new = _pv30
+        _t24 = _dot_19 * 0.12751743082459868
+        _t25 = tl.where(_c17, _t24, float('-inf'))
+        _f26 = _fin(m_new)
+        _t27 = _f26 * 1.4426950408889634
+        _t28 = _t25 - _t27[:, None]
+        _t29 = tl.exp2(_t28)
+        _p30 = tl.where(tmask, _t29, 0.0)
+        _f31 = _fin(m)
+        _t32 = _f31 * 1.4426950408889634
+        _t33 = _t32 - _t27
+        _t34 = tl.exp2(_t33)
+        _t35 = s * _t34[:, None]
+        _kv_36 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv37 = tl.dot(_p30.to(DOT_T), _kv_36.to(DOT_T), acc=_t35, input_precision=PREC)
+        s_new = _pv37
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t31 = s2 * _t27
-        _r32 = tl.sum(tl.where(tmask, _t23, 0.0), axis=1)
-        _t33 = _t31 + _r32
-        s2_new = _t33
+        _t38 = s2 * _t34
+        _r39 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
+        _t40 = _t38 + _r39
+        s2_new = _t40
         m = m_new
         s = s_new
         s2 = s2_new
@@ -173,30 +185,33 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_34 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_35 = tl.dot(h1.to(DOT_T), tl.trans(_kt_34.to(DOT_T)), input_precision=PREC)
-        _t36 = _dot_35 * 0.08838834764831843
-        _r37 = tl.max(_t36, axis=1)
-        _t38 = tl.maximum(m, _r37)
-        m_new = _t38
+        _kt_41 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_42 = tl.dot(h1.to(DOT_T), tl.trans(_kt_41.to(DOT_T)), input_precision=PREC)
+        _t43 = _dot_42 * 0.08838834764831843
+        _r44 = tl.max(_t43, axis=1)
+        _t45 = tl.maximum(m, _r44)
+        m_new = _t45
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f39 = _fin(m_new)
-        _t40 = _t36 - _f39[:, None]
-        _t41 = tl.exp(_t40)
-        _f42 = _fin(m)
-        _t43 = _f42 - _f39
-        _t44 = tl.exp(_t43)
-        _t45 = s * _t44[:, None]
-        _kv_46 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv47 = tl.dot(_t41.to(DOT_T), _kv_46.to(DOT_T), acc=_t45, input_precision=PREC)
-        s_new = _pv47
+        _t46 = _dot_42 * 0.12751743082459868
+        _f47 = _fin(m_new)
+        _t48 = _f47 * 1.4426950408889634
+        _t49 = _t46 - _t48[:, None]
+        _t50 = tl.exp2(_t49)
+        _f51 = _fin(m)
+        _t52 = _f51 * 1.4426950408889634
+        _t53 = _t52 - _t48
+        _t54 = tl.exp2(_t53)
+        _t55 = s * _t54[:, None]
+        _kv_56 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv57 = tl.dot(_t50.to(DOT_T), _kv_56.to(DOT_T), acc=_t55, input_precision=PREC)
+        s_new = _pv57
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t48 = s2 * _t44
-        _r49 = tl.sum(_t41, axis=1)
-        _t50 = _t48 + _r49
-        s2_new = _t50
+        _t58 = s2 * _t54
+        _r59 = tl.sum(_t50, axis=1)
+        _t60 = _t58 + _r59
+        s2_new = _t60
         m = m_new
         s = s_new
         s2 = s2_new
@@ -205,43 +220,47 @@ def causal_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c51 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_52 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_53 = tl.dot(h1.to(DOT_T), tl.trans(_kt_52.to(DOT_T)), input_precision=PREC)
-        _t54 = _dot_53 * 0.08838834764831843
-        _t55 = tl.where(_c51, _t54, float('-inf'))
-        _r56 = tl.max(tl.where(tmask, _t55, float('-inf')), axis=1)
-        _t57 = tl.maximum(m, _r56)
-        m_new = _t57
+        _c61 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_62 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_63 = tl.dot(h1.to(DOT_T), tl.trans(_kt_62.to(DOT_T)), input_precision=PREC)
+        _t64 = _dot_63 * 0.08838834764831843
+        _t65 = tl.where(_c61, _t64, float('-inf'))
+        _r66 = tl.max(tl.where(tmask, _t65, float('-inf')), axis=1)
+        _t67 = tl.maximum(m, _r66)
+        m_new = _t67
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f58 = _fin(m_new)
-        _t59 = _t55 - _f58[:, None]
-        _t60 = tl.exp(_t59)
-        _p61 = tl.where(tmask, _t60, 0.0)
-        _f62 = _fin(m)
-        _t63 = _f62 - _f58
-        _t64 = tl.exp(_t63)
-        _t65 = s * _t64[:, None]
-        _kv_66 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv67 = tl.dot(_p61.to(DOT_T), _kv_66.to(DOT_T), acc=_t65, input_precision=PREC)
-        s_new = _pv67
+        _t68 = _dot_63 * 0.12751743082459868
+        _t69 = tl.where(_c61, _t68, float('-inf'))
+        _f70 = _fin(m_new)
+        _t71 = _f70 * 1.4426950408889634
+        _t72 = _t69 - _t71[:, None]
+        _t73 = tl.exp2(_t72)
+        _p74 = tl.where(tmask, _t73, 0.0)
+        _f75 = _fin(m)
+        _t76 = _f75 * 1.4426950408889634
+        _t77 = _t76 - _t71
+        _t78 = tl.exp2(_t77)
+        _t79 = s * _t78[:, None]
+        _kv_80 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv81 = tl.dot(_p74.to(DOT_T), _kv_80.to(DOT_T), acc=_t79, input_precision=PREC)
+        s_new = _pv81
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t68 = s2 * _t64
-        _r69 = tl.sum(tl.where(tmask, _t60, 0.0), axis=1)
-        _t70 = _t68 + _r69
-        s2_new = _t70
+        _t82 = s2 * _t78
+        _r83 = tl.sum(tl.where(tmask, _t73, 0.0), axis=1)
+        _t84 = _t82 + _r83
+        s2_new = _t84
         m = m_new
         s = s_new
         s2 = s2_new
     # output o = s_J / s2_J
-    _t71 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t71).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t85 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t85).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -280,79 +299,91 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = chunk_hi + 0 * (chunk_lo)
+    BIG = 2147483647
+    first = 0 * (chunk_hi) + BIG
     end = 0 * (chunk_hi) + (chunk_lo)
-    f_lo = chunk_hi + 0 * (chunk_lo)
-    f_hi = 0 * (chunk_hi) + (chunk_lo)
-    run = 0 * (chunk_hi)
-    for start in range(chunk_lo, chunk_hi, BLOCK_J):
+    f_lo = 0 * (chunk_hi) + BIG
+    f_hi = 0 * (chunk_hi) + (chunk_hi)
+    for t0 in range(chunk_lo, chunk_hi, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < chunk_hi
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi)
-        seen = ~((j_lo > i_hi))
-        first = tl.where(seen & (first == chunk_hi), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = (j_hi <= i_lo) & (start + BLOCK_J <= chunk_hi) & valid
+        seen = (~((j_lo > i_hi))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, chunk_hi)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == chunk_hi, chunk_lo, first)
+    first = tl.where(first == BIG, chunk_lo, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
     tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _c72 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _kt_73 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_74 = tl.dot(h1.to(DOT_T), tl.trans(_kt_73.to(DOT_T)), input_precision=PREC)
-    _t75 = _dot_74 * 0.08838834764831843
-    _t76 = tl.where(_c72, _t75, float('-inf'))
-    _r77 = tl.max(tl.where(tmask, _t76, float('-inf')), axis=1)
-    m = _r77
+    _c86 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _kt_87 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_88 = tl.dot(h1.to(DOT_T), tl.trans(_kt_87.to(DOT_T)), input_precision=PREC)
+    _t89 = _dot_88 * 0.08838834764831843
+    _t90 = tl.where(_c86, _t89, float('-inf'))
+    _r91 = tl.max(tl.where(tmask, _t90, float('-inf')), axis=1)
+    m = _r91
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f78 = _fin(m)
-    _t79 = _t76 - _f78[:, None]
-    _t80 = tl.exp(_t79)
-    _p81 = tl.where(tmask, _t80, 0.0)
-    _kv_82 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv83 = tl.dot(_p81.to(DOT_T), _kv_82.to(DOT_T), input_precision=PREC)
-    s = _pv83
+    _t92 = _dot_88 * 0.12751743082459868
+    _t93 = tl.where(_c86, _t92, float('-inf'))
+    _f94 = _fin(m)
+    _t95 = _f94 * 1.4426950408889634
+    _t96 = _t93 - _t95[:, None]
+    _t97 = tl.exp2(_t96)
+    _p98 = tl.where(tmask, _t97, 0.0)
+    _kv_99 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv100 = tl.dot(_p98.to(DOT_T), _kv_99.to(DOT_T), input_precision=PREC)
+    s = _pv100
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r84 = tl.sum(tl.where(tmask, _t80, 0.0), axis=1)
-    s2 = _r84
+    _r101 = tl.sum(tl.where(tmask, _t97, 0.0), axis=1)
+    s2 = _r101
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c85 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_86 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_87 = tl.dot(h1.to(DOT_T), tl.trans(_kt_86.to(DOT_T)), input_precision=PREC)
-        _t88 = _dot_87 * 0.08838834764831843
-        _t89 = tl.where(_c85, _t88, float('-inf'))
-        _r90 = tl.max(tl.where(tmask, _t89, float('-inf')), axis=1)
-        _t91 = tl.maximum(m, _r90)
-        m_new = _t91
+        _c102 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_103 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_104 = tl.dot(h1.to(DOT_T), tl.trans(_kt_103.to(DOT_T)), input_precision=PREC)
+        _t105 = _dot_104 * 0.08838834764831843
+        _t106 = tl.where(_c102, _t105, float('-inf'))
+        _r107 = tl.max(tl.where(tmask, _t106, float('-inf')), axis=1)
+        _t108 = tl.maximum(m, _r107)
+        m_new = _t108
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f92 = _fin(m_new)
-        _t93 = _t89 - _f92[:, None]
-        _t94 = tl.exp(_t93)
-        _p95 = tl.where(tmask, _t94, 0.0)
-        _f96 = _fin(m)
-        _t97 = _f96 - _f92
-        _t98 = tl.exp(_t97)
-        _t99 = s * _t98[:, None]
-        _kv_100 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv101 = tl.dot(_p95.to(DOT_T), _kv_100.to(DOT_T), acc=_t99, input_precision=PREC)
-        s_new = _pv101
+        _t109 = _dot_104 * 0.12751743082459868
+        _t110 = tl.where(_c102, _t109, float('-inf'))
+        _f111 = _fin(m_new)
+        _t112 = _f111 * 1.4426950408889634
+        _t113 = _t110 - _t112[:, None]
+        _t114 = tl.exp2(_t113)
+        _p115 = tl.where(tmask, _t114, 0.0)
+        _f116 = _fin(m)
+        _t117 = _f116 * 1.4426950408889634
+        _t118 = _t117 - _t112
+        _t119 = tl.exp2(_t118)
+        _t120 = s * _t119[:, None]
+        _kv_121 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv122 = tl.dot(_p115.to(DOT_T), _kv_121.to(DOT_T), acc=_t120, input_precision=PREC)
+        s_new = _pv122
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t102 = s2 * _t98
-        _r103 = tl.sum(tl.where(tmask, _t94, 0.0), axis=1)
-        _t104 = _t102 + _r103
-        s2_new = _t104
+        _t123 = s2 * _t119
+        _r124 = tl.sum(tl.where(tmask, _t114, 0.0), axis=1)
+        _t125 = _t123 + _r124
+        s2_new = _t125
         m = m_new
         s = s_new
         s2 = s2_new
@@ -361,30 +392,33 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_105 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_106 = tl.dot(h1.to(DOT_T), tl.trans(_kt_105.to(DOT_T)), input_precision=PREC)
-        _t107 = _dot_106 * 0.08838834764831843
-        _r108 = tl.max(_t107, axis=1)
-        _t109 = tl.maximum(m, _r108)
-        m_new = _t109
+        _kt_126 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_127 = tl.dot(h1.to(DOT_T), tl.trans(_kt_126.to(DOT_T)), input_precision=PREC)
+        _t128 = _dot_127 * 0.08838834764831843
+        _r129 = tl.max(_t128, axis=1)
+        _t130 = tl.maximum(m, _r129)
+        m_new = _t130
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f110 = _fin(m_new)
-        _t111 = _t107 - _f110[:, None]
-        _t112 = tl.exp(_t111)
-        _f113 = _fin(m)
-        _t114 = _f113 - _f110
-        _t115 = tl.exp(_t114)
-        _t116 = s * _t115[:, None]
-        _kv_117 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv118 = tl.dot(_t112.to(DOT_T), _kv_117.to(DOT_T), acc=_t116, input_precision=PREC)
-        s_new = _pv118
+        _t131 = _dot_127 * 0.12751743082459868
+        _f132 = _fin(m_new)
+        _t133 = _f132 * 1.4426950408889634
+        _t134 = _t131 - _t133[:, None]
+        _t135 = tl.exp2(_t134)
+        _f136 = _fin(m)
+        _t137 = _f136 * 1.4426950408889634
+        _t138 = _t137 - _t133
+        _t139 = tl.exp2(_t138)
+        _t140 = s * _t139[:, None]
+        _kv_141 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv142 = tl.dot(_t135.to(DOT_T), _kv_141.to(DOT_T), acc=_t140, input_precision=PREC)
+        s_new = _pv142
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t119 = s2 * _t115
-        _r120 = tl.sum(_t112, axis=1)
-        _t121 = _t119 + _r120
-        s2_new = _t121
+        _t143 = s2 * _t139
+        _r144 = tl.sum(_t135, axis=1)
+        _t145 = _t143 + _r144
+        s2_new = _t145
         m = m_new
         s = s_new
         s2 = s2_new
@@ -393,33 +427,37 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c122 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _kt_123 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_124 = tl.dot(h1.to(DOT_T), tl.trans(_kt_123.to(DOT_T)), input_precision=PREC)
-        _t125 = _dot_124 * 0.08838834764831843
-        _t126 = tl.where(_c122, _t125, float('-inf'))
-        _r127 = tl.max(tl.where(tmask, _t126, float('-inf')), axis=1)
-        _t128 = tl.maximum(m, _r127)
-        m_new = _t128
+        _c146 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _kt_147 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_148 = tl.dot(h1.to(DOT_T), tl.trans(_kt_147.to(DOT_T)), input_precision=PREC)
+        _t149 = _dot_148 * 0.08838834764831843
+        _t150 = tl.where(_c146, _t149, float('-inf'))
+        _r151 = tl.max(tl.where(tmask, _t150, float('-inf')), axis=1)
+        _t152 = tl.maximum(m, _r151)
+        m_new = _t152
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f129 = _fin(m_new)
-        _t130 = _t126 - _f129[:, None]
-        _t131 = tl.exp(_t130)
-        _p132 = tl.where(tmask, _t131, 0.0)
-        _f133 = _fin(m)
-        _t134 = _f133 - _f129
-        _t135 = tl.exp(_t134)
-        _t136 = s * _t135[:, None]
-        _kv_137 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv138 = tl.dot(_p132.to(DOT_T), _kv_137.to(DOT_T), acc=_t136, input_precision=PREC)
-        s_new = _pv138
+        _t153 = _dot_148 * 0.12751743082459868
+        _t154 = tl.where(_c146, _t153, float('-inf'))
+        _f155 = _fin(m_new)
+        _t156 = _f155 * 1.4426950408889634
+        _t157 = _t154 - _t156[:, None]
+        _t158 = tl.exp2(_t157)
+        _p159 = tl.where(tmask, _t158, 0.0)
+        _f160 = _fin(m)
+        _t161 = _f160 * 1.4426950408889634
+        _t162 = _t161 - _t156
+        _t163 = tl.exp2(_t162)
+        _t164 = s * _t163[:, None]
+        _kv_165 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv166 = tl.dot(_p159.to(DOT_T), _kv_165.to(DOT_T), acc=_t164, input_precision=PREC)
+        s_new = _pv166
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t139 = s2 * _t135
-        _r140 = tl.sum(tl.where(tmask, _t131, 0.0), axis=1)
-        _t141 = _t139 + _r140
-        s2_new = _t141
+        _t167 = s2 * _t163
+        _r168 = tl.sum(tl.where(tmask, _t158, 0.0), axis=1)
+        _t169 = _t167 + _r168
+        s2_new = _t169
         m = m_new
         s = s_new
         s2 = s2_new
@@ -430,7 +468,7 @@ def causal_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s
 
 
 @triton.jit
-def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # fold the partial states of every key chunk with the derived merge
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -474,34 +512,37 @@ def causal_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t142 = tl.maximum(m, m_b)
-        m_new = _t142
+        _t170 = tl.maximum(m, m_b)
+        m_new = _t170
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f143 = _fin(m)
-        _f144 = _fin(m_new)
-        _t145 = _f143 - _f144
-        _t146 = tl.exp(_t145)
-        _t147 = s * _t146[:, None]
-        _f148 = _fin(m_b)
-        _t149 = _f148 - _f144
-        _t150 = tl.exp(_t149)
-        _t151 = s_b * _t150[:, None]
-        _t152 = _t147 + _t151
-        s_new = _t152
+        _f171 = _fin(m)
+        _t172 = _f171 * 1.4426950408889634
+        _f173 = _fin(m_new)
+        _t174 = _f173 * 1.4426950408889634
+        _t175 = _t172 - _t174
+        _t176 = tl.exp2(_t175)
+        _t177 = s * _t176[:, None]
+        _f178 = _fin(m_b)
+        _t179 = _f178 * 1.4426950408889634
+        _t180 = _t179 - _t174
+        _t181 = tl.exp2(_t180)
+        _t182 = s_b * _t181[:, None]
+        _t183 = _t177 + _t182
+        s_new = _t183
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t153 = s2 * _t146
-        _t154 = s2_b * _t150
-        _t155 = _t153 + _t154
-        s2_new = _t155
+        _t184 = s2 * _t176
+        _t185 = s2_b * _t181
+        _t186 = _t184 + _t185
+        s2_new = _t186
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t156 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t156).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t187 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t187).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'causal'
@@ -611,7 +652,8 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)
     # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32
-    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)
+    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))
+    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)
     if on_gpu:
         kw['num_stages'] = ns
     if schedule == 'loop':

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(where((index(j) <= index(i)) & (index(i) - index(j) < 256), sum_d(q * k) * 0.08838834764831843, -inf) - max_j(where((index(j) <= index(i)) & (index(i) - index(j) < 256), sum_d(q * k) * 0.08838834764831843, -inf))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -56,7 +56,7 @@ def _tanh(a):
 
 
 @triton.jit
-def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -92,24 +92,29 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     h1 = tl.load(q_ptr + off_q_g + off_q_r[:, None] + dcols[None, :] * s_q_d, mask=rmask[:, None] & dmask[None, :], other=0.0)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = n_j + 0 * (0)
+    BIG = 2147483647
+    first = 0 * (n_j) + BIG
     end = 0 * (n_j) + (0)
-    f_lo = n_j + 0 * (0)
-    f_hi = 0 * (n_j) + (0)
-    run = 0 * (n_j)
-    for start in range(0, n_j, BLOCK_J):
+    f_lo = 0 * (n_j) + BIG
+    f_hi = 0 * (n_j) + (n_j)
+    for t0 in range(0, n_j, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < n_j
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, n_j) - 1) * 1.0
-        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= n_j)
-        seen = ~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))
-        first = tl.where(seen & (first == n_j), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, n_j), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= n_j) & valid
+        seen = (~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_j), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, n_j)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == n_j, 0, first)
+    first = tl.where(first == BIG, 0, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, n_j))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
@@ -126,51 +131,58 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     _r9 = tl.max(tl.where(tmask, _t8, float('-inf')), axis=1)
     m = _r9
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f10 = _fin(m)
-    _t11 = _t8 - _f10[:, None]
-    _t12 = tl.exp(_t11)
-    _p13 = tl.where(tmask, _t12, 0.0)
-    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
-    s = _pv15
+    _t10 = _dot_6 * 0.12751743082459868
+    _t11 = tl.where(_c4, _t10, float('-inf'))
+    _f12 = _fin(m)
+    _t13 = _f12 * 1.4426950408889634
+    _t14 = _t11 - _t13[:, None]
+    _t15 = tl.exp2(_t14)
+    _p16 = tl.where(tmask, _t15, 0.0)
+    _kv_17 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv18 = tl.dot(_p16.to(DOT_T), _kv_17.to(DOT_T), input_precision=PREC)
+    s = _pv18
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
-    s2 = _r16
+    _r19 = tl.sum(tl.where(tmask, _t15, 0.0), axis=1)
+    s2 = _r19
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c17 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _t18 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-        _c19 = (_t18 < 256.0)
-        _c20 = (_c17 & _c19)
-        _kt_21 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_22 = tl.dot(h1.to(DOT_T), tl.trans(_kt_21.to(DOT_T)), input_precision=PREC)
-        _t23 = _dot_22 * 0.08838834764831843
-        _t24 = tl.where(_c20, _t23, float('-inf'))
-        _r25 = tl.max(tl.where(tmask, _t24, float('-inf')), axis=1)
-        _t26 = tl.maximum(m, _r25)
-        m_new = _t26
+        _c20 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t21 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c22 = (_t21 < 256.0)
+        _c23 = (_c20 & _c22)
+        _kt_24 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_25 = tl.dot(h1.to(DOT_T), tl.trans(_kt_24.to(DOT_T)), input_precision=PREC)
+        _t26 = _dot_25 * 0.08838834764831843
+        _t27 = tl.where(_c23, _t26, float('-inf'))
+        _r28 = tl.max(tl.where(tmask, _t27, float('-inf')), axis=1)
+        _t29 = tl.maximum(m, _r28)
+        m_new = _t29
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f27 = _fin(m_new)
-        _t28 = _t24 - _f27[:, None]
-        _t29 = tl.exp(_t28)
-        _p30 = tl.where(tmask, _t29, 0.0)
-        _f31 = _fin(m)
-        _t32 = _f31 - _f27
-        _t33 = tl.exp(_t32)
-        _t34 = s * _t33[:, None]
-        _kv_35 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv36 = tl.dot(_p30.to(DOT_T), _kv_35.to(DOT_T), acc=_t34, input_precision=PREC)
-        s_new = _pv36
+        _t30 = _dot_25 * 0.12751743082459868
+        _t31 = tl.where(_c23, _t30, float('-inf'))
+        _f32 = _fin(m_new)
+        _t33 = _f32 * 1.4426950408889634
+        _t34 = _t31 - _t33[:, None]
+        _t35 = tl.exp2(_t34)
+        _p36 = tl.where(tmask, _t35, 0.0)
+        _f37 = _fin(m)
+        _t38 = _f37 * 1.4426950408889634
+        _t39 = _t38 - _t33
+        _t40 = tl.exp2(_t39)
+        _t41 = s * _t40[:, None]
+        _kv_42 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv43 = tl.dot(_p36.to(DOT_T), _kv_42.to(DOT_T), acc=_t41, input_precision=PREC)
+        s_new = _pv43
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t37 = s2 * _t33
-        _r38 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
-        _t39 = _t37 + _r38
-        s2_new = _t39
+        _t44 = s2 * _t40
+        _r45 = tl.sum(tl.where(tmask, _t35, 0.0), axis=1)
+        _t46 = _t44 + _r45
+        s2_new = _t46
         m = m_new
         s = s_new
         s2 = s2_new
@@ -179,30 +191,33 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_40 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_41 = tl.dot(h1.to(DOT_T), tl.trans(_kt_40.to(DOT_T)), input_precision=PREC)
-        _t42 = _dot_41 * 0.08838834764831843
-        _r43 = tl.max(_t42, axis=1)
-        _t44 = tl.maximum(m, _r43)
-        m_new = _t44
+        _kt_47 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_48 = tl.dot(h1.to(DOT_T), tl.trans(_kt_47.to(DOT_T)), input_precision=PREC)
+        _t49 = _dot_48 * 0.08838834764831843
+        _r50 = tl.max(_t49, axis=1)
+        _t51 = tl.maximum(m, _r50)
+        m_new = _t51
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f45 = _fin(m_new)
-        _t46 = _t42 - _f45[:, None]
-        _t47 = tl.exp(_t46)
-        _f48 = _fin(m)
-        _t49 = _f48 - _f45
-        _t50 = tl.exp(_t49)
-        _t51 = s * _t50[:, None]
-        _kv_52 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv53 = tl.dot(_t47.to(DOT_T), _kv_52.to(DOT_T), acc=_t51, input_precision=PREC)
-        s_new = _pv53
+        _t52 = _dot_48 * 0.12751743082459868
+        _f53 = _fin(m_new)
+        _t54 = _f53 * 1.4426950408889634
+        _t55 = _t52 - _t54[:, None]
+        _t56 = tl.exp2(_t55)
+        _f57 = _fin(m)
+        _t58 = _f57 * 1.4426950408889634
+        _t59 = _t58 - _t54
+        _t60 = tl.exp2(_t59)
+        _t61 = s * _t60[:, None]
+        _kv_62 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv63 = tl.dot(_t56.to(DOT_T), _kv_62.to(DOT_T), acc=_t61, input_precision=PREC)
+        s_new = _pv63
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t54 = s2 * _t50
-        _r55 = tl.sum(_t47, axis=1)
-        _t56 = _t54 + _r55
-        s2_new = _t56
+        _t64 = s2 * _t60
+        _r65 = tl.sum(_t56, axis=1)
+        _t66 = _t64 + _r65
+        s2_new = _t66
         m = m_new
         s = s_new
         s2 = s2_new
@@ -211,46 +226,50 @@ def sliding_window_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c57 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _t58 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-        _c59 = (_t58 < 256.0)
-        _c60 = (_c57 & _c59)
-        _kt_61 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_62 = tl.dot(h1.to(DOT_T), tl.trans(_kt_61.to(DOT_T)), input_precision=PREC)
-        _t63 = _dot_62 * 0.08838834764831843
-        _t64 = tl.where(_c60, _t63, float('-inf'))
-        _r65 = tl.max(tl.where(tmask, _t64, float('-inf')), axis=1)
-        _t66 = tl.maximum(m, _r65)
-        m_new = _t66
+        _c67 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t68 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c69 = (_t68 < 256.0)
+        _c70 = (_c67 & _c69)
+        _kt_71 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_72 = tl.dot(h1.to(DOT_T), tl.trans(_kt_71.to(DOT_T)), input_precision=PREC)
+        _t73 = _dot_72 * 0.08838834764831843
+        _t74 = tl.where(_c70, _t73, float('-inf'))
+        _r75 = tl.max(tl.where(tmask, _t74, float('-inf')), axis=1)
+        _t76 = tl.maximum(m, _r75)
+        m_new = _t76
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f67 = _fin(m_new)
-        _t68 = _t64 - _f67[:, None]
-        _t69 = tl.exp(_t68)
-        _p70 = tl.where(tmask, _t69, 0.0)
-        _f71 = _fin(m)
-        _t72 = _f71 - _f67
-        _t73 = tl.exp(_t72)
-        _t74 = s * _t73[:, None]
-        _kv_75 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv76 = tl.dot(_p70.to(DOT_T), _kv_75.to(DOT_T), acc=_t74, input_precision=PREC)
-        s_new = _pv76
+        _t77 = _dot_72 * 0.12751743082459868
+        _t78 = tl.where(_c70, _t77, float('-inf'))
+        _f79 = _fin(m_new)
+        _t80 = _f79 * 1.4426950408889634
+        _t81 = _t78 - _t80[:, None]
+        _t82 = tl.exp2(_t81)
+        _p83 = tl.where(tmask, _t82, 0.0)
+        _f84 = _fin(m)
+        _t85 = _f84 * 1.4426950408889634
+        _t86 = _t85 - _t80
+        _t87 = tl.exp2(_t86)
+        _t88 = s * _t87[:, None]
+        _kv_89 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv90 = tl.dot(_p83.to(DOT_T), _kv_89.to(DOT_T), acc=_t88, input_precision=PREC)
+        s_new = _pv90
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t77 = s2 * _t73
-        _r78 = tl.sum(tl.where(tmask, _t69, 0.0), axis=1)
-        _t79 = _t77 + _r78
-        s2_new = _t79
+        _t91 = s2 * _t87
+        _r92 = tl.sum(tl.where(tmask, _t82, 0.0), axis=1)
+        _t93 = _t91 + _r92
+        s2_new = _t93
         m = m_new
         s = s_new
         s2 = s2_new
     # output o = s_J / s2_J
-    _t80 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t80).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t94 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t94).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -289,85 +308,97 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     # mask analysis: interval arithmetic over each key tile's index box finds the
     # tiles the mask excludes entirely (skipped) and the first run of tiles it includes entirely
-    first = chunk_hi + 0 * (chunk_lo)
+    BIG = 2147483647
+    first = 0 * (chunk_hi) + BIG
     end = 0 * (chunk_hi) + (chunk_lo)
-    f_lo = chunk_hi + 0 * (chunk_lo)
-    f_hi = 0 * (chunk_hi) + (chunk_lo)
-    run = 0 * (chunk_hi)
-    for start in range(chunk_lo, chunk_hi, BLOCK_J):
+    f_lo = 0 * (chunk_hi) + BIG
+    f_hi = 0 * (chunk_hi) + (chunk_hi)
+    for t0 in range(chunk_lo, chunk_hi, SCAN * BLOCK_J):  # all tiles at once, SCAN per step
+        start = t0 + tl.arange(0, SCAN) * BLOCK_J
+        valid = start < chunk_hi
         j_lo = start * 1.0
         j_hi = (tl.minimum(start + BLOCK_J, chunk_hi) - 1) * 1.0
-        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= chunk_hi)
-        seen = ~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))
-        first = tl.where(seen & (first == chunk_hi), start, first)
-        end = tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), end)
-        f_lo = tl.where(full & (run == 0), start, f_lo)
-        run = tl.where(full & (run == 0), 1, tl.where((~full) & (run == 1), 2, run))
-        f_hi = tl.where(full & (run == 1), start + BLOCK_J, f_hi)
+        full = ((j_hi <= i_lo) & ((i_hi - j_lo) < 256.0)) & (start + BLOCK_J <= chunk_hi) & valid
+        seen = (~(((j_lo > i_hi) | ((i_lo - j_hi) >= 256.0)))) & valid
+        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))
+        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, chunk_hi), 0), axis=0))
+        c_lo = tl.min(tl.where(full, start, BIG), axis=0)
+        c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, tl.minimum(t0 + SCAN * BLOCK_J, chunk_hi)), axis=0)
+        take = (f_lo == BIG) & (c_lo < BIG)
+        f_hi = tl.where(take, c_hi, f_hi)
+        f_lo = tl.where(take, c_lo, f_lo)
     # a row tile that sees no key still runs one (masked) tile: its states are empty
-    first = tl.where(first == chunk_hi, chunk_lo, first)
+    first = tl.where(first == BIG, chunk_lo, first)
     end = tl.maximum(end, tl.minimum(first + BLOCK_J, chunk_hi))
+    f_lo = tl.minimum(f_lo, end)
     a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)
     b = tl.minimum(tl.maximum(f_hi, a), end)
     cols = first + cols0
     tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _c81 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-    _t82 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-    _c83 = (_t82 < 256.0)
-    _c84 = (_c81 & _c83)
-    _kt_85 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_86 = tl.dot(h1.to(DOT_T), tl.trans(_kt_85.to(DOT_T)), input_precision=PREC)
-    _t87 = _dot_86 * 0.08838834764831843
-    _t88 = tl.where(_c84, _t87, float('-inf'))
-    _r89 = tl.max(tl.where(tmask, _t88, float('-inf')), axis=1)
-    m = _r89
+    _c95 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+    _t96 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+    _c97 = (_t96 < 256.0)
+    _c98 = (_c95 & _c97)
+    _kt_99 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_100 = tl.dot(h1.to(DOT_T), tl.trans(_kt_99.to(DOT_T)), input_precision=PREC)
+    _t101 = _dot_100 * 0.08838834764831843
+    _t102 = tl.where(_c98, _t101, float('-inf'))
+    _r103 = tl.max(tl.where(tmask, _t102, float('-inf')), axis=1)
+    m = _r103
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f90 = _fin(m)
-    _t91 = _t88 - _f90[:, None]
-    _t92 = tl.exp(_t91)
-    _p93 = tl.where(tmask, _t92, 0.0)
-    _kv_94 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv95 = tl.dot(_p93.to(DOT_T), _kv_94.to(DOT_T), input_precision=PREC)
-    s = _pv95
+    _t104 = _dot_100 * 0.12751743082459868
+    _t105 = tl.where(_c98, _t104, float('-inf'))
+    _f106 = _fin(m)
+    _t107 = _f106 * 1.4426950408889634
+    _t108 = _t105 - _t107[:, None]
+    _t109 = tl.exp2(_t108)
+    _p110 = tl.where(tmask, _t109, 0.0)
+    _kv_111 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv112 = tl.dot(_p110.to(DOT_T), _kv_111.to(DOT_T), input_precision=PREC)
+    s = _pv112
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r96 = tl.sum(tl.where(tmask, _t92, 0.0), axis=1)
-    s2 = _r96
+    _r113 = tl.sum(tl.where(tmask, _t109, 0.0), axis=1)
+    s2 = _r113
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c97 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _t98 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-        _c99 = (_t98 < 256.0)
-        _c100 = (_c97 & _c99)
-        _kt_101 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_102 = tl.dot(h1.to(DOT_T), tl.trans(_kt_101.to(DOT_T)), input_precision=PREC)
-        _t103 = _dot_102 * 0.08838834764831843
-        _t104 = tl.where(_c100, _t103, float('-inf'))
-        _r105 = tl.max(tl.where(tmask, _t104, float('-inf')), axis=1)
-        _t106 = tl.maximum(m, _r105)
-        m_new = _t106
+        _c114 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t115 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c116 = (_t115 < 256.0)
+        _c117 = (_c114 & _c116)
+        _kt_118 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_119 = tl.dot(h1.to(DOT_T), tl.trans(_kt_118.to(DOT_T)), input_precision=PREC)
+        _t120 = _dot_119 * 0.08838834764831843
+        _t121 = tl.where(_c117, _t120, float('-inf'))
+        _r122 = tl.max(tl.where(tmask, _t121, float('-inf')), axis=1)
+        _t123 = tl.maximum(m, _r122)
+        m_new = _t123
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f107 = _fin(m_new)
-        _t108 = _t104 - _f107[:, None]
-        _t109 = tl.exp(_t108)
-        _p110 = tl.where(tmask, _t109, 0.0)
-        _f111 = _fin(m)
-        _t112 = _f111 - _f107
-        _t113 = tl.exp(_t112)
-        _t114 = s * _t113[:, None]
-        _kv_115 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv116 = tl.dot(_p110.to(DOT_T), _kv_115.to(DOT_T), acc=_t114, input_precision=PREC)
-        s_new = _pv116
+        _t124 = _dot_119 * 0.12751743082459868
+        _t125 = tl.where(_c117, _t124, float('-inf'))
+        _f126 = _fin(m_new)
+        _t127 = _f126 * 1.4426950408889634
+        _t128 = _t125 - _t127[:, None]
+        _t129 = tl.exp2(_t128)
+        _p130 = tl.where(tmask, _t129, 0.0)
+        _f131 = _fin(m)
+        _t132 = _f131 * 1.4426950408889634
+        _t133 = _t132 - _t127
+        _t134 = tl.exp2(_t133)
+        _t135 = s * _t134[:, None]
+        _kv_136 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv137 = tl.dot(_p130.to(DOT_T), _kv_136.to(DOT_T), acc=_t135, input_precision=PREC)
+        s_new = _pv137
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t117 = s2 * _t113
-        _r118 = tl.sum(tl.where(tmask, _t109, 0.0), axis=1)
-        _t119 = _t117 + _r118
-        s2_new = _t119
+        _t138 = s2 * _t134
+        _r139 = tl.sum(tl.where(tmask, _t129, 0.0), axis=1)
+        _t140 = _t138 + _r139
+        s2_new = _t140
         m = m_new
         s = s_new
         s2 = s2_new
@@ -376,30 +407,33 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_120 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_121 = tl.dot(h1.to(DOT_T), tl.trans(_kt_120.to(DOT_T)), input_precision=PREC)
-        _t122 = _dot_121 * 0.08838834764831843
-        _r123 = tl.max(_t122, axis=1)
-        _t124 = tl.maximum(m, _r123)
-        m_new = _t124
+        _kt_141 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_142 = tl.dot(h1.to(DOT_T), tl.trans(_kt_141.to(DOT_T)), input_precision=PREC)
+        _t143 = _dot_142 * 0.08838834764831843
+        _r144 = tl.max(_t143, axis=1)
+        _t145 = tl.maximum(m, _r144)
+        m_new = _t145
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f125 = _fin(m_new)
-        _t126 = _t122 - _f125[:, None]
-        _t127 = tl.exp(_t126)
-        _f128 = _fin(m)
-        _t129 = _f128 - _f125
-        _t130 = tl.exp(_t129)
-        _t131 = s * _t130[:, None]
-        _kv_132 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv133 = tl.dot(_t127.to(DOT_T), _kv_132.to(DOT_T), acc=_t131, input_precision=PREC)
-        s_new = _pv133
+        _t146 = _dot_142 * 0.12751743082459868
+        _f147 = _fin(m_new)
+        _t148 = _f147 * 1.4426950408889634
+        _t149 = _t146 - _t148[:, None]
+        _t150 = tl.exp2(_t149)
+        _f151 = _fin(m)
+        _t152 = _f151 * 1.4426950408889634
+        _t153 = _t152 - _t148
+        _t154 = tl.exp2(_t153)
+        _t155 = s * _t154[:, None]
+        _kv_156 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv157 = tl.dot(_t150.to(DOT_T), _kv_156.to(DOT_T), acc=_t155, input_precision=PREC)
+        s_new = _pv157
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t134 = s2 * _t130
-        _r135 = tl.sum(_t127, axis=1)
-        _t136 = _t134 + _r135
-        s2_new = _t136
+        _t158 = s2 * _t154
+        _r159 = tl.sum(_t150, axis=1)
+        _t160 = _t158 + _r159
+        s2_new = _t160
         m = m_new
         s = s_new
         s2 = s2_new
@@ -408,36 +442,40 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _c137 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
-        _t138 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
-        _c139 = (_t138 < 256.0)
-        _c140 = (_c137 & _c139)
-        _kt_141 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_142 = tl.dot(h1.to(DOT_T), tl.trans(_kt_141.to(DOT_T)), input_precision=PREC)
-        _t143 = _dot_142 * 0.08838834764831843
-        _t144 = tl.where(_c140, _t143, float('-inf'))
-        _r145 = tl.max(tl.where(tmask, _t144, float('-inf')), axis=1)
-        _t146 = tl.maximum(m, _r145)
-        m_new = _t146
+        _c161 = (cols[None, :].to(tl.float32) <= idx_i.to(tl.float32)[:, None])
+        _t162 = idx_i.to(tl.float32)[:, None] - cols[None, :].to(tl.float32)
+        _c163 = (_t162 < 256.0)
+        _c164 = (_c161 & _c163)
+        _kt_165 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_166 = tl.dot(h1.to(DOT_T), tl.trans(_kt_165.to(DOT_T)), input_precision=PREC)
+        _t167 = _dot_166 * 0.08838834764831843
+        _t168 = tl.where(_c164, _t167, float('-inf'))
+        _r169 = tl.max(tl.where(tmask, _t168, float('-inf')), axis=1)
+        _t170 = tl.maximum(m, _r169)
+        m_new = _t170
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f147 = _fin(m_new)
-        _t148 = _t144 - _f147[:, None]
-        _t149 = tl.exp(_t148)
-        _p150 = tl.where(tmask, _t149, 0.0)
-        _f151 = _fin(m)
-        _t152 = _f151 - _f147
-        _t153 = tl.exp(_t152)
-        _t154 = s * _t153[:, None]
-        _kv_155 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv156 = tl.dot(_p150.to(DOT_T), _kv_155.to(DOT_T), acc=_t154, input_precision=PREC)
-        s_new = _pv156
+        _t171 = _dot_166 * 0.12751743082459868
+        _t172 = tl.where(_c164, _t171, float('-inf'))
+        _f173 = _fin(m_new)
+        _t174 = _f173 * 1.4426950408889634
+        _t175 = _t172 - _t174[:, None]
+        _t176 = tl.exp2(_t175)
+        _p177 = tl.where(tmask, _t176, 0.0)
+        _f178 = _fin(m)
+        _t179 = _f178 * 1.4426950408889634
+        _t180 = _t179 - _t174
+        _t181 = tl.exp2(_t180)
+        _t182 = s * _t181[:, None]
+        _kv_183 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv184 = tl.dot(_p177.to(DOT_T), _kv_183.to(DOT_T), acc=_t182, input_precision=PREC)
+        s_new = _pv184
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t157 = s2 * _t153
-        _r158 = tl.sum(tl.where(tmask, _t149, 0.0), axis=1)
-        _t159 = _t157 + _r158
-        s2_new = _t159
+        _t185 = s2 * _t181
+        _r186 = tl.sum(tl.where(tmask, _t176, 0.0), axis=1)
+        _t187 = _t185 + _r186
+        s2_new = _t187
         m = m_new
         s = s_new
         s2 = s2_new
@@ -448,7 +486,7 @@ def sliding_window_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, 
 
 
 @triton.jit
-def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # fold the partial states of every key chunk with the derived merge
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -492,34 +530,37 @@ def sliding_window_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t160 = tl.maximum(m, m_b)
-        m_new = _t160
+        _t188 = tl.maximum(m, m_b)
+        m_new = _t188
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f161 = _fin(m)
-        _f162 = _fin(m_new)
-        _t163 = _f161 - _f162
-        _t164 = tl.exp(_t163)
-        _t165 = s * _t164[:, None]
-        _f166 = _fin(m_b)
-        _t167 = _f166 - _f162
-        _t168 = tl.exp(_t167)
-        _t169 = s_b * _t168[:, None]
-        _t170 = _t165 + _t169
-        s_new = _t170
+        _f189 = _fin(m)
+        _t190 = _f189 * 1.4426950408889634
+        _f191 = _fin(m_new)
+        _t192 = _f191 * 1.4426950408889634
+        _t193 = _t190 - _t192
+        _t194 = tl.exp2(_t193)
+        _t195 = s * _t194[:, None]
+        _f196 = _fin(m_b)
+        _t197 = _f196 * 1.4426950408889634
+        _t198 = _t197 - _t192
+        _t199 = tl.exp2(_t198)
+        _t200 = s_b * _t199[:, None]
+        _t201 = _t195 + _t200
+        s_new = _t201
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t171 = s2 * _t164
-        _t172 = s2_b * _t168
-        _t173 = _t171 + _t172
-        s2_new = _t173
+        _t202 = s2 * _t194
+        _t203 = s2_b * _t199
+        _t204 = _t202 + _t203
+        s2_new = _t204
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t174 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t174).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t205 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t205).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'sliding_window'
@@ -629,7 +670,8 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)
     # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32
-    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)
+    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))
+    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)
     if on_gpu:
         kw['num_stages'] = ns
     if schedule == 'loop':

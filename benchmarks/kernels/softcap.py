@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S(exp(e1 - m_S))    [sum; from sum_j(exp(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30) - max_j(30 * tanh(sum_d(q * k) * 0.08838834764831843 / 30))))]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 1
 pass 1: carries m, s, s2
-  saturation stopped: saturated after 15 iterations, 249 e-nodes, 8 ms
+  saturation stopped: saturated after 15 iterations, 249 e-nodes, 5 ms
   m:
     init     m_B  = max_B(e1)
     rolling  m_AB = max(m_A, max_B(e1))
@@ -56,7 +56,7 @@ def _tanh(a):
 
 
 @triton.jit
-def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -109,49 +109,54 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     _r7 = tl.max(tl.where(tmask, _t6, float('-inf')), axis=1)
     m = _r7
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f8 = _fin(m)
-    _t9 = _t6 - _f8[:, None]
-    _t10 = tl.exp(_t9)
-    _p11 = tl.where(tmask, _t10, 0.0)
-    _kv_12 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv13 = tl.dot(_p11.to(DOT_T), _kv_12.to(DOT_T), input_precision=PREC)
-    s = _pv13
+    _t8 = 43.2808512266689 * _t5
+    _f9 = _fin(m)
+    _t10 = _f9 * 1.4426950408889634
+    _t11 = _t8 - _t10[:, None]
+    _t12 = tl.exp2(_t11)
+    _p13 = tl.where(tmask, _t12, 0.0)
+    _kv_14 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv15 = tl.dot(_p13.to(DOT_T), _kv_14.to(DOT_T), input_precision=PREC)
+    s = _pv15
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r14 = tl.sum(tl.where(tmask, _t10, 0.0), axis=1)
-    s2 = _r14
+    _r16 = tl.sum(tl.where(tmask, _t12, 0.0), axis=1)
+    s2 = _r16
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_15 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_16 = tl.dot(h1.to(DOT_T), tl.trans(_kt_15.to(DOT_T)), input_precision=PREC)
-        _t17 = _dot_16 * 0.08838834764831843
-        _t18 = _t17 / 30.0
-        _t19 = _tanh(_t18)
-        _t20 = 30.0 * _t19
-        _r21 = tl.max(tl.where(tmask, _t20, float('-inf')), axis=1)
-        _t22 = tl.maximum(m, _r21)
-        m_new = _t22
+        _kt_17 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_18 = tl.dot(h1.to(DOT_T), tl.trans(_kt_17.to(DOT_T)), input_precision=PREC)
+        _t19 = _dot_18 * 0.08838834764831843
+        _t20 = _t19 / 30.0
+        _t21 = _tanh(_t20)
+        _t22 = 30.0 * _t21
+        _r23 = tl.max(tl.where(tmask, _t22, float('-inf')), axis=1)
+        _t24 = tl.maximum(m, _r23)
+        m_new = _t24
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f23 = _fin(m_new)
-        _t24 = _t20 - _f23[:, None]
-        _t25 = tl.exp(_t24)
-        _p26 = tl.where(tmask, _t25, 0.0)
-        _f27 = _fin(m)
-        _t28 = _f27 - _f23
-        _t29 = tl.exp(_t28)
-        _t30 = s * _t29[:, None]
-        _kv_31 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv32 = tl.dot(_p26.to(DOT_T), _kv_31.to(DOT_T), acc=_t30, input_precision=PREC)
-        s_new = _pv32
+        _t25 = 43.2808512266689 * _t21
+        _f26 = _fin(m_new)
+        _t27 = _f26 * 1.4426950408889634
+        _t28 = _t25 - _t27[:, None]
+        _t29 = tl.exp2(_t28)
+        _p30 = tl.where(tmask, _t29, 0.0)
+        _f31 = _fin(m)
+        _t32 = _f31 * 1.4426950408889634
+        _t33 = _t32 - _t27
+        _t34 = tl.exp2(_t33)
+        _t35 = s * _t34[:, None]
+        _kv_36 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv37 = tl.dot(_p30.to(DOT_T), _kv_36.to(DOT_T), acc=_t35, input_precision=PREC)
+        s_new = _pv37
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t33 = s2 * _t29
-        _r34 = tl.sum(tl.where(tmask, _t25, 0.0), axis=1)
-        _t35 = _t33 + _r34
-        s2_new = _t35
+        _t38 = s2 * _t34
+        _r39 = tl.sum(tl.where(tmask, _t29, 0.0), axis=1)
+        _t40 = _t38 + _r39
+        s2_new = _t40
         m = m_new
         s = s_new
         s2 = s2_new
@@ -160,33 +165,36 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_36 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_37 = tl.dot(h1.to(DOT_T), tl.trans(_kt_36.to(DOT_T)), input_precision=PREC)
-        _t38 = _dot_37 * 0.08838834764831843
-        _t39 = _t38 / 30.0
-        _t40 = _tanh(_t39)
-        _t41 = 30.0 * _t40
-        _r42 = tl.max(_t41, axis=1)
-        _t43 = tl.maximum(m, _r42)
-        m_new = _t43
+        _kt_41 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_42 = tl.dot(h1.to(DOT_T), tl.trans(_kt_41.to(DOT_T)), input_precision=PREC)
+        _t43 = _dot_42 * 0.08838834764831843
+        _t44 = _t43 / 30.0
+        _t45 = _tanh(_t44)
+        _t46 = 30.0 * _t45
+        _r47 = tl.max(_t46, axis=1)
+        _t48 = tl.maximum(m, _r47)
+        m_new = _t48
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f44 = _fin(m_new)
-        _t45 = _t41 - _f44[:, None]
-        _t46 = tl.exp(_t45)
-        _f47 = _fin(m)
-        _t48 = _f47 - _f44
-        _t49 = tl.exp(_t48)
-        _t50 = s * _t49[:, None]
-        _kv_51 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv52 = tl.dot(_t46.to(DOT_T), _kv_51.to(DOT_T), acc=_t50, input_precision=PREC)
-        s_new = _pv52
+        _t49 = 43.2808512266689 * _t45
+        _f50 = _fin(m_new)
+        _t51 = _f50 * 1.4426950408889634
+        _t52 = _t49 - _t51[:, None]
+        _t53 = tl.exp2(_t52)
+        _f54 = _fin(m)
+        _t55 = _f54 * 1.4426950408889634
+        _t56 = _t55 - _t51
+        _t57 = tl.exp2(_t56)
+        _t58 = s * _t57[:, None]
+        _kv_59 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv60 = tl.dot(_t53.to(DOT_T), _kv_59.to(DOT_T), acc=_t58, input_precision=PREC)
+        s_new = _pv60
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t53 = s2 * _t49
-        _r54 = tl.sum(_t46, axis=1)
-        _t55 = _t53 + _r54
-        s2_new = _t55
+        _t61 = s2 * _t57
+        _r62 = tl.sum(_t53, axis=1)
+        _t63 = _t61 + _r62
+        s2_new = _t63
         m = m_new
         s = s_new
         s2 = s2_new
@@ -195,44 +203,47 @@ def softcap_attn(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_56 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_57 = tl.dot(h1.to(DOT_T), tl.trans(_kt_56.to(DOT_T)), input_precision=PREC)
-        _t58 = _dot_57 * 0.08838834764831843
-        _t59 = _t58 / 30.0
-        _t60 = _tanh(_t59)
-        _t61 = 30.0 * _t60
-        _r62 = tl.max(tl.where(tmask, _t61, float('-inf')), axis=1)
-        _t63 = tl.maximum(m, _r62)
-        m_new = _t63
+        _kt_64 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_65 = tl.dot(h1.to(DOT_T), tl.trans(_kt_64.to(DOT_T)), input_precision=PREC)
+        _t66 = _dot_65 * 0.08838834764831843
+        _t67 = _t66 / 30.0
+        _t68 = _tanh(_t67)
+        _t69 = 30.0 * _t68
+        _r70 = tl.max(tl.where(tmask, _t69, float('-inf')), axis=1)
+        _t71 = tl.maximum(m, _r70)
+        m_new = _t71
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f64 = _fin(m_new)
-        _t65 = _t61 - _f64[:, None]
-        _t66 = tl.exp(_t65)
-        _p67 = tl.where(tmask, _t66, 0.0)
-        _f68 = _fin(m)
-        _t69 = _f68 - _f64
-        _t70 = tl.exp(_t69)
-        _t71 = s * _t70[:, None]
-        _kv_72 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv73 = tl.dot(_p67.to(DOT_T), _kv_72.to(DOT_T), acc=_t71, input_precision=PREC)
-        s_new = _pv73
+        _t72 = 43.2808512266689 * _t68
+        _f73 = _fin(m_new)
+        _t74 = _f73 * 1.4426950408889634
+        _t75 = _t72 - _t74[:, None]
+        _t76 = tl.exp2(_t75)
+        _p77 = tl.where(tmask, _t76, 0.0)
+        _f78 = _fin(m)
+        _t79 = _f78 * 1.4426950408889634
+        _t80 = _t79 - _t74
+        _t81 = tl.exp2(_t80)
+        _t82 = s * _t81[:, None]
+        _kv_83 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv84 = tl.dot(_p77.to(DOT_T), _kv_83.to(DOT_T), acc=_t82, input_precision=PREC)
+        s_new = _pv84
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t74 = s2 * _t70
-        _r75 = tl.sum(tl.where(tmask, _t66, 0.0), axis=1)
-        _t76 = _t74 + _r75
-        s2_new = _t76
+        _t85 = s2 * _t81
+        _r86 = tl.sum(tl.where(tmask, _t76, 0.0), axis=1)
+        _t87 = _t85 + _r86
+        s2_new = _t87
         m = m_new
         s = s_new
         s2 = s2_new
     # output o = s_J / s2_J
-    _t77 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t77).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t88 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t88).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # split-KV: one chunk of keys per program along grid axis 2; partial states to a workspace
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -279,58 +290,63 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
     cols = first + cols0
     tmask = rmask[:, None] & (cols[None, :] < end)
     # m: its definition on the first tile:  max_B(e1)
-    _kt_78 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-    _dot_79 = tl.dot(h1.to(DOT_T), tl.trans(_kt_78.to(DOT_T)), input_precision=PREC)
-    _t80 = _dot_79 * 0.08838834764831843
-    _t81 = _t80 / 30.0
-    _t82 = _tanh(_t81)
-    _t83 = 30.0 * _t82
-    _r84 = tl.max(tl.where(tmask, _t83, float('-inf')), axis=1)
-    m = _r84
+    _kt_89 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+    _dot_90 = tl.dot(h1.to(DOT_T), tl.trans(_kt_89.to(DOT_T)), input_precision=PREC)
+    _t91 = _dot_90 * 0.08838834764831843
+    _t92 = _t91 / 30.0
+    _t93 = _tanh(_t92)
+    _t94 = 30.0 * _t93
+    _r95 = tl.max(tl.where(tmask, _t94, float('-inf')), axis=1)
+    m = _r95
     # s: its definition on the first tile:  sum_B(exp(e1 - m_B) * v)
-    _f85 = _fin(m)
-    _t86 = _t83 - _f85[:, None]
-    _t87 = tl.exp(_t86)
-    _p88 = tl.where(tmask, _t87, 0.0)
-    _kv_89 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-    _pv90 = tl.dot(_p88.to(DOT_T), _kv_89.to(DOT_T), input_precision=PREC)
-    s = _pv90
+    _t96 = 43.2808512266689 * _t93
+    _f97 = _fin(m)
+    _t98 = _f97 * 1.4426950408889634
+    _t99 = _t96 - _t98[:, None]
+    _t100 = tl.exp2(_t99)
+    _p101 = tl.where(tmask, _t100, 0.0)
+    _kv_102 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+    _pv103 = tl.dot(_p101.to(DOT_T), _kv_102.to(DOT_T), input_precision=PREC)
+    s = _pv103
     # s2: its definition on the first tile:  sum_B(exp(e1 - m_B))
-    _r91 = tl.sum(tl.where(tmask, _t87, 0.0), axis=1)
-    s2 = _r91
+    _r104 = tl.sum(tl.where(tmask, _t100, 0.0), axis=1)
+    s2 = _r104
     for start in range(first + BLOCK_J, a, BLOCK_J):  # masked tiles
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_92 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_93 = tl.dot(h1.to(DOT_T), tl.trans(_kt_92.to(DOT_T)), input_precision=PREC)
-        _t94 = _dot_93 * 0.08838834764831843
-        _t95 = _t94 / 30.0
-        _t96 = _tanh(_t95)
-        _t97 = 30.0 * _t96
-        _r98 = tl.max(tl.where(tmask, _t97, float('-inf')), axis=1)
-        _t99 = tl.maximum(m, _r98)
-        m_new = _t99
+        _kt_105 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_106 = tl.dot(h1.to(DOT_T), tl.trans(_kt_105.to(DOT_T)), input_precision=PREC)
+        _t107 = _dot_106 * 0.08838834764831843
+        _t108 = _t107 / 30.0
+        _t109 = _tanh(_t108)
+        _t110 = 30.0 * _t109
+        _r111 = tl.max(tl.where(tmask, _t110, float('-inf')), axis=1)
+        _t112 = tl.maximum(m, _r111)
+        m_new = _t112
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f100 = _fin(m_new)
-        _t101 = _t97 - _f100[:, None]
-        _t102 = tl.exp(_t101)
-        _p103 = tl.where(tmask, _t102, 0.0)
-        _f104 = _fin(m)
-        _t105 = _f104 - _f100
-        _t106 = tl.exp(_t105)
-        _t107 = s * _t106[:, None]
-        _kv_108 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv109 = tl.dot(_p103.to(DOT_T), _kv_108.to(DOT_T), acc=_t107, input_precision=PREC)
-        s_new = _pv109
+        _t113 = 43.2808512266689 * _t109
+        _f114 = _fin(m_new)
+        _t115 = _f114 * 1.4426950408889634
+        _t116 = _t113 - _t115[:, None]
+        _t117 = tl.exp2(_t116)
+        _p118 = tl.where(tmask, _t117, 0.0)
+        _f119 = _fin(m)
+        _t120 = _f119 * 1.4426950408889634
+        _t121 = _t120 - _t115
+        _t122 = tl.exp2(_t121)
+        _t123 = s * _t122[:, None]
+        _kv_124 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv125 = tl.dot(_p118.to(DOT_T), _kv_124.to(DOT_T), acc=_t123, input_precision=PREC)
+        s_new = _pv125
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t110 = s2 * _t106
-        _r111 = tl.sum(tl.where(tmask, _t102, 0.0), axis=1)
-        _t112 = _t110 + _r111
-        s2_new = _t112
+        _t126 = s2 * _t122
+        _r127 = tl.sum(tl.where(tmask, _t117, 0.0), axis=1)
+        _t128 = _t126 + _r127
+        s2_new = _t128
         m = m_new
         s = s_new
         s2 = s2_new
@@ -339,33 +355,36 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_113 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_114 = tl.dot(h1.to(DOT_T), tl.trans(_kt_113.to(DOT_T)), input_precision=PREC)
-        _t115 = _dot_114 * 0.08838834764831843
-        _t116 = _t115 / 30.0
-        _t117 = _tanh(_t116)
-        _t118 = 30.0 * _t117
-        _r119 = tl.max(_t118, axis=1)
-        _t120 = tl.maximum(m, _r119)
-        m_new = _t120
+        _kt_129 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_130 = tl.dot(h1.to(DOT_T), tl.trans(_kt_129.to(DOT_T)), input_precision=PREC)
+        _t131 = _dot_130 * 0.08838834764831843
+        _t132 = _t131 / 30.0
+        _t133 = _tanh(_t132)
+        _t134 = 30.0 * _t133
+        _r135 = tl.max(_t134, axis=1)
+        _t136 = tl.maximum(m, _r135)
+        m_new = _t136
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f121 = _fin(m_new)
-        _t122 = _t118 - _f121[:, None]
-        _t123 = tl.exp(_t122)
-        _f124 = _fin(m)
-        _t125 = _f124 - _f121
-        _t126 = tl.exp(_t125)
-        _t127 = s * _t126[:, None]
-        _kv_128 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv129 = tl.dot(_t123.to(DOT_T), _kv_128.to(DOT_T), acc=_t127, input_precision=PREC)
-        s_new = _pv129
+        _t137 = 43.2808512266689 * _t133
+        _f138 = _fin(m_new)
+        _t139 = _f138 * 1.4426950408889634
+        _t140 = _t137 - _t139[:, None]
+        _t141 = tl.exp2(_t140)
+        _f142 = _fin(m)
+        _t143 = _f142 * 1.4426950408889634
+        _t144 = _t143 - _t139
+        _t145 = tl.exp2(_t144)
+        _t146 = s * _t145[:, None]
+        _kv_147 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv148 = tl.dot(_t141.to(DOT_T), _kv_147.to(DOT_T), acc=_t146, input_precision=PREC)
+        s_new = _pv148
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t130 = s2 * _t126
-        _r131 = tl.sum(_t123, axis=1)
-        _t132 = _t130 + _r131
-        s2_new = _t132
+        _t149 = s2 * _t145
+        _r150 = tl.sum(_t141, axis=1)
+        _t151 = _t149 + _r150
+        s2_new = _t151
         m = m_new
         s = s_new
         s2 = s2_new
@@ -374,34 +393,37 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
         tmask = rmask[:, None] & (cols[None, :] < end)
         # m_AB = max(m_A, max_B(e1))
         #   derived by: max-split
-        _kt_133 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
-        _dot_134 = tl.dot(h1.to(DOT_T), tl.trans(_kt_133.to(DOT_T)), input_precision=PREC)
-        _t135 = _dot_134 * 0.08838834764831843
-        _t136 = _t135 / 30.0
-        _t137 = _tanh(_t136)
-        _t138 = 30.0 * _t137
-        _r139 = tl.max(tl.where(tmask, _t138, float('-inf')), axis=1)
-        _t140 = tl.maximum(m, _r139)
-        m_new = _t140
+        _kt_152 = tl.load(k_ptr + off_k_g + cols[:, None] * s_k_j + dcols[None, :] * s_k_d, mask=(cols[:, None] < n_j) & dmask[None, :], other=0.0)
+        _dot_153 = tl.dot(h1.to(DOT_T), tl.trans(_kt_152.to(DOT_T)), input_precision=PREC)
+        _t154 = _dot_153 * 0.08838834764831843
+        _t155 = _t154 / 30.0
+        _t156 = _tanh(_t155)
+        _t157 = 30.0 * _t156
+        _r158 = tl.max(tl.where(tmask, _t157, float('-inf')), axis=1)
+        _t159 = tl.maximum(m, _r158)
+        m_new = _t159
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f141 = _fin(m_new)
-        _t142 = _t138 - _f141[:, None]
-        _t143 = tl.exp(_t142)
-        _p144 = tl.where(tmask, _t143, 0.0)
-        _f145 = _fin(m)
-        _t146 = _f145 - _f141
-        _t147 = tl.exp(_t146)
-        _t148 = s * _t147[:, None]
-        _kv_149 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
-        _pv150 = tl.dot(_p144.to(DOT_T), _kv_149.to(DOT_T), acc=_t148, input_precision=PREC)
-        s_new = _pv150
+        _t160 = 43.2808512266689 * _t156
+        _f161 = _fin(m_new)
+        _t162 = _f161 * 1.4426950408889634
+        _t163 = _t160 - _t162[:, None]
+        _t164 = tl.exp2(_t163)
+        _p165 = tl.where(tmask, _t164, 0.0)
+        _f166 = _fin(m)
+        _t167 = _f166 * 1.4426950408889634
+        _t168 = _t167 - _t162
+        _t169 = tl.exp2(_t168)
+        _t170 = s * _t169[:, None]
+        _kv_171 = tl.load(v_ptr + off_v_g + cols[:, None] * s_v_j + ecols[None, :] * s_v_e, mask=(cols[:, None] < n_j) & emask[None, :], other=0.0)
+        _pv172 = tl.dot(_p165.to(DOT_T), _kv_171.to(DOT_T), acc=_t170, input_precision=PREC)
+        s_new = _pv172
         # s2_AB = s2_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t151 = s2 * _t147
-        _r152 = tl.sum(tl.where(tmask, _t143, 0.0), axis=1)
-        _t153 = _t151 + _r152
-        s2_new = _t153
+        _t173 = s2 * _t169
+        _r174 = tl.sum(tl.where(tmask, _t164, 0.0), axis=1)
+        _t175 = _t173 + _r174
+        s2_new = _t175
         m = m_new
         s = s_new
         s2 = s2_new
@@ -412,7 +434,7 @@ def softcap_part(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, 
 
 
 @triton.jit
-def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_j, s_k_d, v_ptr, s_v_b, s_v_h, s_v_j, s_v_e, o_ptr, s_o_b, s_o_h, s_o_i, s_o_e, len_b, len_h, len_i, len_e, len_d, n_rows, n_j, ws_m, ws_s, ws_s2, CHUNK, NSPLIT, n_grid, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):
     # fold the partial states of every key chunk with the derived merge
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -456,34 +478,37 @@ def softcap_combine(q_ptr, s_q_b, s_q_h, s_q_i, s_q_d, k_ptr, s_k_b, s_k_h, s_k_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t154 = tl.maximum(m, m_b)
-        m_new = _t154
+        _t176 = tl.maximum(m, m_b)
+        m_new = _t176
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> mul-swap-right -> sum-factor-right
-        _f155 = _fin(m)
-        _f156 = _fin(m_new)
-        _t157 = _f155 - _f156
-        _t158 = tl.exp(_t157)
-        _t159 = s * _t158[:, None]
-        _f160 = _fin(m_b)
-        _t161 = _f160 - _f156
-        _t162 = tl.exp(_t161)
-        _t163 = s_b * _t162[:, None]
-        _t164 = _t159 + _t163
-        s_new = _t164
+        _f177 = _fin(m)
+        _t178 = _f177 * 1.4426950408889634
+        _f179 = _fin(m_new)
+        _t180 = _f179 * 1.4426950408889634
+        _t181 = _t178 - _t180
+        _t182 = tl.exp2(_t181)
+        _t183 = s * _t182[:, None]
+        _f184 = _fin(m_b)
+        _t185 = _f184 * 1.4426950408889634
+        _t186 = _t185 - _t180
+        _t187 = tl.exp2(_t186)
+        _t188 = s_b * _t187[:, None]
+        _t189 = _t183 + _t188
+        s_new = _t189
         # s2_AB = s2_A * exp(m_A - m_AB) + s2_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _t165 = s2 * _t158
-        _t166 = s2_b * _t162
-        _t167 = _t165 + _t166
-        s2_new = _t167
+        _t190 = s2 * _t182
+        _t191 = s2_b * _t187
+        _t192 = _t190 + _t191
+        s2_new = _t192
         m = m_new
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
     # output o = s_J / s2_J
-    _t168 = _div0(s, s2[:, None])
-    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t168).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+    _t193 = _div0(s, s2[:, None])
+    tl.store(o_ptr + off_o_g + off_o_r[:, None] + ecols[None, :] * s_o_e, (_t193).to(o_ptr.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
 
 
 PROGRAM = 'softcap'
@@ -593,7 +618,8 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     schedule = schedule or choose_schedule(rt, n_g, n_j, bj, sms)
     # dot operands in the input's type on the GPU; float32 in the interpreter, whose bf16 dot is wrong
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32
-    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, num_warps=nw)
+    scan = max(16, min(256, _np2(triton.cdiv(n_j, bj))))
+    kw = dict(BLOCK_I=bi, BLOCK_J=bj, BLOCK_E=be, BLOCK_D=bd, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=nw)
     if on_gpu:
         kw['num_stages'] = ns
     if schedule == 'loop':
