@@ -14,6 +14,8 @@ from acefuse.fuse import fuse, Fusion, FuseError
 from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, le, ub, Rule
 from acefuse.frontend import from_torch, backend, UnsupportedOpError
 
+from acefuse.rewrite import terms as rewrite_terms  # the term constructors, for writing rules
+
 __version__ = "0.1.0"
 
 
