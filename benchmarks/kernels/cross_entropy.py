@@ -393,11 +393,11 @@ def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, num_warps
         nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16)
         cross_entropy_single[(triton.cdiv(n_rows, br),)](*argv, BLOCK_R=br, BLOCK_J=bj, num_warps=nw)
     elif schedule == 'loop':
-        bj = block_j or min(_np2(n_j), 2048)
+        bj = block_j or min(_np2(n_j), 4096 if on_gpu else 2048)
         br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))
         cross_entropy_loop[(triton.cdiv(n_rows, br),)](*argv, BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8))
     elif schedule == 'split':
-        bj = block_j or min(_np2(n_j), 2048)
+        bj = block_j or min(_np2(n_j), 4096 if on_gpu else 2048)
         br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))
         rb = triton.cdiv(n_rows, br)
         ns = nsplit or max(1, min(triton.cdiv(n_j, bj), triton.cdiv(programs, rb)))
