@@ -261,7 +261,7 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
         raise FuseError(f"af.fuse expects a program made with af.program(...), got {type(prog).__name__}")
     axis = _pick_axis(prog, axis)
     t0 = time.perf_counter()
-    schedule = schedule or schedules.DERIVE
+    schedule = schedules.validate(schedule or schedules.DERIVE)
     all_rules = default_rules(rules)
     from acefuse.rewrite.normalize import normalize
     normal, notes = normalize(prog, axis, all_rules, check_proofs=check_proofs, allow_unproved=allow_unproved)

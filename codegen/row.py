@@ -271,7 +271,8 @@ class RowGen:
                 continue
             em.comment(f"output {o} = {pretty(t)}")
             e, sh = em.emit(t, raw_state=True)
-            off = f" + off_{o}" if [a for a in self.out_axes[o] if a != self.axis] else ""
+            # an output over no row axis is written by row 0 (rows * 0 keeps the pointer a block)
+            off = f" + off_{o}" if [a for a in self.out_axes[o] if a != self.axis] else " + rows * 0"
             v = e if sh == "row" else f"({e}) + tl.zeros([BLOCK_R], tl.float32)"
             em.line(f"tl.store({o}_ptr{off}, ({v}).to({o}_ptr.dtype.element_ty), mask=rmask)")
         L.extend(em.lines)
@@ -282,7 +283,7 @@ class RowGen:
             t = self.outputs[o]
             em.comment(f"output {o} = {pretty(t)}")
             e, sh = em.emit(t, raw_state=True)
-            off = f"off_{o}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else ""
+            off = f"off_{o}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
             em.line(f"tl.store({o}_ptr + {off}cols[None, :] * s_{o}_{self.axis}, "
                     f"({v}).to({o}_ptr.dtype.element_ty), mask=tmask)")

@@ -30,3 +30,7 @@ cross_entropy = af.program("cross_entropy", loss=m + af.log(l) - af.take(x, t, "
 
 # softmax and its logsumexp together: one kernel, shared states
 softmax_lse = af.program("softmax_lse", y=af.exp(x - m) / l, lse=m + af.log(l))
+
+# mean-reduced over rows: the per-row loss is fused over j, then a second stage
+# (itself an acefuse program over r) takes the mean
+cross_entropy_mean = af.program("cross_entropy_mean", loss=af.mean(m + af.log(l) - af.take(x, t, "j"), "r"))

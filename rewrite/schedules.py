@@ -66,3 +66,14 @@ NORMALIZE = Schedule("normalize", (
 ))
 
 SCHEDULES = {s.name: s for s in (DERIVE, NORMALIZE)}
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Refuse a schedule that names a theory nobody registered (a misspelled group
+    name would otherwise switch its rules off silently)."""
+    from acefuse.rules import THEORIES
+    unknown = sorted(schedule.theories() - set(THEORIES) - {"user"})
+    if unknown:
+        raise ValueError(f"schedule {schedule.name!r} names unregistered theories {unknown}; "
+                         f"registered: {sorted(THEORIES)} (and 'user' for rules passed to af.fuse)")
+    return schedule

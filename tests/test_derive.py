@@ -234,3 +234,23 @@ def test_mean_absolute_deviation_is_not_fusible():
 def test_every_theory_is_used_by_a_schedule():
     used = set().union(*(s.theories() for s in SCHEDULES.values()))
     assert set(THEORIES) <= used, set(THEORIES) - used
+
+
+def test_every_schedule_names_only_registered_theories():
+    for sched in SCHEDULES.values():
+        unknown = sched.theories() - set(THEORIES) - {"user"}
+        assert not unknown, f"schedule {sched.name!r} names unregistered theories {unknown}"
+
+
+def test_every_registered_rule_is_reachable_from_a_schedule():
+    from acefuse.rules import REGISTRY
+    used = set().union(*(s.theories() for s in SCHEDULES.values()))
+    unreachable = [r.name for r in REGISTRY.values() if r.theory not in used]
+    assert not unreachable
+
+
+def test_a_misspelled_theory_in_a_schedule_is_an_error():
+    import pytest
+    from acefuse.rewrite.schedules import Schedule, Phase, validate
+    with pytest.raises(ValueError, match="arithh"):
+        validate(Schedule("bad", (Phase("p", ("arithh",)),)))

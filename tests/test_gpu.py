@@ -1,0 +1,112 @@
+"""On a CUDA GPU: the generated kernels (benchmarks/kernels/, exported by
+benchmarks/export.py; they need only torch and triton) against float64 torch,
+at odd sizes, head dims 16..256 and every dtype. Skipped without a GPU.
+
+    python3 -m pytest -q tests/test_gpu.py      # or: python3 tests/test_gpu.py
+"""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+KDIR = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
+SCALE = 1.0 / math.sqrt(128)   # the constant baked into examples/attention.py
+TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}   # relative (norm-wise)
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", KDIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def attn_ref(q, k, v, causal=False):
+    q, k, v = q.double(), k.double(), v.double()
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    s = q @ k.transpose(-1, -2) * SCALE
+    if causal:
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        s = s.masked_fill(j > i, -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name,causal", [("attention", False), ("causal", True)])
+def test_attention_head_dims_and_dtypes(name, causal, D, dtype):
+    g = torch.Generator(device="cuda").manual_seed(D)
+    q = torch.randn(2, 3, 257, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(2, 3, 333, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(2, 3, 333, D, device="cuda", generator=g).to(dtype)
+    mod = load(name)
+    for sched in ("loop", "split"):
+        o = mod.run(q=q, k=k, v=v, schedule=sched)
+        torch.cuda.synchronize()
+        assert rel(o, attn_ref(q, k, v, causal)) < TOL[dtype], (name, D, dtype, sched)
+
+
+@pytest.mark.parametrize("L", [1, 100, 4097])
+def test_decode_and_gqa(L):
+    g = torch.Generator(device="cuda").manual_seed(L)
+    B, G, R, D = 3, 4, 8, 128
+    q = torch.randn(B, G * R, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(B, G, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(B, G, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    o = load("decode").run(q=q.view(B, G, R, 1, D), k=k, v=v)
+    assert rel(o.reshape(B, G * R, 1, D), attn_ref(q, k, v)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cols", [1, 777, 8192, 70001, 262144])
+def test_rows_on_gpu(cols):
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    rows = 5 if cols > 70000 else 37
+    x = torch.randn(rows, cols, device="cuda", generator=g).to(torch.bfloat16) * 4
+    w = torch.rand(cols, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+    b = torch.randn(cols, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.randint(0, cols, (rows,), device="cuda", generator=g)
+    xd = x.double()
+    cases = [("softmax", dict(x=x), torch.softmax(xd, -1)),
+             ("layernorm", dict(x=x, w=w, b=b), F.layer_norm(xd, (cols,), w.double(), b.double(), eps=1e-5)),
+             ("cross_entropy", dict(x=x, t=t), F.cross_entropy(xd, t, reduction="none"))]
+    for name, inputs, ref in cases:
+        mod = load(name)
+        scheds = [None, "loop"] + (["split"] if mod.SPLIT else [])
+        for sched in scheds:
+            out = mod.run(**inputs, schedule=sched)
+            torch.cuda.synchronize()
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 3e-2, (name, cols, sched, err)
+
+
+if __name__ == "__main__":  # no pytest on the machine: run every case directly
+    import itertools
+    import sys
+    failed = 0
+    cases = ([(test_attention_head_dims_and_dtypes, a) for a in itertools.product(
+        [("attention", False), ("causal", True)], [16, 32, 64, 128, 256],
+        [torch.float32, torch.float16, torch.bfloat16])]
+        + [(test_decode_and_gqa, (L,)) for L in (1, 100, 4097)]
+        + [(test_rows_on_gpu, (c,)) for c in (1, 777, 8192, 70001, 262144)])
+    for fn, args in cases:
+        if fn is test_attention_head_dims_and_dtypes:
+            (name, causal), D, dt = args
+            args = (name, causal, D, dt)
+        try:
+            fn(*args)
+        except Exception as exc:  # report every failure
+            failed += 1
+            print("FAIL", fn.__name__, args, repr(exc)[:300])
+    print(f"{len(cases) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
