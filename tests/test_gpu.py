@@ -86,7 +86,7 @@ def test_rows_on_gpu(cols):
         for sched in scheds:
             out = mod.run(**inputs, schedule=sched)
             torch.cuda.synchronize()
-            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
             assert err < 3e-2, (name, cols, sched, err)
 
 
