@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import time
 
-from acefuse.rewrite.terms import Term, A, B, U, pretty, substitute
+from acefuse.rewrite.terms import Term, A, B, U, pretty, substitute, reblock
 from acefuse.rewrite.encode import encode, Encoding, StateDef, RED_OPS
 from acefuse.rewrite.egraph import EGraph, RunStats
 from acefuse.rewrite import schedules
@@ -224,16 +224,10 @@ def _build(enc: Encoding, pass_states: list, known: set, rules, allow_unproved=F
     for s in pass_states:
         d = _known_to_final(s.definition, finals)
         for blk in (A, B, AB):
-            eg.union(Term("St", (s.name, blk)), _reblock(d, blk))
+            eg.union(Term("St", (s.name, blk)), reblock(d, blk))
     return eg
 
 
-def _reblock(t, blk):
-    if t.op == "BA":
-        return blk
-    if not t.children:
-        return t
-    return Term(t.op, tuple(_reblock(a, blk) if isinstance(a, Term) else a for a in t.args))
 
 
 def _closure(states, names):
@@ -310,7 +304,7 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
                             "this is a bug in acefuse, please report it with the program")
         finals_known = {k: Term("St", (k, J)) for k in known}
         for s in ok:
-            p.init[s.name] = _reblock(_known_to_final(s.definition, finals_known), B)
+            p.init[s.name] = reblock(_known_to_final(s.definition, finals_known), B)
         p.states = ok
         done = {s.name for s in ok}
         p.refs = [s for s in remaining if s.op == "ref" and set(s.deps) <= done | known]
@@ -407,4 +401,4 @@ def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
 
 def _is_definition(f, name, target) -> bool:
     s = f.encoding.state(name)
-    return target == _reblock(s.definition, AB)
+    return target == reblock(s.definition, AB)

@@ -29,7 +29,7 @@ import numpy as np
 
 from acefuse.rewrite.terms import Term, pretty, A, B
 from acefuse.codegen.emit import Emitter, CodegenError
-from acefuse.codegen.row import HEADER, PREPARE, _reblock, Context, _as_row
+from acefuse.codegen.row import HEADER, PREPARE, Context
 
 AB = Term("BU", (A, B))
 J = Term("BJ")

@@ -18,7 +18,7 @@ and triton, and carries its own launcher ``run(...)``.
 """
 from __future__ import annotations
 
-from acefuse.rewrite.terms import Term, pretty, A, B
+from acefuse.rewrite.terms import Term, pretty, A, B, reblock
 from acefuse.codegen.emit import Emitter, CodegenError
 
 AB = Term("BU", (A, B))
@@ -71,7 +71,7 @@ class Context:
     def state_var(self, q, blk):
         g = self.g
         if g.ops.get(q) == "ref" and blk.op != "BJ":
-            return self.em.emit(_reblock(g.defs[q], blk))
+            return self.em.emit(reblock(g.defs[q], blk))
         if blk.op == "BJ":
             return q, "row"
         if self.mode in ("init", "single"):
@@ -157,12 +157,6 @@ class Context:
                        "row", "tk_")
 
 
-def _reblock(t, blk):
-    if t.op == "BA":
-        return blk
-    if not t.children:
-        return t
-    return Term(t.op, tuple(_reblock(a, blk) if isinstance(a, Term) else a for a in t.args))
 
 
 class RowGen:
@@ -260,7 +254,7 @@ class RowGen:
 
     def emit_refs(self, p, em, L):
         for r in p.refs:
-            e, sh = em.emit(_reblock(r.definition, J))
+            e, sh = em.emit(reblock(r.definition, J))
             em.assign(r.name, _as_row(e, sh))
         L.extend(em.lines)
         em.lines.clear()

@@ -167,13 +167,16 @@ class Extractor:
         total = fixed
         for c in ukids:  # a repeated operand (d * d) is computed once
             total += costs.get((c, ctx), C.INF)
-        if op == "Exp":
-            key = (kids[0], ctx)
-            if key not in self._bounded:
-                self._bounded[key] = self.bounded(kids[0], ctx)
-            if not self._bounded[key]:
-                total += C.UNBOUNDED_EXP
-        return total
+        return total + self._exp_penalty(op, kids, ctx)
+
+    def _exp_penalty(self, op, kids, ctx):
+        """UNBOUNDED_EXP for an exp whose argument is not proven bounded above (cost.py)."""
+        if op != "Exp":
+            return 0.0
+        key = (kids[0], ctx)
+        if key not in self._bounded:
+            self._bounded[key] = self.bounded(kids[0], ctx)
+        return 0.0 if self._bounded[key] else C.UNBOUNDED_EXP
 
     def _program_cost(self, op, kids, ukids, fixed, ctx, costs):
         """Normal-form extraction of a whole program: reductions run over the whole axis J
@@ -189,13 +192,7 @@ class Extractor:
         if fixed == C.INF:
             return C.INF
         total = fixed + sum(costs.get((c, ctx), C.INF) for c in ukids)
-        if op == "Exp":
-            key = (kids[0], ctx)
-            if key not in self._bounded:
-                self._bounded[key] = self.bounded(kids[0], ctx)
-            if not self._bounded[key]:
-                total += C.UNBOUNDED_EXP
-        return total
+        return total + self._exp_penalty(op, kids, ctx)
 
     def _deps(self):
         """(child class, ctx) -> the (node, ctx) costs that read it."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import math
 
-from acefuse.rewrite.terms import Term, pretty, A, substitute
+from acefuse.rewrite.terms import Term, pretty, A, substitute, reblock
 
 RED_OPS = {"Sum": "sum", "RMax": "max", "RMin": "min"}
 PREFIX = {"sum": "s", "max": "m", "min": "mn", "ref": "r"}
@@ -40,7 +40,7 @@ class StateDef:
 
     def over(self, blk: Term) -> Term:
         """The definition over another block."""
-        return _reblock(self.definition, blk)
+        return reblock(self.definition, blk)
 
     @property
     def body(self):
@@ -64,12 +64,6 @@ class Encoding:
         return next(s for s in self.states if s.name == name)
 
 
-def _reblock(t: Term, blk: Term) -> Term:
-    if t.op == "BA":
-        return blk
-    if not t.children:
-        return t
-    return Term(t.op, tuple(_reblock(a, blk) if isinstance(a, Term) else a for a in t.args))
 
 
 class _Axes:

@@ -307,3 +307,12 @@ def substitute(t: Term, mapping: dict) -> Term:
     if not t.children:
         return t
     return Term(t.op, tuple(substitute(a, mapping) if isinstance(a, Term) else a for a in t.args))
+
+
+def reblock(t: Term, blk: Term) -> Term:
+    """A block-local definition (written over the placeholder block A) over another block."""
+    if t.op == "BA":
+        return blk
+    if not t.children:
+        return t
+    return Term(t.op, tuple(reblock(a, blk) if isinstance(a, Term) else a for a in t.args))
