@@ -75,6 +75,10 @@ def variants(mod, n_cols):
     if n_cols <= 65536:
         for nw in (4, 8, 16, 32):
             out.append((f"single/w{nw}", dict(schedule="single", block_j=triton.next_power_of_2(n_cols), num_warps=nw)))
+    if n_cols <= 16384:
+        for br, nw in ((2, 8), (2, 16), (4, 16)):
+            out.append((f"single/r{br}/w{nw}", dict(schedule="single", block_j=triton.next_power_of_2(n_cols),
+                                                    block_r=br, num_warps=nw)))
     for bj in (1024, 4096):
         out.append((f"loop/bj{bj}", dict(schedule="loop", block_j=bj)))
     if mod.SPLIT:
