@@ -258,7 +258,16 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     schedule = schedules.validate(schedule or schedules.DERIVE)
     all_rules = default_rules(rules)
     from acefuse.rewrite.normalize import normalize
+    from acefuse.codegen.compile import stage
+    staged = stage(prog, axis)
+    stage_notes = []
+    if staged is not None:   # outputs that reduce, over another axis, what this axis computes
+        s1, s2, hidden = staged
+        stage_notes = [f"stage 2 (a separate program over {', '.join(hidden)}): "
+                       + "; ".join(f"{k} = {v}" for k, v in s2.outputs.items())]
+        prog = s1
     normal, notes = normalize(prog, axis, all_rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
+    notes = stage_notes + notes
     enc = encode(normal, axis)
     remaining = list(enc.states)
     known: set = set()

@@ -32,6 +32,18 @@ def _ensure_backend():
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+class KernelError(RuntimeError):
+    """The generated Triton kernel failed to compile or run."""
+
+    def __init__(self, kernel, exc):
+        msg = str(exc).strip().splitlines()
+        super().__init__(
+            f"program {kernel.program.name!r}: the generated kernel failed "
+            f"({type(exc).__name__}: {msg[-1] if msg else ''}). The source is {kernel.path}; "
+            "try another schedule (schedule='loop' or 'split') or smaller tiles (block_j=..., "
+            "num_warps=...), and report the program if it persists.")
+
+
 class Kernel:
     """A compiled program: call it with the inputs by name (or position)."""
 
@@ -43,11 +55,20 @@ class Kernel:
         self.module = module
 
     def __call__(self, *args, **inputs):
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            import numpy as np
-            with np.errstate(all="ignore"):  # the interpreter evaluates masked lanes too
-                return self.module.run(*args, **inputs)
-        return self.module.run(*args, **inputs)
+        try:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                import numpy as np
+                with np.errstate(all="ignore"):  # the interpreter evaluates masked lanes too
+                    return self.module.run(*args, **inputs)
+            return self.module.run(*args, **inputs)
+        except (TypeError, ValueError) as exc:
+            if type(exc).__module__.startswith("triton"):
+                raise KernelError(self, exc) from exc
+            raise  # the launcher's own checks already name the program, input and axis
+        except Exception as exc:
+            if type(exc).__module__.split(".")[0] in ("triton", "torch"):
+                raise KernelError(self, exc) from exc
+            raise
 
     @property
     def fusible(self):

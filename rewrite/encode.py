@@ -135,6 +135,8 @@ def encode(prog, axis: str) -> Encoding:
         return Term(kind, (name,))
 
     def enc(t: Term, allow_ref: bool) -> Term:
+        if t.op == "Ax":  # a block argument (another axis) is never a leaf
+            return t
         if is_red(t):
             return Term("St", (state_of(t), A))
         if t.op == "Size" and t.args[0] == axis:

@@ -52,6 +52,8 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
         return Term(kind, (leaf_of[t],))
 
     def enc(t: Term) -> Term:
+        if t.op == "Ax":  # a block argument (another axis) is never a leaf
+            return t
         if is_red(t):
             return Term(t.op, (JB, enc(t.args[1])))
         if t.op == "Size" and t.args[0] == axis:
@@ -63,6 +65,8 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
         return Term(t.op, tuple(enc(a) if isinstance(a, Term) else a for a in t.args))
 
     def dec(t: Term) -> Term:
+        if t.op in RED_OPS and t.args[0].op == "Ax":
+            return Term(t.op, (t.args[0], dec(t.args[1])))
         if t.op in RED_OPS:
             return Term(t.op, (Term("Ax", (axis,)), dec(t.args[1])))
         if t.op == "Cnt":

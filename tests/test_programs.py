@@ -112,3 +112,11 @@ def test_bad_inputs_give_clear_errors():
         k(x=torch.randn(3, 4).double())
     with pytest.raises(TypeError, match="no input"):
         k(x=torch.randn(3, 4), z=torch.randn(3))
+
+
+def test_a_failing_kernel_launch_names_the_program(monkeypatch):
+    x = af.tensor("x", "r j")
+    k = af.compile(af.program("plain_max", out=af.max(x, "j")))
+    from acefuse.codegen.compile import KernelError
+    with pytest.raises(KernelError, match="plain_max"):
+        k(x=torch.randn(3, 40), schedule="loop", block_j=3)   # not a power of two: Triton refuses
