@@ -77,6 +77,9 @@ class Emitter:
 
     # -- the lowering ----------------------------------------------------------------
     def emit(self, t: Term, raw_state=False):
+        canon = getattr(self.ctx, "canon", None)
+        if canon is not None:
+            t = canon(t)
         key = (t, raw_state)
         if key in self.cache:
             return self.cache[key]

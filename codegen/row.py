@@ -68,10 +68,18 @@ class Context:
     def is_extremum(self, q):
         return self.g.ops.get(q) in ("max", "min")
 
+    def canon(self, t: Term) -> Term:
+        """In the single-tile kernel the one tile *is* the whole axis: read St(q, B) as
+        St(q, J) and counts as size(axis), so the states' definitions and the outputs
+        share their subterms (x - s/n is computed once)."""
+        if self.mode != "single":
+            return t
+        return _single_canon(t, self.g.axis)
+
     def state_var(self, q, blk):
         g = self.g
-        if g.ops.get(q) == "ref" and blk.op != "BJ":
-            return self.em.emit(reblock(g.defs[q], blk))
+        if g.ops.get(q) == "ref" and (blk.op != "BJ" or self.mode == "single"):
+            return self.em.emit(reblock(g.defs[q], J if self.mode == "single" else blk))
         if blk.op == "BJ":
             return q, "row"
         if self.mode in ("init", "single"):
@@ -98,7 +106,8 @@ class Context:
         if blk.op == "BA":
             return "n_a"
         if blk.op == "BB":
-            return "n_b"
+            # the single-tile kernel's one tile is the whole axis: share x - s/n with the outputs
+            return "nj_f" if self.mode == "single" else "n_b"
         if blk.op == "BU":
             return "(n_a + n_b)"
         raise CodegenError(f"count of block {pretty(blk)}")
@@ -222,7 +231,8 @@ class RowGen:
     def tile_setup(self, L, start, ind, limit="n_j"):
         L.append(f"{ind}cols = {start} + cols0")
         L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
-        L.append(f"{ind}n_b = tl.sum(((cols < {limit}) & (cols >= 0)).to(tl.float32), axis=0)")
+        # the tile's element count (cols start at `start`; the last tile is partial)
+        L.append(f"{ind}n_b = (tl.minimum({limit} - ({start}), BLOCK_J)) * 1.0")
 
     # -- regions ----------------------------------------------------------------------------
     def region(self, mode, ind, em=None):
@@ -536,6 +546,21 @@ PREPARE = '''def _prepare(args, inputs):
                          "one element")
     return inputs, sizes, ref, dev
 '''
+
+
+import functools
+
+
+@functools.lru_cache(maxsize=4096)
+def _single_canon(t: Term, axis: str) -> Term:
+    if t.op == "St" and t.args[1].op == "BB":
+        return Term("St", (t.args[0], J))
+    if t.op == "Cnt":
+        return Term("Size", (axis,))
+    if not t.children:
+        return t
+    return Term(t.op, tuple(a if (not isinstance(a, Term) or a.op in ("BB", "BA", "BU", "BJ", "Ax"))
+                            else _single_canon(a, axis) for a in t.args))
 
 
 def _as_row(e, shape):

@@ -65,7 +65,7 @@ def cross_entropy_single(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, 
     cols0 = tl.arange(0, BLOCK_J)
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
     _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
@@ -77,13 +77,12 @@ def cross_entropy_single(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, 
     _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
     s = _r6
     # output loss = m_J + log(s_J) - x[j=t]
-    _f7 = _fin(m)
-    _t8 = tl.log(s)
-    _t9 = _f7 + _t8
-    _ix_10 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
-    _tk_11 = tl.load(x_ptr + off_x + _ix_10 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
-    _t12 = _t9 - _tk_11
-    tl.store(loss_ptr + off_loss, (_t12).to(loss_ptr.dtype.element_ty), mask=rmask)
+    _t7 = tl.log(s)
+    _t8 = _f3 + _t7
+    _ix_9 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
+    _tk_10 = tl.load(x_ptr + off_x + _ix_9 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
+    _t11 = _t8 - _tk_10
+    tl.store(loss_ptr + off_loss, (_t11).to(loss_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -103,51 +102,51 @@ def cross_entropy_loop(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
     # ---- pass 1: one read of the input, carrying m, s
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_13 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r14 = tl.max(tl.where(tmask, _ld_13, float('-inf')), axis=1)
-    m = _r14
+    _ld_12 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r13 = tl.max(tl.where(tmask, _ld_12, float('-inf')), axis=1)
+    m = _r13
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f15 = _fin(m)
-    _t16 = _ld_13 - _f15[:, None]
-    _t17 = tl.exp(_t16)
-    _r18 = tl.sum(tl.where(tmask, _t17, 0.0), axis=1)
-    s = _r18
+    _f14 = _fin(m)
+    _t15 = _ld_12 - _f14[:, None]
+    _t16 = tl.exp(_t15)
+    _r17 = tl.sum(tl.where(tmask, _t16, 0.0), axis=1)
+    s = _r17
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_19 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r20 = tl.max(tl.where(tmask, _ld_19, float('-inf')), axis=1)
-        _t21 = tl.maximum(m, _r20)
-        m_new = _t21
+        _ld_18 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r19 = tl.max(tl.where(tmask, _ld_18, float('-inf')), axis=1)
+        _t20 = tl.maximum(m, _r19)
+        m_new = _t20
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f22 = _fin(m)
-        _f23 = _fin(m_new)
-        _t24 = _f22 - _f23
-        _t25 = tl.exp(_t24)
-        _t26 = s * _t25
-        _t27 = _ld_19 - _f23[:, None]
-        _t28 = tl.exp(_t27)
-        _r29 = tl.sum(tl.where(tmask, _t28, 0.0), axis=1)
-        _t30 = _t26 + _r29
-        s_new = _t30
+        _f21 = _fin(m)
+        _f22 = _fin(m_new)
+        _t23 = _f21 - _f22
+        _t24 = tl.exp(_t23)
+        _t25 = s * _t24
+        _t26 = _ld_18 - _f22[:, None]
+        _t27 = tl.exp(_t26)
+        _r28 = tl.sum(tl.where(tmask, _t27, 0.0), axis=1)
+        _t29 = _t25 + _r28
+        s_new = _t29
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output loss = m_J + log(s_J) - x[j=t]
-    _f31 = _fin(m)
-    _t32 = tl.log(s)
-    _t33 = _f31 + _t32
-    _ix_34 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
-    _tk_35 = tl.load(x_ptr + off_x + _ix_34 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
-    _t36 = _t33 - _tk_35
-    tl.store(loss_ptr + off_loss, (_t36).to(loss_ptr.dtype.element_ty), mask=rmask)
+    _f30 = _fin(m)
+    _t31 = tl.log(s)
+    _t32 = _f30 + _t31
+    _ix_33 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
+    _tk_34 = tl.load(x_ptr + off_x + _ix_33 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
+    _t35 = _t32 - _tk_34
+    tl.store(loss_ptr + off_loss, (_t35).to(loss_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -170,40 +169,40 @@ def cross_entropy_part(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r, le
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     cols = chunk_lo + cols0
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(chunk_hi - (chunk_lo), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_37 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r38 = tl.max(tl.where(tmask, _ld_37, float('-inf')), axis=1)
-    m = _r38
+    _ld_36 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r37 = tl.max(tl.where(tmask, _ld_36, float('-inf')), axis=1)
+    m = _r37
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f39 = _fin(m)
-    _t40 = _ld_37 - _f39[:, None]
-    _t41 = tl.exp(_t40)
-    _r42 = tl.sum(tl.where(tmask, _t41, 0.0), axis=1)
-    s = _r42
+    _f38 = _fin(m)
+    _t39 = _ld_36 - _f38[:, None]
+    _t40 = tl.exp(_t39)
+    _r41 = tl.sum(tl.where(tmask, _t40, 0.0), axis=1)
+    s = _r41
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_43 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r44 = tl.max(tl.where(tmask, _ld_43, float('-inf')), axis=1)
-        _t45 = tl.maximum(m, _r44)
-        m_new = _t45
+        _ld_42 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r43 = tl.max(tl.where(tmask, _ld_42, float('-inf')), axis=1)
+        _t44 = tl.maximum(m, _r43)
+        m_new = _t44
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f46 = _fin(m)
-        _f47 = _fin(m_new)
-        _t48 = _f46 - _f47
-        _t49 = tl.exp(_t48)
-        _t50 = s * _t49
-        _t51 = _ld_43 - _f47[:, None]
-        _t52 = tl.exp(_t51)
-        _r53 = tl.sum(tl.where(tmask, _t52, 0.0), axis=1)
-        _t54 = _t50 + _r53
-        s_new = _t54
+        _f45 = _fin(m)
+        _f46 = _fin(m_new)
+        _t47 = _f45 - _f46
+        _t48 = tl.exp(_t47)
+        _t49 = s * _t48
+        _t50 = _ld_42 - _f46[:, None]
+        _t51 = tl.exp(_t50)
+        _r52 = tl.sum(tl.where(tmask, _t51, 0.0), axis=1)
+        _t53 = _t49 + _r52
+        s_new = _t53
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -235,32 +234,32 @@ def cross_entropy_combine(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t55 = tl.maximum(m, m_b)
-        m_new = _t55
+        _t54 = tl.maximum(m, m_b)
+        m_new = _t54
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f56 = _fin(m)
-        _f57 = _fin(m_new)
-        _t58 = _f56 - _f57
-        _t59 = tl.exp(_t58)
-        _t60 = s * _t59
-        _f61 = _fin(m_b)
-        _t62 = _f61 - _f57
-        _t63 = tl.exp(_t62)
-        _t64 = s_b * _t63
-        _t65 = _t60 + _t64
-        s_new = _t65
+        _f55 = _fin(m)
+        _f56 = _fin(m_new)
+        _t57 = _f55 - _f56
+        _t58 = tl.exp(_t57)
+        _t59 = s * _t58
+        _f60 = _fin(m_b)
+        _t61 = _f60 - _f56
+        _t62 = tl.exp(_t61)
+        _t63 = s_b * _t62
+        _t64 = _t59 + _t63
+        s_new = _t64
         m = m_new
         s = s_new
         n_a = n_a + n_b
     # output loss = m_J + log(s_J) - x[j=t]
-    _f66 = _fin(m)
-    _t67 = tl.log(s)
-    _t68 = _f66 + _t67
-    _ix_69 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
-    _tk_70 = tl.load(x_ptr + off_x + _ix_69 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
-    _t71 = _t68 - _tk_70
-    tl.store(loss_ptr + off_loss, (_t71).to(loss_ptr.dtype.element_ty), mask=rmask)
+    _f65 = _fin(m)
+    _t66 = tl.log(s)
+    _t67 = _f65 + _t66
+    _ix_68 = tl.load(t_ptr + off_t, mask=rmask, other=0).to(tl.int64)
+    _tk_69 = tl.load(x_ptr + off_x + _ix_68 * s_x_j, mask=rmask, other=0.0).to(tl.float32)
+    _t70 = _t67 - _tk_69
+    tl.store(loss_ptr + off_loss, (_t70).to(loss_ptr.dtype.element_ty), mask=rmask)
     tl.store(ws_m_f + rows, m, mask=rmask)
     tl.store(ws_s_f + rows, s, mask=rmask)
 
@@ -288,7 +287,7 @@ def cross_entropy_epilogue(x_ptr, s_x_r, s_x_j, t_ptr, s_t_r, loss_ptr, s_loss_r
     for start in range(chunk_lo, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
 
 
 PROGRAM = 'cross_entropy'

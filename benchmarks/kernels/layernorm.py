@@ -65,31 +65,29 @@ def layernorm_single(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, b_ptr, s_b_j, y_ptr, s_y
     cols0 = tl.arange(0, BLOCK_J)
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(x)
     _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _r2 = tl.sum(tl.where(tmask, _ld_1, 0.0), axis=1)
     s = _r2
     # s2: its definition on this tile:  s2_B = sum_B((x - r_B) * (x - r_B))
-    _t3 = s / n_b
+    _t3 = s / nj_f
     _t4 = _ld_1 - _t3[:, None]
     _t5 = _t4 * _t4
     _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
     s2 = _r6
-    _t7 = s / nj_f
-    r = _t7
+    r = _t3
     # output y = (x - s_J / size(j)) * rsqrt(s2_J / size(j) + 1e-05) * w + b
-    _t8 = s / nj_f
-    _t9 = _ld_1 - _t8[:, None]
-    _t10 = s2 / nj_f
-    _t11 = _t10 + 1e-05
-    _t12 = tl.rsqrt(_t11)
-    _t13 = _t9 * _t12[:, None]
-    _ld_14 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
-    _t15 = _t13 * _ld_14
-    _ld_16 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
-    _t17 = _t15 + _ld_16
-    tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t17).to(y_ptr.dtype.element_ty), mask=tmask)
+    _t7 = _ld_1 - _t3[:, None]
+    _t8 = s2 / nj_f
+    _t9 = _t8 + 1e-05
+    _t10 = tl.rsqrt(_t9)
+    _t11 = _t7 * _t10[:, None]
+    _ld_12 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
+    _t13 = _t11 * _ld_12
+    _ld_14 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
+    _t15 = _t13 + _ld_14
+    tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t15).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -108,64 +106,64 @@ def layernorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, b_ptr, s_b_j, y_ptr, s_y_r
     # ---- pass 1: one read of the input, carrying s, s2
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(x)
-    _ld_18 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r19 = tl.sum(tl.where(tmask, _ld_18, 0.0), axis=1)
-    s = _r19
+    _ld_16 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r17 = tl.sum(tl.where(tmask, _ld_16, 0.0), axis=1)
+    s = _r17
     # s2: its definition on this tile:  s2_B = sum_B((x - r_B) * (x - r_B))
-    _t20 = s / n_b
-    _t21 = _ld_18 - _t20[:, None]
-    _t22 = _t21 * _t21
-    _r23 = tl.sum(tl.where(tmask, _t22, 0.0), axis=1)
-    s2 = _r23
+    _t18 = s / n_b
+    _t19 = _ld_16 - _t18[:, None]
+    _t20 = _t19 * _t19
+    _r21 = tl.sum(tl.where(tmask, _t20, 0.0), axis=1)
+    s2 = _r21
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # s_AB = s_A + sum_B(x)
         #   derived by: sum-split
-        _ld_24 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r25 = tl.sum(tl.where(tmask, _ld_24, 0.0), axis=1)
-        _t26 = s + _r25
-        s_new = _t26
+        _ld_22 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r23 = tl.sum(tl.where(tmask, _ld_22, 0.0), axis=1)
+        _t24 = s + _r23
+        s_new = _t24
         # s2_AB = s2_A + (s_AB / n_AB - s_A / n_A) * (s_AB / n_AB - s_A / n_A) * n_A + sum_B((x - s_AB / n_AB) * (x - s_AB / n_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> sum-sub -> sum-factor-left -> sum-factor-right -> sum-invariant -> div-mul-cancel -> sub-self
-        _t27 = s_new / (n_a + n_b)
-        _t28 = s / n_a
-        _t29 = _t27 - _t28
-        _t30 = _t29 * _t29
-        _t31 = _t30 * n_a
-        _t32 = s2 + _t31
-        _t33 = _ld_24 - _t27[:, None]
-        _t34 = _t33 * _t33
-        _r35 = tl.sum(tl.where(tmask, _t34, 0.0), axis=1)
-        _t36 = _t32 + _r35
-        s2_new = _t36
+        _t25 = s_new / (n_a + n_b)
+        _t26 = s / n_a
+        _t27 = _t25 - _t26
+        _t28 = _t27 * _t27
+        _t29 = _t28 * n_a
+        _t30 = s2 + _t29
+        _t31 = _ld_22 - _t25[:, None]
+        _t32 = _t31 * _t31
+        _r33 = tl.sum(tl.where(tmask, _t32, 0.0), axis=1)
+        _t34 = _t30 + _r33
+        s2_new = _t34
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
-    _t37 = s / nj_f
-    r = _t37
+    _t35 = s / nj_f
+    r = _t35
     # ---- epilogue: outputs elementwise over the fused axis
     for start in range(0, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # output y = (x - s_J / size(j)) * rsqrt(s2_J / size(j) + 1e-05) * w + b
-        _ld_38 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t39 = s / nj_f
-        _t40 = _ld_38 - _t39[:, None]
-        _t41 = s2 / nj_f
-        _t42 = _t41 + 1e-05
-        _t43 = tl.rsqrt(_t42)
-        _t44 = _t40 * _t43[:, None]
-        _ld_45 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
-        _t46 = _t44 * _ld_45
-        _ld_47 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
-        _t48 = _t46 + _ld_47
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t48).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_36 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t37 = s / nj_f
+        _t38 = _ld_36 - _t37[:, None]
+        _t39 = s2 / nj_f
+        _t40 = _t39 + 1e-05
+        _t41 = tl.rsqrt(_t40)
+        _t42 = _t38 * _t41[:, None]
+        _ld_43 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
+        _t44 = _t42 * _ld_43
+        _ld_45 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
+        _t46 = _t44 + _ld_45
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t46).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -187,41 +185,41 @@ def layernorm_part(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, b_ptr, s_b_j, y_ptr, s_y_r
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     cols = chunk_lo + cols0
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(chunk_hi - (chunk_lo), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(x)
-    _ld_49 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r50 = tl.sum(tl.where(tmask, _ld_49, 0.0), axis=1)
-    s = _r50
+    _ld_47 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r48 = tl.sum(tl.where(tmask, _ld_47, 0.0), axis=1)
+    s = _r48
     # s2: its definition on this tile:  s2_B = sum_B((x - r_B) * (x - r_B))
-    _t51 = s / n_b
-    _t52 = _ld_49 - _t51[:, None]
-    _t53 = _t52 * _t52
-    _r54 = tl.sum(tl.where(tmask, _t53, 0.0), axis=1)
-    s2 = _r54
+    _t49 = s / n_b
+    _t50 = _ld_47 - _t49[:, None]
+    _t51 = _t50 * _t50
+    _r52 = tl.sum(tl.where(tmask, _t51, 0.0), axis=1)
+    s2 = _r52
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # s_AB = s_A + sum_B(x)
         #   derived by: sum-split
-        _ld_55 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r56 = tl.sum(tl.where(tmask, _ld_55, 0.0), axis=1)
-        _t57 = s + _r56
-        s_new = _t57
+        _ld_53 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r54 = tl.sum(tl.where(tmask, _ld_53, 0.0), axis=1)
+        _t55 = s + _r54
+        s_new = _t55
         # s2_AB = s2_A + (s_AB / n_AB - s_A / n_A) * (s_AB / n_AB - s_A / n_A) * n_A + sum_B((x - s_AB / n_AB) * (x - s_AB / n_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> sum-sub -> sum-factor-left -> sum-factor-right -> sum-invariant -> div-mul-cancel -> sub-self
-        _t58 = s_new / (n_a + n_b)
-        _t59 = s / n_a
-        _t60 = _t58 - _t59
-        _t61 = _t60 * _t60
-        _t62 = _t61 * n_a
-        _t63 = s2 + _t62
-        _t64 = _ld_55 - _t58[:, None]
-        _t65 = _t64 * _t64
-        _r66 = tl.sum(tl.where(tmask, _t65, 0.0), axis=1)
-        _t67 = _t63 + _r66
-        s2_new = _t67
+        _t56 = s_new / (n_a + n_b)
+        _t57 = s / n_a
+        _t58 = _t56 - _t57
+        _t59 = _t58 * _t58
+        _t60 = _t59 * n_a
+        _t61 = s2 + _t60
+        _t62 = _ld_53 - _t56[:, None]
+        _t63 = _t62 * _t62
+        _r64 = tl.sum(tl.where(tmask, _t63, 0.0), axis=1)
+        _t65 = _t61 + _r64
+        s2_new = _t65
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
@@ -252,28 +250,28 @@ def layernorm_combine(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, b_ptr, s_b_j, y_ptr, s_
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # s_AB = s_A + s_B
         #   derived by: sum-split
-        _t68 = s + s_b
-        s_new = _t68
+        _t66 = s + s_b
+        s_new = _t66
         # s2_AB = s2_A + (s_AB / n_AB - s_A / n_A) * (s_AB / n_AB - s_A / n_A) * n_A + (s2_B + (s_AB / n_AB - s_B / n_B) * (s_AB / n_AB - s_B / n_B) * n_B)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> sum-sub -> sum-factor-left -> sum-factor-right -> sum-invariant -> div-mul-cancel -> sub-self
-        _t69 = s_new / (n_a + n_b)
-        _t70 = s / n_a
-        _t71 = _t69 - _t70
-        _t72 = _t71 * _t71
-        _t73 = _t72 * n_a
-        _t74 = s2 + _t73
-        _t75 = s_b / n_b
-        _t76 = _t69 - _t75
-        _t77 = _t76 * _t76
-        _t78 = _t77 * n_b
-        _t79 = s2_b + _t78
-        _t80 = _t74 + _t79
-        s2_new = _t80
+        _t67 = s_new / (n_a + n_b)
+        _t68 = s / n_a
+        _t69 = _t67 - _t68
+        _t70 = _t69 * _t69
+        _t71 = _t70 * n_a
+        _t72 = s2 + _t71
+        _t73 = s_b / n_b
+        _t74 = _t67 - _t73
+        _t75 = _t74 * _t74
+        _t76 = _t75 * n_b
+        _t77 = s2_b + _t76
+        _t78 = _t72 + _t77
+        s2_new = _t78
         s = s_new
         s2 = s2_new
         n_a = n_a + n_b
-    _t81 = s / nj_f
-    r = _t81
+    _t79 = s / nj_f
+    r = _t79
     tl.store(ws_s_f + rows, s, mask=rmask)
     tl.store(ws_s2_f + rows, s2, mask=rmask)
 
@@ -297,25 +295,25 @@ def layernorm_epilogue(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, b_ptr, s_b_j, y_ptr, s
     sid = tl.program_id(1)
     chunk_lo = sid * CHUNK
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
-    _t82 = s / nj_f
-    r = _t82
+    _t80 = s / nj_f
+    r = _t80
     for start in range(chunk_lo, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # output y = (x - s_J / size(j)) * rsqrt(s2_J / size(j) + 1e-05) * w + b
-        _ld_83 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _t84 = s / nj_f
-        _t85 = _ld_83 - _t84[:, None]
-        _t86 = s2 / nj_f
-        _t87 = _t86 + 1e-05
-        _t88 = tl.rsqrt(_t87)
-        _t89 = _t85 * _t88[:, None]
-        _ld_90 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
-        _t91 = _t89 * _ld_90
-        _ld_92 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
-        _t93 = _t91 + _ld_92
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t93).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_81 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _t82 = s / nj_f
+        _t83 = _ld_81 - _t82[:, None]
+        _t84 = s2 / nj_f
+        _t85 = _t84 + 1e-05
+        _t86 = tl.rsqrt(_t85)
+        _t87 = _t83 * _t86[:, None]
+        _ld_88 = tl.load(w_ptr + cols[None, :] * s_w_j, mask=tmask, other=0.0).to(tl.float32)
+        _t89 = _t87 * _ld_88
+        _ld_90 = tl.load(b_ptr + cols[None, :] * s_b_j, mask=tmask, other=0.0).to(tl.float32)
+        _t91 = _t89 + _ld_90
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t91).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 PROGRAM = 'layernorm'

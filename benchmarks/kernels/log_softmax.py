@@ -64,7 +64,7 @@ def log_softmax_single(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, 
     cols0 = tl.arange(0, BLOCK_J)
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
     _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _r2 = tl.max(tl.where(tmask, _ld_1, float('-inf')), axis=1)
@@ -76,11 +76,10 @@ def log_softmax_single(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, 
     _r6 = tl.sum(tl.where(tmask, _t5, 0.0), axis=1)
     s = _r6
     # output y = x - m_J - log(s_J)
-    _f7 = _fin(m)
-    _t8 = _ld_1 - _f7[:, None]
-    _t9 = tl.log(s)
-    _t10 = _t8 - _t9[:, None]
-    tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t10).to(y_ptr.dtype.element_ty), mask=tmask)
+    _t7 = _ld_1 - _f3[:, None]
+    _t8 = tl.log(s)
+    _t9 = _t7 - _t8[:, None]
+    tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t9).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -99,40 +98,40 @@ def log_softmax_loop(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_
     # ---- pass 1: one read of the input, carrying m, s
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_11 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r12 = tl.max(tl.where(tmask, _ld_11, float('-inf')), axis=1)
-    m = _r12
+    _ld_10 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r11 = tl.max(tl.where(tmask, _ld_10, float('-inf')), axis=1)
+    m = _r11
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f13 = _fin(m)
-    _t14 = _ld_11 - _f13[:, None]
-    _t15 = tl.exp(_t14)
-    _r16 = tl.sum(tl.where(tmask, _t15, 0.0), axis=1)
-    s = _r16
+    _f12 = _fin(m)
+    _t13 = _ld_10 - _f12[:, None]
+    _t14 = tl.exp(_t13)
+    _r15 = tl.sum(tl.where(tmask, _t14, 0.0), axis=1)
+    s = _r15
     n_a = n_b
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_17 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r18 = tl.max(tl.where(tmask, _ld_17, float('-inf')), axis=1)
-        _t19 = tl.maximum(m, _r18)
-        m_new = _t19
+        _ld_16 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r17 = tl.max(tl.where(tmask, _ld_16, float('-inf')), axis=1)
+        _t18 = tl.maximum(m, _r17)
+        m_new = _t18
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f20 = _fin(m)
-        _f21 = _fin(m_new)
-        _t22 = _f20 - _f21
-        _t23 = tl.exp(_t22)
-        _t24 = s * _t23
-        _t25 = _ld_17 - _f21[:, None]
-        _t26 = tl.exp(_t25)
-        _r27 = tl.sum(tl.where(tmask, _t26, 0.0), axis=1)
-        _t28 = _t24 + _r27
-        s_new = _t28
+        _f19 = _fin(m)
+        _f20 = _fin(m_new)
+        _t21 = _f19 - _f20
+        _t22 = tl.exp(_t21)
+        _t23 = s * _t22
+        _t24 = _ld_16 - _f20[:, None]
+        _t25 = tl.exp(_t24)
+        _r26 = tl.sum(tl.where(tmask, _t25, 0.0), axis=1)
+        _t27 = _t23 + _r26
+        s_new = _t27
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -140,14 +139,14 @@ def log_softmax_loop(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_
     for start in range(0, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # output y = x - m_J - log(s_J)
-        _ld_29 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _f30 = _fin(m)
-        _t31 = _ld_29 - _f30[:, None]
-        _t32 = tl.log(s)
-        _t33 = _t31 - _t32[:, None]
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t33).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_28 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _f29 = _fin(m)
+        _t30 = _ld_28 - _f29[:, None]
+        _t31 = tl.log(s)
+        _t32 = _t30 - _t31[:, None]
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t32).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 @triton.jit
@@ -169,40 +168,40 @@ def log_softmax_part(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows, n_
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     cols = chunk_lo + cols0
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(chunk_hi - (chunk_lo), BLOCK_J)) * 1.0
     # m: its definition on this tile:  m_B = max_B(x)
-    _ld_34 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-    _r35 = tl.max(tl.where(tmask, _ld_34, float('-inf')), axis=1)
-    m = _r35
+    _ld_33 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+    _r34 = tl.max(tl.where(tmask, _ld_33, float('-inf')), axis=1)
+    m = _r34
     # s: its definition on this tile:  s_B = sum_B(exp(x - m_B))
-    _f36 = _fin(m)
-    _t37 = _ld_34 - _f36[:, None]
-    _t38 = tl.exp(_t37)
-    _r39 = tl.sum(tl.where(tmask, _t38, 0.0), axis=1)
-    s = _r39
+    _f35 = _fin(m)
+    _t36 = _ld_33 - _f35[:, None]
+    _t37 = tl.exp(_t36)
+    _r38 = tl.sum(tl.where(tmask, _t37, 0.0), axis=1)
+    s = _r38
     n_a = n_b
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # m_AB = max(m_A, max_B(x))
         #   derived by: max-split
-        _ld_40 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _r41 = tl.max(tl.where(tmask, _ld_40, float('-inf')), axis=1)
-        _t42 = tl.maximum(m, _r41)
-        m_new = _t42
+        _ld_39 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _r40 = tl.max(tl.where(tmask, _ld_39, float('-inf')), axis=1)
+        _t41 = tl.maximum(m, _r40)
+        m_new = _t41
         # s_AB = s_A * exp(m_A - m_AB) + sum_B(exp(x - m_AB))
         #   derived by: shift-by-left-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f43 = _fin(m)
-        _f44 = _fin(m_new)
-        _t45 = _f43 - _f44
-        _t46 = tl.exp(_t45)
-        _t47 = s * _t46
-        _t48 = _ld_40 - _f44[:, None]
-        _t49 = tl.exp(_t48)
-        _r50 = tl.sum(tl.where(tmask, _t49, 0.0), axis=1)
-        _t51 = _t47 + _r50
-        s_new = _t51
+        _f42 = _fin(m)
+        _f43 = _fin(m_new)
+        _t44 = _f42 - _f43
+        _t45 = tl.exp(_t44)
+        _t46 = s * _t45
+        _t47 = _ld_39 - _f43[:, None]
+        _t48 = tl.exp(_t47)
+        _r49 = tl.sum(tl.where(tmask, _t48, 0.0), axis=1)
+        _t50 = _t46 + _r49
+        s_new = _t50
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -233,21 +232,21 @@ def log_softmax_combine(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows,
         n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0
         # m_AB = max(m_A, m_B)
         #   derived by: max-split
-        _t52 = tl.maximum(m, m_b)
-        m_new = _t52
+        _t51 = tl.maximum(m, m_b)
+        m_new = _t51
         # s_AB = s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)
         #   derived by: shift-by-left-part -> shift-by-right-part -> sum-split -> sub-add-assoc -> exp-sub -> sum-factor-right
-        _f53 = _fin(m)
-        _f54 = _fin(m_new)
-        _t55 = _f53 - _f54
-        _t56 = tl.exp(_t55)
-        _t57 = s * _t56
-        _f58 = _fin(m_b)
-        _t59 = _f58 - _f54
-        _t60 = tl.exp(_t59)
-        _t61 = s_b * _t60
-        _t62 = _t57 + _t61
-        s_new = _t62
+        _f52 = _fin(m)
+        _f53 = _fin(m_new)
+        _t54 = _f52 - _f53
+        _t55 = tl.exp(_t54)
+        _t56 = s * _t55
+        _f57 = _fin(m_b)
+        _t58 = _f57 - _f53
+        _t59 = tl.exp(_t58)
+        _t60 = s_b * _t59
+        _t61 = _t56 + _t60
+        s_new = _t61
         m = m_new
         s = s_new
         n_a = n_a + n_b
@@ -277,14 +276,14 @@ def log_softmax_epilogue(x_ptr, s_x_r, s_x_j, y_ptr, s_y_r, s_y_j, len_r, n_rows
     for start in range(chunk_lo, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # output y = x - m_J - log(s_J)
-        _ld_63 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
-        _f64 = _fin(m)
-        _t65 = _ld_63 - _f64[:, None]
-        _t66 = tl.log(s)
-        _t67 = _t65 - _t66[:, None]
-        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t67).to(y_ptr.dtype.element_ty), mask=tmask)
+        _ld_62 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
+        _f63 = _fin(m)
+        _t64 = _ld_62 - _f63[:, None]
+        _t65 = tl.log(s)
+        _t66 = _t64 - _t65[:, None]
+        tl.store(y_ptr + off_y[:, None] + cols[None, :] * s_y_j, (_t66).to(y_ptr.dtype.element_ty), mask=tmask)
 
 
 PROGRAM = 'log_softmax'

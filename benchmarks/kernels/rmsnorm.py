@@ -57,7 +57,7 @@ def rmsnorm_single(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r
     cols0 = tl.arange(0, BLOCK_J)
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(e1)
     _ld_1 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _t2 = _ld_1 * _ld_1
@@ -89,7 +89,7 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     # ---- pass 1: one read of the input, carrying s
     cols = 0 + cols0
     tmask = rmask[:, None] & (cols[None, :] < n_j)
-    n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(n_j - (0), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(e1)
     _ld_10 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _t11 = _ld_10 * _ld_10
@@ -99,7 +99,7 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     for start in range(BLOCK_J, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # s_AB = s_A + sum_B(e1)
         #   derived by: sum-split
         _ld_13 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
@@ -113,7 +113,7 @@ def rmsnorm_loop(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     for start in range(0, n_j, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < n_j)
-        n_b = tl.sum(((cols < n_j) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(n_j - (start), BLOCK_J)) * 1.0
         # output y = x * rsqrt(s_J / size(j) + 1e-06) * w
         _ld_17 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
         _t18 = s / nj_f
@@ -144,7 +144,7 @@ def rmsnorm_part(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)
     cols = chunk_lo + cols0
     tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-    n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+    n_b = (tl.minimum(chunk_hi - (chunk_lo), BLOCK_J)) * 1.0
     # s: its definition on this tile:  s_B = sum_B(e1)
     _ld_24 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
     _t25 = _ld_24 * _ld_24
@@ -154,7 +154,7 @@ def rmsnorm_part(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len_r, 
     for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # s_AB = s_A + sum_B(e1)
         #   derived by: sum-split
         _ld_27 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
@@ -216,7 +216,7 @@ def rmsnorm_epilogue(x_ptr, s_x_r, s_x_j, w_ptr, s_w_j, y_ptr, s_y_r, s_y_j, len
     for start in range(chunk_lo, chunk_hi, BLOCK_J):
         cols = start + cols0
         tmask = rmask[:, None] & (cols[None, :] < chunk_hi)
-        n_b = tl.sum(((cols < chunk_hi) & (cols >= 0)).to(tl.float32), axis=0)
+        n_b = (tl.minimum(chunk_hi - (start), BLOCK_J)) * 1.0
         # output y = x * rsqrt(s_J / size(j) + 1e-06) * w
         _ld_32 = tl.load(x_ptr + off_x[:, None] + cols[None, :] * s_x_j, mask=tmask, other=0.0).to(tl.float32)
         _t33 = s / nj_f
