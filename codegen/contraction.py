@@ -434,7 +434,9 @@ class ContractionGen:
         return args
 
     def prologue(self, L):
-        L.append("    pid_r = tl.program_id(0)")
+        # row tiles in reverse: with lower-triangular masks the last rows see the most keys,
+        # and starting the longest programs first shortens the tail
+        L.append("    pid_r = tl.num_programs(0) - 1 - tl.program_id(0)")
         L.append("    pid_g = tl.program_id(1)")
         L.append("    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)")
         L.append("    rmask = rows < n_rows")
