@@ -658,9 +658,47 @@ def choose_schedule(n_row_tiles, n_g, n_j, block_j, sms):
     return 'loop'
 
 
+_TUNED = {}
+_TUNING = []
+# tile shapes tried on the first GPU call per shape (bf16/fp16, head dims up to 128)
+CANDIDATES = [dict(), dict(block_i=64, block_j=64, num_warps=4, num_stages=3),
+              dict(block_i=64, block_j=32, num_warps=4, num_stages=3)]
+
+
+def _tuned(inputs, schedule):
+    """Time the candidate tile shapes once per input shapes and dtype; keep the fastest."""
+    key = (tuple((t, tuple(inputs[t].shape)) for t in TENSORS), str(next(iter(inputs.values())).dtype), schedule)
+    if key not in _TUNED:
+        _TUNING.append(1)
+        try:
+            times = []
+            for cfg in CANDIDATES:
+                run(schedule=schedule, **cfg, **inputs)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(3):
+                    run(schedule=schedule, **cfg, **inputs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            _TUNED[key] = CANDIDATES[times.index(min(times))]
+        finally:
+            _TUNING.pop()
+    return _TUNED[key]
+
+
 def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps=None, num_stages=None, **inputs):
-    """Launch the kernel(s); returns the output (a dict when there are several)."""
+    """Launch the kernel(s); returns the output (a dict when there are several). On the GPU,
+    with no tile shape given, the first call per shape times a few and keeps the fastest."""
     inputs, sizes, ref, dev = _prepare(args, inputs)
+    if (dev.type == 'cuda' and not _TUNING and schedule != 'split' and nsplit is None
+            and block_i is None and block_j is None and num_warps is None and num_stages is None
+            and ref.dtype != torch.float32
+            and max([inputs[t].shape[TENSORS[t].index(a)] for t in TENSORS for a in VEC_AXES + CONTRACT_AXES
+                     if a in TENSORS[t]] or [0]) <= 128):
+        cfg = _tuned(inputs, schedule)
+        if cfg:
+            return run(schedule=schedule, **cfg, **inputs)
     odt = ref.dtype
     n_rows = 1
     for a in ROW_AXES:

@@ -7,7 +7,7 @@ states (block-local definitions over a block S):
     s2 = sum_S((x - r_S) * (x - r_S))    [sum; from sum_j((x - sum_j(x) / size(j)) * (x - sum_j(x) / size(j)))]
 HBM passes over the input (rows longer than a tile): unfused 3, fused 2
 pass 1: carries s, s2
-  saturation stopped: saturated after 22 iterations, 2167 e-nodes, 12 ms
+  saturation stopped: saturated after 22 iterations, 2167 e-nodes, 11 ms
   s:
     init     s_B  = sum_B(x)
     rolling  s_AB = s_A + sum_B(x)
