@@ -588,7 +588,7 @@ def _tuned(inputs, schedule):
                 run(schedule=schedule, **cfg, **inputs)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(3):
+                for _ in range(5):
                     run(schedule=schedule, **cfg, **inputs)
                 end.record()
                 end.synchronize()
@@ -603,7 +603,11 @@ def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps
     """Launch the kernel(s); returns the output (a dict when there are several). On the GPU,
     with no tile shape given, the first call per shape times a few and keeps the fastest."""
     inputs, sizes, ref, dev = _prepare(args, inputs)
-    if (dev.type == 'cuda' and not _TUNING and schedule != 'split' and nsplit is None
+    n_work = 1
+    for a in set(ROW_AXES + GRID_AXES + [AXIS]):
+        n_work *= sizes[a]
+    # only problems big enough for a timing to mean something (launch overhead dominates below)
+    if (dev.type == 'cuda' and not _TUNING and schedule != 'split' and nsplit is None and n_work >= 1 << 26
             and block_i is None and block_j is None and num_warps is None and num_stages is None
             and ref.dtype != torch.float32
             and max([inputs[t].shape[TENSORS[t].index(a)] for t in TENSORS for a in VEC_AXES + CONTRACT_AXES

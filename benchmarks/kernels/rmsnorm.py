@@ -5,7 +5,7 @@ states (block-local definitions over a block S):
      s = sum_S(e1)    [sum; from sum_j(x * x)]
 HBM passes over the input (rows longer than a tile): unfused 2, fused 2
 pass 1: carries s
-  saturation stopped: saturated after 6 iterations, 20 e-nodes, 2 ms
+  saturation stopped: saturated after 6 iterations, 20 e-nodes, 1 ms
   s:
     init     s_B  = sum_B(e1)
     rolling  s_AB = s_A + sum_B(e1)
