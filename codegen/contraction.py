@@ -68,7 +68,7 @@ class CContext(Context):
             return f"idx_{axis}.to(tl.float32)", "row"
         if axis in g.G:
             return f"(idx_{axis} * 1.0)", "scalar"
-        raise CodegenError(f"index({axis!r}) is not available in the attention kernel family")
+        raise CodegenError(f"index({axis!r}) is not available in the contraction kernel family")
 
     def load(self, name, em, raw=False):
         g = self.g
@@ -191,7 +191,7 @@ def _cjoin(a, b):
         return "tile"
     if s == {"row", "rvec"}:
         return "rvec"
-    raise CodegenError(f"cannot combine a {a} value with a {b} value elementwise in the attention family")
+    raise CodegenError(f"cannot combine a {a} value with a {b} value elementwise in the contraction family")
 
 
 class ContractionGen:
@@ -233,7 +233,7 @@ class ContractionGen:
             raise CodegenError(f"program {self.name!r}: at most one contraction axis is supported, got {C}")
         if enc.elementwise_outputs:
             raise CodegenError(f"program {self.name!r}: outputs {list(enc.elementwise_outputs)} range over "
-                               f"the key axis {j!r}; the attention family writes per-query outputs only")
+                               f"the key axis {j!r}; the contraction family writes per-query outputs only")
         self.C, self.R, self.E, self.G = C, R, E, G
         self.hoisting = []
         self._hoisted = {}
@@ -673,7 +673,7 @@ class ContractionGen:
         f = self.f
         if len(f.passes) != 1:
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes over {self.axis!r}; the "
-                               f"attention family emits one-pass kernels only ({f.reason})")
+                               f"contraction family emits one-pass kernels only ({f.reason})")
         parts = [HEADER.format(name=self.name, axis=self.axis, explain=f.explain().replace('"""', "'''"))]
         parts.append(self.kernel_loop())
         split = f.passes[0].split_ok

@@ -124,7 +124,7 @@ class Context:
 
     def contract(self, t: Term, em):
         raise CodegenError(f"`{pretty(t)}` reduces over axis {t.args[0].args[0]!r} inside the body; the "
-                           "row family has no contractions (the attention/contraction family does)")
+                           "row family has no contractions (the contraction family does)")
 
     def from_reduction(self, t: Term) -> bool:
         return any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.walk())
