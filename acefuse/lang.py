@@ -149,7 +149,12 @@ def tensor(name: str, axes) -> Expr:
     if not isinstance(name, str) or not _NAME.match(name):
         raise LanguageError(f"tensor name {name!r} must be an identifier")
     ax = _axes(axes, f"tensor {name!r}")
+    _DECLARED.setdefault((name, ax), len(_DECLARED))
     return Expr(Term("In", (name,)), ax, {name: ax})
+
+
+_DECLARED: dict = {}   # (name, axes) -> order of first declaration (the layout rule, axis_order)
+_LATE = float("inf")
 
 
 def const(v: float) -> Expr:
@@ -263,9 +268,9 @@ class Program:
         self.tensors = _merge_tensors(*self.outputs.values())
         if not self.tensors:
             raise LanguageError(f"program {name!r} reads no input tensor")
-        self.axes = _union_axes(*(Expr(Term("Num", (0.0,)), ax, {}) for ax in self.tensors.values()))
-        # outputs list their axes in the order the inputs declare them (b h i e), not in
-        # the order operands happened to be combined
+        self.axes = axis_order(self.tensors)
+        # outputs list their axes in the program's axis order (b h i e), not in the order
+        # operands or outputs happened to be combined
         order = {a: i for i, a in enumerate(self.axes)}
         for k, v in self.outputs.items():
             missing = [a for a in v.axes if a not in order]
@@ -295,6 +300,35 @@ class Program:
     def __repr__(self):
         outs = ", ".join(f"{k}={v}" for k, v in self.outputs.items())
         return f"Program({self.name}: {outs})"
+
+
+def axis_order(tensors: dict) -> tuple:
+    """The program's axis order, which is every output's layout. Inputs are taken in
+    the order they were declared with ``af.tensor`` (then by name); each axis not yet
+    placed goes right before the next axis of that input's declaration that is placed,
+    else right after the previous one, else last. It depends only on the declarations,
+    never on the order of outputs or operands: with ``x: "r j"`` and ``w: "j"`` every
+    output over r and j is laid out ``[r, j]``; attention's ``o`` over ``b h i e``
+    (q ``b h i d``, k ``b h j d``, v ``b h j e``) and its scores over ``b h i j`` come
+    out in those orders.
+
+        >>> axis_order({"w": ("j",), "x": ("r", "j")})
+        ('r', 'j')
+        >>> q, k, v = tensor("q", "b h i d"), tensor("k", "b h j d"), tensor("v", "b h j e")
+        >>> axis_order({**v.tensors, **k.tensors, **q.tensors})
+        ('b', 'h', 'i', 'j', 'e', 'd')
+    """
+    out: list = []
+    for name in sorted(tensors, key=lambda n: (_DECLARED.get((n, tuple(tensors[n])), _LATE), n)):
+        axes = tuple(tensors[name])
+        for i, a in enumerate(axes):
+            if a in out:
+                continue
+            nxt = next((b for b in axes[i + 1:] if b in out), None)
+            prv = next((b for b in reversed(axes[:i]) if b in out), None)
+            k = out.index(nxt) if nxt is not None else (out.index(prv) + 1 if prv is not None else len(out))
+            out.insert(k, a)
+    return tuple(out)
 
 
 def program(name: str, **outputs) -> Program:

@@ -4,9 +4,12 @@ Values carry their named axes; binary operators align by axis name. It shares no
 code with the fused path (no states, no rules, no codegen), so comparing a kernel
 against it checks the whole pipeline.
 
-Conventions for fully masked data (the same ones the kernels document):
-a max (min) that is -inf (+inf) reads as 0 where it feeds arithmetic, and a
-division by a value computed from a reduction gives 0 when both sides are 0.
+Conventions for fully masked data (the same ones the kernels document, README
+"Numerics"): IEEE semantics, except that an empty max reduction (-inf) reads as 0
+where it is subtracted (its sign inside an enclosing difference is negative,
+through ``+ - neg`` and products with a constant), an empty min (+inf) reads as 0
+where it is added inside a difference, and a division by a value computed from a
+reduction gives 0 when both sides are 0.
 """
 from __future__ import annotations
 
@@ -42,10 +45,33 @@ def _align(vals):
     return out, tuple(axes)
 
 
-def _fin(v: _V):
-    if v.ext:
-        return np.where(np.isinf(v.a), 0.0, v.a)
+def _fin(v: _V, pol):
+    """An empty extremum that bounds a shift reads as 0 (see the module docstring)."""
+    if v.ext == "max" and pol == "-":
+        return np.where(v.a == -np.inf, 0.0, v.a)
+    if v.ext == "min" and pol == "+":
+        return np.where(v.a == np.inf, 0.0, v.a)
     return v.a
+
+
+def _pols(t: Term, pol):
+    """Signs of the operands of ``t`` inside an enclosing difference (None outside one)."""
+    op = t.op
+    flip = {"+": "-", "-": "+"}
+    if op == "Add":
+        return [pol, pol]
+    if op == "Sub":
+        p = pol or "+"
+        return [p, flip[p]]
+    if op == "Neg":
+        return [flip[pol or "+"]]
+    if op in ("Mul", "Div") and pol is not None:
+        a, b = t.args
+        if b.op == "Num":
+            return [pol if b.args[0] >= 0 else flip[pol], None]
+        if op == "Mul" and a.op == "Num":
+            return [None, pol if a.args[0] >= 0 else flip[pol]]
+    return [None] * len(t.children)
 
 
 def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
@@ -60,14 +86,15 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
             sizes[a] = n
     memo: dict = {}
 
-    def ev(t: Term) -> _V:
-        if t in memo:
-            return memo[t]
-        r = _ev(t)
-        memo[t] = r
+    def ev(t: Term, pol=None) -> _V:
+        key = (t, pol)
+        if key in memo:
+            return memo[key]
+        r = _ev(t, pol)
+        memo[key] = r
         return r
 
-    def _ev(t: Term) -> _V:
+    def _ev(t: Term, pol) -> _V:
         op = t.op
         if op == "Num":
             return _V(np.float64(t.args[0]), ())
@@ -100,13 +127,15 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
             v = ev(t.args[1])
             k = v.axes.index(ax)
             fn = {"Sum": np.sum, "RMax": np.max, "RMin": np.min}[op]
-            return _V(fn(v.a, axis=k), tuple(a for a in v.axes if a != ax), red=True, ext=op != "Sum")
-        kids = [ev(c) for c in t.children]
+            ext = {"RMax": "max", "RMin": "min"}.get(op, False)
+            return _V(fn(v.a, axis=k), tuple(a for a in v.axes if a != ax), red=True, ext=ext)
+        pols = _pols(t, pol)
+        kids = [ev(c, p) for c, p in zip(t.children, pols)]
         if op in ("Max2", "Min2"):
             (a, b), axes = _align(kids)
             return _V((np.maximum if op == "Max2" else np.minimum)(a, b), axes,
-                      red=any(k.red for k in kids), ext=all(k.ext for k in kids))
-        vals = [(_fin(k) if masked_conventions else k.a) for k in kids]
+                      red=any(k.red for k in kids))
+        vals = [(_fin(k, p) if masked_conventions else k.a) for k, p in zip(kids, pols)]
         (arrs), axes = _align([_V(v, k.axes) for v, k in zip(vals, kids)])
         red = any(k.red for k in kids)
         with np.errstate(all="ignore"):

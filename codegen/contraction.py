@@ -54,8 +54,8 @@ class CContext(Context):
     def join(self, a, b):
         return _cjoin(a, b)
 
-    def state_var(self, q, blk):
-        e, sh = super().state_var(q, blk)
+    def state_var(self, q, blk, pol=None):
+        e, sh = super().state_var(q, blk, pol)
         if sh == "row" and self.g.ops.get(q) != "ref" and self.g.vec_state(q):
             return e, "rvec"
         return e, sh

@@ -4,9 +4,15 @@ Shapes: ``scalar``; ``row`` ([BLOCK_R], one value per row); ``col`` ([1, BLOCK_J
 one value per element of the tile, shared by all rows); ``tile`` ([BLOCK_R, BLOCK_J]).
 A row value meeting a col/tile value is broadcast with ``[:, None]``.
 
-Numerics conventions (documented in README.md):
-- a max (min) state is read through ``_fin`` wherever it feeds arithmetic: -inf
-  (+inf) becomes 0, so a fully masked block never computes ``-inf - -inf``;
+Numerics conventions (documented in README.md). IEEE semantics everywhere, except:
+- an *empty* extremum state (a max that is -inf because every element of its block
+  is -inf, a min that is +inf) reads as 0 where it is the bound of a shift: a max in
+  subtracted position (``x - m``, ``-m``), a min in added position of a difference
+  (``m - x``). Polarity is tracked through ``+``, ``-``, unary minus and products with
+  a constant. So a fully masked block never computes ``-inf - -inf``, while the old
+  state of a rolling update (``exp(m_A - m_AB)``, ``m_A = -inf``) still gives
+  ``exp(-inf) = 0``; a max that is +inf (or a min that is -inf) is a real infinity and
+  follows IEEE (a row holding +inf gives NaN for softmax, as torch does);
 - a division whose denominator comes from a reduction gives 0 when numerator and
   denominator are both 0 (a fully masked row's normalized output is 0, not NaN).
 """
@@ -76,14 +82,19 @@ class Emitter:
         return name, shape
 
     # -- the lowering ----------------------------------------------------------------
-    def emit(self, t: Term, raw_state=False):
+    def emit(self, t: Term, raw_state=False, pol=None):
+        """Lower ``t``; ``pol`` is its sign inside an enclosing difference ("+", "-") or
+        None outside one (``raw_state`` is accepted for compatibility: states are raw
+        unless they bound a shift, see the module docstring)."""
         canon = getattr(self.ctx, "canon", None)
         if canon is not None:
             t = canon(t)
-        key = (t, raw_state)
+        if t.op != "St" and not _carries_pol(t):
+            pol = None   # polarity only matters where it can reach an extremum state
+        key = (t, pol)
         if key in self.cache:
             return self.cache[key]
-        out = self._emit(t, raw_state)
+        out = self._emit(t, pol)
         self.cache[key] = out
         return out
 
@@ -94,7 +105,7 @@ class Emitter:
         j = getattr(self.ctx, "join", None)
         return j(a, b) if j else join_shapes(a, b)
 
-    def _emit(self, t: Term, raw_state):
+    def _emit(self, t: Term, pol):
         op, ctx = t.op, self.ctx
         if op == "Num":
             v = float(t.args[0])
@@ -104,9 +115,11 @@ class Emitter:
                 return "float('-inf')", "scalar"
             return repr(v), "scalar"
         if op == "St":
-            name, shape = ctx.state_var(t.args[0], t.args[1])
-            if not raw_state and ctx.is_extremum(t.args[0]):
-                return self.bind(f"_fin({name})", shape, "f")
+            name, shape = ctx.state_var(t.args[0], t.args[1], pol)
+            kind = ctx.g.ops.get(t.args[0]) if ctx.is_extremum(t.args[0]) else None
+            if (kind == "max" and pol == "-") or (kind == "min" and pol == "+"):
+                # an empty max (min) bounds the shift as 0: never -inf - -inf
+                return self.bind(f"_fin_{kind}({name})", shape, "f")
             return name, shape
         if op == "Cnt":
             return ctx.count(t.args[0]), "scalar"
@@ -129,7 +142,7 @@ class Emitter:
             if out is not None:
                 return out
         if op in _BIN:
-            (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
+            (a, sa), (b, sb) = (self.emit(x, pol=p) for x, p in zip(t.args, _child_pols(t, pol)))
             s = self.join(sa, sb)
             a2, b2 = self._bcast(a, sa, s), self._bcast(b, sb, s)
             if op == "Div" and ctx.from_reduction(t.args[1]):
@@ -144,7 +157,7 @@ class Emitter:
             a, sa = self.emit(t.args[0])
             return self.bind(f"(~{a})", sa, "c")
         if op == "Neg":
-            a, sa = self.emit(t.args[0])
+            a, sa = self.emit(t.args[0], pol=_flip(pol or "+"))
             return self.bind(f"-{a}", sa)
         if op == "Exp" and getattr(ctx, "fold_exp2", False):
             # exp(x) = exp2(x * log2(e)), with the constant folded into the operands so that
@@ -164,7 +177,7 @@ class Emitter:
                 return self.bind(" * ".join([a] * int(p)), sa)
             return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
         if op in ("Max2", "Min2"):
-            (a, sa), (b, sb) = self.emit(t.args[0], True), self.emit(t.args[1], True)
+            (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
             fn = "tl.maximum" if op == "Max2" else "tl.minimum"
             return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)})", s)
@@ -202,6 +215,34 @@ class Emitter:
 
 
 LOG2E = 1.4426950408889634
+
+
+def _flip(p):
+    return "-" if p == "+" else "+"
+
+
+def _child_pols(t: Term, pol):
+    """Polarity of the operands of a binary arithmetic node (see the module docstring)."""
+    op = t.op
+    if op == "Add":
+        return (pol, pol)
+    if op == "Sub":
+        p = pol or "+"
+        return (p, _flip(p))
+    if op in ("Mul", "Div") and pol is not None:
+        a, b = t.args
+        if b.op == "Num" and not isinstance(b.args[0], Term):
+            return (pol if float(b.args[0]) >= 0 else _flip(pol), None)
+        if op == "Mul" and a.op == "Num" and not isinstance(a.args[0], Term):
+            return (None, pol if float(a.args[0]) >= 0 else _flip(pol))
+    return (None, None)
+
+
+_POL_OPS = frozenset(("Add", "Sub", "Neg", "Mul", "Div"))
+
+
+def _carries_pol(t: Term) -> bool:
+    return t.op in _POL_OPS
 
 
 def _scale_log2e(t: Term, ctx) -> Term:

@@ -35,9 +35,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _fin(m):
-    # a max/min state that is still +-inf (fully masked block) reads as 0 in arithmetic
-    return tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+def _fin_max(m):
+    # an empty max (every element -inf: a fully masked block) bounds a shift as 0
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _fin_min(m):
+    # an empty min (every element +inf) bounds a shift as 0
+    return tl.where(m == float("inf"), 0.0, m)
 
 
 @triton.jit
@@ -48,8 +54,15 @@ def _div0(a, b):
 
 @triton.jit
 def _tanh(a):
-    e = tl.exp(-2.0 * tl.abs(a))
-    t = (1.0 - e) / (1.0 + e)
+    # |a| < 0.3: odd Taylor series to a^11 (relative error < 1e-9; no cancellation);
+    # otherwise (1 - e) / (1 + e) with e = exp(-2|a|) <= 0.55 (at most one bit cancels)
+    x = tl.abs(a)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * -0.008863235529902197)))))
+    e = tl.exp(-2.0 * x)
+    big = (1.0 - e) / (1.0 + e)
+    t = tl.where(x < 0.3, small, big)
     return tl.where(a >= 0, t, -t)
 '''
 
@@ -76,10 +89,10 @@ class Context:
             return t
         return _single_canon(t, self.g.axis)
 
-    def state_var(self, q, blk):
+    def state_var(self, q, blk, pol=None):
         g = self.g
         if g.ops.get(q) == "ref" and (blk.op != "BJ" or self.mode == "single"):
-            return self.em.emit(reblock(g.defs[q], J if self.mode == "single" else blk))
+            return self.em.emit(reblock(g.defs[q], J if self.mode == "single" else blk), pol=pol)
         if blk.op == "BJ":
             return q, "row"
         if self.mode in ("init", "single"):
@@ -222,7 +235,7 @@ class RowGen:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    nj_f = n_j * 1.0")
         for t in list(self.tensors) + list(self.outputs):
-            axes = self.tensors.get(t) or self.out_axes[t]
+            axes = self.tensors[t] if t in self.tensors else self.out_axes[t]
             ra = [a for a in axes if a != self.axis]
             if ra:
                 L.append(f"    off_{t} = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in ra))
@@ -416,7 +429,7 @@ class RowGen:
         return "\n\n\n".join(parts) + "\n"
 
     def launcher(self, split: bool) -> str:
-        names = [s.name for s in self.f.passes[0].states]
+        names = [s.name for s in self.f.passes[0].states] if self.f.passes else []
         tensors = list(self.tensors)
         lines = [
             f"PROGRAM = {self.name!r}",
@@ -534,12 +547,17 @@ class RowGen:
         return "\n".join(lines)
 
 
-PREPARE = '''def _prepare(args, inputs):
+PREPARE = '''def _prepare(args, inputs, allow_empty=False):
     """Check the inputs against the program's declared axes and dtypes; return
     (inputs by name, axis sizes, the first float input, device)."""
     inputs = dict(inputs)
-    for name, a in zip(TENSORS, args):
-        inputs[name] = a
+    if len(args) > len(TENSORS):
+        raise TypeError(f"program {name!r} takes {{len(TENSORS)}} input(s) {{list(TENSORS)}}, got {{len(args)}} "
+                        "positional arguments")
+    for t, a in zip(TENSORS, args):
+        if t in inputs:
+            raise TypeError(f"program {name!r}: input {{t!r}} given both by position and by name")
+        inputs[t] = a
     missing = [t for t in TENSORS if t not in inputs]
     if missing:
         raise TypeError(f"program {name!r} needs inputs {{missing}} (axes: "
@@ -571,10 +589,29 @@ PREPARE = '''def _prepare(args, inputs):
     dev = ref.device
     if any(inputs[t].device != dev for t in TENSORS):
         raise ValueError("all inputs of program {name!r} must be on one device")
-    if any(n == 0 for n in sizes.values()):
-        raise ValueError(f"program {name!r}: an empty axis (sizes {{sizes}}); every axis needs at least "
-                         "one element")
+    if not allow_empty and any(n == 0 for n in sizes.values()):
+        raise ValueError(f"program {name!r}: an empty axis (sizes {{sizes}}); run() launches only on "
+                         "non-empty inputs, empty_outputs() (what af.compile's kernels call) gives the "
+                         "empty result")
     return inputs, sizes, ref, dev
+
+
+def empty_outputs(*args, **inputs):
+    """The result for inputs with an empty axis, as torch gives it: every output spans an
+    empty axis, so each is an empty tensor of its shape (no launch). A reduction over an
+    empty axis into an output without one has no value here, and is refused."""
+    inputs = {{k: v for k, v in inputs.items() if k in TENSORS or isinstance(v, torch.Tensor)}}  # drop launch options
+    inputs, sizes, ref, dev = _prepare(args, inputs, allow_empty=True)
+    empty = [a for a, n in sizes.items() if n == 0]
+    odt = ref.dtype if ref.dtype.is_floating_point else torch.float32
+    outs = {{}}
+    for o, ax in OUTPUTS.items():
+        if not any(a in empty for a in ax):
+            raise ValueError(f"program {name!r}: axis {{empty}} is empty, and output {{o!r}} (axes "
+                             f"{{' '.join(ax) or 'none'}}) reduces over it; a reduction over no elements has "
+                             "no value here. Give every reduced axis at least one element.")
+        outs[o] = torch.empty([sizes[a] for a in ax], device=dev, dtype=odt)
+    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs
 '''
 
 

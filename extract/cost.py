@@ -48,6 +48,9 @@ INF = float("inf")
 WEIGHTS = {
     "Add": 1.0, "Sub": 1.0, "Neg": 1.0, "Mul": 1.0, "Max2": 1.0, "Min2": 1.0, "Abs": 1.0,
     "Div": 4.0, "Exp": 4.0, "Log": 4.0, "Sqrt": 4.0, "Rsqrt": 4.0, "Tanh": 8.0,
+    "Pow": 8.0,           # a constant power: a few multiplies, or exp(p * log(a))
+    "Where": 1.0, "CmpLt": 1.0, "CmpLe": 1.0, "CmpGt": 1.0, "CmpGe": 1.0, "CmpEq": 1.0,
+    "CmpNe": 1.0, "LAnd": 1.0, "LOr": 1.0, "LNot": 1.0,
 }
 LEAF = 1.0            # reading a register / a scalar argument
 REDUCE = 2.0          # the cross-lane reduction itself

@@ -128,7 +128,8 @@ class Extractor:
             fixed = C.WEIGHTS.get(op, C.INF)
             if op in ("Add", "Sub"):
                 fixed += C.BIT * self.stress.bits.get(nid, 0.0)
-            info = (op, kids, tuple(dict.fromkeys(kids)), fixed, n["children"])
+            terms = tuple(k for k, c in zip(kids, n["children"]) if self._is_term(c))  # not payloads
+            info = (op, kids, tuple(dict.fromkeys(terms)), fixed, n["children"])
             self._info[nid] = info
         return info
 
@@ -270,9 +271,21 @@ class Extractor:
         return Term(op, tuple(args))
 
     def build_blk(self, cid) -> Term:
+        """The block term of a block class: A, B, J, or a disjoint union of A and B (in the
+        order decoded). Any other block (a class never decoded, a union of a block with
+        itself or with J) is refused: a form over a block we cannot name must never reach
+        codegen, where it would silently read the wrong elements."""
         name = self.blk.get(cid)
-        return {"A": Term("BA"), "B": Term("BB"), "J": Term("BJ"),
-                "AB": Term("BU", (Term("BA"), Term("BB")))}.get(name, Term("BJ"))
+        one = {"A": Term("BA"), "B": Term("BB"), "J": Term("BJ")}
+        if name in one:
+            return one[name]
+        if name and len(name) == 2 and set(name) == {"A", "B"}:
+            return Term("BU", (one[name[0]], one[name[1]]))
+        from acefuse.fuse import FuseError
+        raise FuseError(f"extraction: block class {cid} (decoded as {name or 'nothing'!r}) is not A, B, J or a "
+                        "disjoint union of A and B, so acefuse cannot name it; a rule made a block that the "
+                        "encoding does not define. Remove the user rule that builds blocks, or report the "
+                        "program and rules")
 
     def extract(self, cid, reach: Reach, target=None):
         """(cost, term) of the cheapest reachable form of a class, or (inf, None)."""
