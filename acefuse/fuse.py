@@ -23,6 +23,7 @@ from acefuse.rewrite.egraph import EGraph, RunStats
 from acefuse.rewrite import schedules
 from acefuse.extract.extractor import Extractor, Reach
 from acefuse.extract import cost as C
+from acefuse.extract import simulate
 
 AB = U(A, B)
 J = Term("BJ")
@@ -98,22 +99,18 @@ class Fusion:
         return self._chains.get(key, [])
 
     @property
-    def certificate(self) -> dict:
-        """Certificates of every derived rolling update and split merge (proofs/certify.py)."""
-        if not self._certs:
-            from acefuse.proofs.certify import certify
-            defs = list(self.encoding.states)
-            for p in self.passes:
-                known = {k: Term("Par", (f"{k}_final",)) for k in p.known}
-                fin = {Term("St", (k, J)): v for k, v in known.items()}
-                pd = [_StateView(s, known) for s in defs if s.name not in p.known]
-                for s in p.states:
-                    self._certs[(s.name, "rolling")] = certify(pd, s.name, substitute(p.rolling[s.name], fin))
-                    if s.name in p.merge:
-                        self._certs[(s.name, "merge")] = certify(pd, s.name, substitute(p.merge[s.name], fin))
-        return self._certs
+    def certificate(self):
+        """The certificate of every step, from the program as written to every expression
+        the kernel evaluates (normal form, init, rolling, merge, finalize, epilogue), proved
+        for all block sizes (acefuse/certificate.py, proofs/certify.py). A
+        ``FusionCertificate``: ``{(state, "rolling" | "merge"): Certificate}`` plus
+        ``.steps`` (every step) and ``.ok``. Memoised on the fusion's content."""
+        from acefuse.certificate import certify_fusion
+        return certify_fusion(self)
 
-    def explain(self, chains: bool = True) -> str:
+    def explain(self, chains: bool = True, timings: bool = False) -> str:
+        """The derivation, readably. ``timings=True`` adds saturation times (wall clock; left
+        out by default so the text, which heads every generated kernel, is deterministic)."""
         enc = self.encoding
         L = [f"program {self.program.name!r}, fused axis {self.axis!r}: "
              + ("fusible" if self.fusible else "NOT fully fusible")]
@@ -131,7 +128,7 @@ class Fusion:
             L.append(f"pass {p.index}: carries {', '.join(s.name for s in p.states)}"
                      + (f" (with {', '.join(p.known)} final from earlier passes)" if p.known else ""))
             if p.stats:
-                L.append(f"  saturation {p.stats}")
+                L.append(f"  saturation {p.stats.describe(timing=timings)}")
             for s in p.states:
                 L.append(f"  {s.name}:")
                 L.append(f"    init     {s.name}_B  = {pretty(p.init[s.name])}")
@@ -279,41 +276,44 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
         carried = [s for s in remaining if s.op != "ref"]
         carried_names = frozenset(s.name for s in carried)
         p = FusionPass(len(passes) + 1, [], [], stats=stats, egraph=eg, known=tuple(sorted(known)))
-        failed: set = set()
-        ok: list = []
+        finals_known = {k: Term("St", (k, J)) for k in known}
         for s in remaining:
-            if s.op == "ref" or s.name in failed:
+            if s.op != "ref":
+                p.init[s.name] = reblock(_known_to_final(s.definition, finals_known), B)
+        unsafe: dict = {}   # state -> why every form of it overflows float32 (extract/simulate.py)
+        while True:
+            ok, why = _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe)
+            p.states = ok
+            bad = simulate.failures(enc, p, p.rolling, "rolling") if ok else {}
+            if not bad:
+                break
+            fresh = set(bad) - ex.strict_exp
+            if fresh:   # only exponentials proved bounded above for these, then check again
+                ex.strict_exp |= fresh
                 continue
-            if _depends_on(enc, s.name, failed):
-                failed.add(s.name)
-                continue
-            cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
-                              and ex.blk.get(args[1]) == "AB")
-            earlier = frozenset(x.name for x in ok)
-            reach = Reach("rolling", carried_names - failed, earlier)
-            cost, term = ex.extract(cid, reach, target=s.name)
-            if term is None:
-                failed.add(s.name)
-                blocked.append((s.name, _why(enc, s, known)))
-                continue
-            p.rolling[s.name], p.rolling_cost[s.name] = term, cost
-            ok.append(s)
+            unsafe.update(bad)     # no safe form: these states take another pass
+        blocked.extend(why)
         # split merges for the states that fuse
         okn = frozenset(x.name for x in ok)
-        for i, s in enumerate(ok):
-            cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
-                              and ex.blk.get(args[1]) == "AB")
-            reach = Reach("split", okn, frozenset(x.name for x in ok[:i]))
-            cost, term = ex.extract(cid, reach, target=s.name)
-            if term is not None:
-                p.merge[s.name], p.merge_cost[s.name] = term, cost
+        for strict in (set(ex.strict_exp), {x.name for x in ok}):
+            ex.strict_exp = strict
+            p.merge.clear()
+            for i, s in enumerate(ok):
+                cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
+                                  and ex.blk.get(args[1]) == "AB")
+                reach = Reach("split", okn, frozenset(x.name for x in ok[:i]))
+                cost, term = ex.extract(cid, reach, target=s.name)
+                if term is not None:
+                    p.merge[s.name], p.merge_cost[s.name] = term, cost
+            if not p.split_ok or not simulate.failures(enc, p, p.merge, "merge"):
+                break
+        if p.split_ok and simulate.failures(enc, p, p.merge, "merge"):
+            p.merge.clear()        # no merge survives the float32 check: no split schedule
         if not ok:  # cannot happen: the first remaining reduction only reads final states
             raise FuseError(f"program {prog.name!r}: no state of pass {len(passes) + 1} could be "
                             f"formed over {axis!r} (states {[s.name for s in remaining]}); "
                             "this is a bug in acefuse, please report it with the program")
-        finals_known = {k: Term("St", (k, J)) for k in known}
-        for s in ok:
-            p.init[s.name] = reblock(_known_to_final(s.definition, finals_known), B)
+        p.init = {k: v for k, v in p.init.items() if k in {x.name for x in ok}}
         p.states = ok
         done = {s.name for s in ok}
         p.refs = [s for s in remaining if s.op == "ref" and set(s.deps) <= done | known]
@@ -324,6 +324,47 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     reason = "; ".join(r for _, r in blocked)
     return Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
                   seconds=time.perf_counter() - t0, schedule=schedule, normal_form=notes)
+
+
+def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
+    """The cheapest rolling form of every state of this pass that has one, in update order;
+    (states that fuse, [(state, why not)] for the others). ``unsafe`` states failed the
+    float32 check with every form (extract/simulate.py) and take another pass."""
+    p.rolling.clear()
+    p.rolling_cost.clear()
+    failed: set = set()
+    ok: list = []
+    why: list = []
+    for s in remaining:
+        if s.op == "ref" or s.name in failed:
+            continue
+        if _depends_on(enc, s.name, failed):
+            failed.add(s.name)
+            continue
+        if s.name in unsafe:
+            failed.add(s.name)
+            why.append((s.name, f"reduction `{pretty(s.source)}` (state {s.name}): every derived update "
+                                f"can overflow float32 where the program as written cannot ({unsafe[s.name]}); "
+                                f"it takes another pass over {enc.axis!r}, which is exact"))
+            continue
+        cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n
+                          and ex.blk.get(args[1]) == "AB")
+        reach = Reach("rolling", carried_names - failed, frozenset(x.name for x in ok))
+        cost, term = ex.extract(cid, reach, target=s.name)
+        if term is None:
+            failed.add(s.name)
+            if s.name in ex.strict_exp:
+                why.append((s.name, f"reduction `{pretty(s.source)}` (state {s.name}): its derived updates "
+                                    "use exponentials that can overflow float32 where the program as written "
+                                    "cannot (found by the adversarial float32 check, extract/simulate.py), and "
+                                    "no form with every exponential bounded exists; it takes another pass over "
+                                    f"{enc.axis!r}, which is exact"))
+            else:
+                why.append((s.name, _why(enc, s, known)))
+            continue
+        p.rolling[s.name], p.rolling_cost[s.name] = term, cost
+        ok.append(s)
+    return ok, why
 
 
 def _depends_on(enc, name, failed) -> bool:
@@ -411,3 +452,89 @@ def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
 def _is_definition(f, name, target) -> bool:
     s = f.encoding.state(name)
     return target == reblock(s.definition, AB)
+
+
+# ---- the unfused kernel: af.compile's fallback when a fusion is not certified -------------------
+_COMBINE = {"sum": "Add", "max": "Max2", "min": "Min2"}
+_SPLIT_RULE = {"sum": "sum-split", "max": "max-split", "min": "min-split"}
+
+
+def _counts_final(t: Term) -> Term:
+    """Inside a reduction body, the block's count is the whole axis's (``size(axis)`` as written)."""
+    if t.op == "Cnt":
+        return Term("Cnt", (J,))
+    if not t.children:
+        return t
+    return Term(t.op, tuple(_counts_final(a) if isinstance(a, Term) else a for a in t.args))
+
+
+def unfused(prog, axis: str | None = None, reason: str = "") -> Fusion:
+    """The plain evaluation of ``prog`` as a Fusion that codegen lowers like any other: one
+    pass per reduction depth, from the program as written (no normal form, no rules). A
+    state's per-tile update is only the split law ``St(q, A u B) = St(q, A) (+|max|min)
+    red_B(body)`` and its merge ``St(q, A) (+|max|min) St(q, B)``, where every state the body
+    reads is final from an earlier pass (and ``size(axis)`` is the axis's length): certified
+    by construction, and certified again by ``certificate``. ``reason`` says why it is used."""
+    from acefuse.lang import Program
+    if not isinstance(prog, Program):
+        raise FuseError(f"af.fuse expects a program made with af.program(...), got {type(prog).__name__}")
+    axis = _pick_axis(prog, axis)
+    t0 = time.perf_counter()
+    enc = encode(prog, axis)
+    states = []
+    for s in enc.states:   # a count inside a reduction body is the final one (same value over J)
+        if s.op in RED_OPS.values():
+            d = Term(s.definition.op, (s.definition.args[0], _counts_final(s.definition.args[1])))
+            s = StateDef(s.name, s.op, d, s.source, s.deps)
+        states.append(s)
+    from dataclasses import replace
+    enc = replace(enc, states=states)
+    remaining, known, passes = list(states), set(), []
+    while remaining:
+        ready = [s for s in remaining if s.op != "ref" and set(s.deps) <= known]
+        if not ready:
+            raise FuseError(f"program {prog.name!r}: the states {[s.name for s in remaining]} over {axis!r} "
+                            "depend on each other in a cycle; this is a bug in acefuse, please report it")
+        p = FusionPass(len(passes) + 1, ready, [], known=tuple(sorted(known)))
+        finals = {k: Term("St", (k, J)) for k in known}
+        for s in ready:
+            d = _known_to_final(s.definition, finals)
+            comb = _COMBINE[s.op]
+            p.init[s.name] = reblock(d, B)
+            p.rolling[s.name] = Term(comb, (Term("St", (s.name, A)), Term(d.op, (B, d.args[1]))))
+            p.merge[s.name] = Term(comb, (Term("St", (s.name, A)), Term("St", (s.name, B))))
+        done = {s.name for s in ready}
+        p.refs = [s for s in remaining if s.op == "ref" and set(s.deps) <= done | known]
+        passes.append(p)
+        known |= done | {r.name for r in p.refs}
+        remaining = [s for s in remaining if s.name not in known]
+    why = reason or "the unfused evaluation was asked for"
+    f = Fusion(prog, axis, enc, passes, len(passes) <= 1, f"unfused kernel: {why}", [], [],
+               seconds=time.perf_counter() - t0, normal_form=[f"unfused kernel ({why})"])
+    f._chains.update({(s.name, form): [_SPLIT_RULE[s.op]] for p in passes for s in p.states
+                      for form in ("rolling", "merge")})
+    return f
+
+
+def certified_or_unfused(f: Fusion, allow_uncertified: bool = False) -> Fusion:
+    """af.compile's gate: ``f`` when every step of its certificate is certified; otherwise
+    the unfused kernel of the same program, with an UncertifiedFusionWarning naming the
+    program, the state and the step (once per program). ``allow_uncertified=True`` is the
+    loud opt-out: ``f`` itself, with a louder warning."""
+    from acefuse.certificate import warn_uncertified, describe_failure
+    cert = f.certificate
+    if cert.ok:
+        return f
+    if allow_uncertified:
+        warn_uncertified(f, cert, used=True)
+        return f
+    warn_uncertified(f, cert, used=False)
+    c = cert.failures[0]
+    u = unfused(f.program, f.axis, reason=f"the fused {c.step} of {c.state!r} is {c.status}")
+    ucert = u.certificate   # certified by construction; a counterexample here is a bug
+    if any(c.status == "failed" for c in ucert.steps):
+        raise FuseError(f"program {f.program.name!r}: neither the fusion over {f.axis!r} nor the unfused "
+                        f"kernel could be certified (fused: {describe_failure(f, cert)}; unfused: "
+                        f"{describe_failure(u, ucert)}); pass allow_uncertified=True to compile the "
+                        "uncertified fusion anyway, and please report the program")
+    return u

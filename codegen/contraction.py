@@ -45,6 +45,9 @@ class CContext(Context):
     """Context for the contraction family: adds E vectors, key-side vectors, dots."""
 
     fold_exp2 = True
+    # Triton's max drops NaN: a NaN score still reaches every output through the sums of
+    # exp(s - m); the max-free NaN check would cost a reduction per key tile
+    nan_extrema = False
 
     def __init__(self, gen, mode, full=False):
         super().__init__(gen, mode)

@@ -180,7 +180,8 @@ class Emitter:
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
             fn = "tl.maximum" if op == "Max2" else "tl.minimum"
-            return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)})", s)
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if getattr(ctx, "nan_extrema", False) else ""
+            return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)}{nan})", s)
         if op == "Where":
             (c, sc), (a, sa), (b, sb) = (self.emit(x) for x in t.args)
             s = self.join(self.join(sc, sa), sb)
@@ -203,15 +204,23 @@ class Emitter:
         body = self._bcast(body, sb, "tile")
         mask = self.ctx.tile_mask
         if mask is None:  # a tile proven fully visible and in bounds
-            fn = {"Sum": "tl.sum", "RMax": "tl.max", "RMin": "tl.min"}[t.op]
             if sb != "tile":
                 body = f"({body}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
-            return self.bind(f"{fn}({body}, axis=1)", "row", "r")
+            return self.bind(self._red_call(t.op, body), "row", "r")
         if t.op == "Sum":
             return self.bind(f"tl.sum(tl.where({mask}, {body}, 0.0), axis=1)", "row", "r")
         if t.op == "RMax":
-            return self.bind(f"tl.max(tl.where({mask}, {body}, float('-inf')), axis=1)", "row", "r")
-        return self.bind(f"tl.min(tl.where({mask}, {body}, float('inf')), axis=1)", "row", "r")
+            return self.bind(self._red_call(t.op, f"tl.where({mask}, {body}, float('-inf'))"), "row", "r")
+        return self.bind(self._red_call(t.op, f"tl.where({mask}, {body}, float('inf'))"), "row", "r")
+
+    def _red_call(self, op, body):
+        """A row reduction of a tile. Max/min propagate NaN like torch (``_max_nan``) where the
+        family asks for it (the row family); otherwise Triton's max/min, which drop NaN."""
+        if op == "Sum":
+            return f"tl.sum({body}, axis=1)"
+        if getattr(self.ctx, "nan_extrema", False):
+            return f"tl.reduce({body}, 1, {'_max_nan' if op == 'RMax' else '_min_nan'})"
+        return f"{'tl.max' if op == 'RMax' else 'tl.min'}({body}, axis=1)"
 
 
 LOG2E = 1.4426950408889634

@@ -47,6 +47,17 @@ def _fin_min(m):
 
 
 @triton.jit
+def _max_nan(a, b):
+    # max that propagates NaN (torch.amax semantics; tl.max drops NaN)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _div0(a, b):
     # 0 / 0 -> 0 (fully masked rows); everything else is IEEE division
     return tl.where((a == 0.0) & (b == 0.0), 0.0, a / b)
@@ -69,6 +80,8 @@ def _tanh(a):
 
 class Context:
     """Maps state references, counts, leaves and tensors to names in one code region."""
+
+    nan_extrema = True   # max/min reductions and maximum/minimum propagate NaN (torch semantics)
 
     def __init__(self, gen, mode, tile=True):
         self.g = gen

@@ -65,6 +65,9 @@ class Extractor:
         self._stress = None
         self._info: dict = {}
         self._bounded: dict = {}
+        # states whose form failed the adversarial float32 check (extract/simulate.py): their
+        # forms may only use exponentials whose argument is proved bounded above
+        self.strict_exp: set = set()
 
     # -- helpers -------------------------------------------------------------------------
     def cls(self, nid):
@@ -168,16 +171,18 @@ class Extractor:
         total = fixed
         for c in ukids:  # a repeated operand (d * d) is computed once
             total += costs.get((c, ctx), C.INF)
-        return total + self._exp_penalty(op, kids, ctx)
+        return total + self._exp_penalty(op, kids, ctx, target)
 
-    def _exp_penalty(self, op, kids, ctx):
+    def _exp_penalty(self, op, kids, ctx, target=None):
         """UNBOUNDED_EXP for an exp whose argument is not proven bounded above (cost.py)."""
         if op != "Exp":
             return 0.0
         key = (kids[0], ctx)
         if key not in self._bounded:
             self._bounded[key] = self.bounded(kids[0], ctx)
-        return 0.0 if self._bounded[key] else C.UNBOUNDED_EXP
+        if self._bounded[key]:
+            return 0.0
+        return C.INF if target in self.strict_exp else C.UNBOUNDED_EXP
 
     def _program_cost(self, op, kids, ukids, fixed, ctx, costs):
         """Normal-form extraction of a whole program: reductions run over the whole axis J

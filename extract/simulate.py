@@ -1,0 +1,240 @@
+"""Adversarial float32 simulation of a fused pass: the check extraction runs before it
+accepts a form.
+
+Range facts in the e-graph (``Le``, ``UB``) decide which exponentials are bounded, but
+they are incomplete: a form can pass the cost model and still overflow float32 where
+the program as written cannot (``sum_B(exp(x - s_AB)) * exp(s_AB - m_AB)`` for a
+shift ``s`` much larger than the max). So every extracted pass is *run*, as the kernel
+runs it, on adversarial rows:
+
+- leaves are sampled independently per row from adversarial regimes (unit normal,
+  spread 30 and 1e4, offset 1e4, logits near -100, exact zeros, leading fully masked
+  (-inf) tiles and middle ones), per-row parameters from ``{U(0.5, 2), N(0, 1), 1e4}``;
+- the states are folded tile by tile with the ``init`` and ``rolling`` forms, and
+  tile partials are folded with the ``merge`` forms, in float32, with the kernels'
+  numerics conventions (codegen/emit.py: an empty max bounds a shift as 0; ``0/0``
+  from a reduction is 0);
+- the reference is each state's definition over the whole row in float64.
+
+A form *fails* when its state comes out NaN or infinite on a row where the float64
+definition is finite and below ``FINITE_LIMIT`` in magnitude (a value float32 can
+hold with margin). The fuse step then forbids exponentials whose argument is not
+proved bounded and extracts again; a state with no form that passes takes another
+pass (correct, and slower), and ``explain()`` says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from acefuse.rewrite.terms import Term, reblock, A, B, U
+from acefuse.codegen.emit import _child_pols
+
+FINITE_LIMIT = 1e30
+ROWS = 48
+TILES = (4, 4, 4, 3)   # a row of 15 elements in 4 tiles (the last one partial)
+
+
+class _Eval:
+    """Evaluates encoded terms (St/Cnt/Sum over blocks, Elm/Par leaves) on sampled rows."""
+
+    def __init__(self, enc, leaf_vals, par_vals, dtype):
+        self.enc = enc
+        self.defs = {s.name: s for s in enc.states}
+        self.leaf_vals = leaf_vals        # Elm name -> (ROWS, N) float64
+        self.par_vals = par_vals          # Par name -> (ROWS,) float64
+        self.dt = dtype
+        self.blocks: dict = {}            # block key -> index array
+        self.states: dict = {}            # (q, block key) -> (ROWS,) value
+        self._defmemo: dict = {}
+
+    def key(self, blk: Term) -> str:
+        if blk.op == "BU":
+            return self.key(blk.args[0]) + self.key(blk.args[1])
+        return {"BA": "A", "BB": "B", "BJ": "J"}.get(blk.op, "?")
+
+    def idx(self, blk: Term):
+        return self.blocks[self.key(blk)]
+
+    def state(self, q: str, blk: Term):
+        k = (q, self.key(blk))
+        if k in self.states:
+            return self.states[k]
+        # not supplied: its definition over that block (references, or the float64 reference)
+        mk = (q, self.key(blk), tuple(self.idx(blk)) if self.key(blk) in self.blocks else None)
+        if mk not in self._defmemo:
+            self._defmemo[mk] = self.ev(reblock(self.defs[q].definition, blk), None, None)
+        return self._defmemo[mk]
+
+    def ev(self, t: Term, elems, pol):
+        """Value of ``t``: (ROWS,) outside a reduction, (ROWS, |elems|) inside one."""
+        op, dt = t.op, self.dt
+        if op == "Num":
+            return dt(t.args[0])
+        if op == "Elm":
+            v = self.leaf_vals[t.args[0]]
+            return v[:, elems].astype(dt)
+        if op == "Par":
+            return self.par_vals[t.args[0]].astype(dt)[:, None] if elems is not None else \
+                self.par_vals[t.args[0]].astype(dt)
+        if op == "Cnt":
+            return dt(len(self.idx(t.args[0])))
+        if op == "St":
+            q = t.args[0]
+            v = self.state(q, t.args[1]).astype(dt)
+            kind = self.defs[q].op
+            if kind == "max" and pol == "-":
+                v = np.where(v == -np.inf, dt(0), v)
+            elif kind == "min" and pol == "+":
+                v = np.where(v == np.inf, dt(0), v)
+            return v[:, None] if elems is not None else v
+        if op in ("Sum", "RMax", "RMin"):
+            ix = self.idx(t.args[0])
+            body = np.broadcast_to(np.asarray(self.ev(t.args[1], ix, None)), (ROWS, len(ix)))
+            if len(ix) == 0:
+                r = {"Sum": 0.0, "RMax": -np.inf, "RMin": np.inf}[op]
+                return np.full(ROWS, r, dtype=dt)
+            fn = {"Sum": np.sum, "RMax": np.max, "RMin": np.min}[op]
+            r = fn(body, axis=1).astype(dt)
+            return r[:, None] if elems is not None else r
+        pols = _child_pols(t, pol) if op in ("Add", "Sub", "Mul", "Div") else None
+        if op == "Neg":
+            return -self.ev(t.args[0], elems, "-" if (pol or "+") == "+" else "+")
+        kids = [self.ev(c, elems, pols[i] if pols else None) for i, c in enumerate(t.children)]
+        a = kids[0]
+        b = kids[1] if len(kids) > 1 else None
+        if op == "Add":
+            return a + b
+        if op == "Sub":
+            return a - b
+        if op == "Mul":
+            return a * b
+        if op == "Div":
+            r = a / b
+            if any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.args[1].walk()):
+                r = np.where((a == 0) & (b == 0), dt(0), r)
+            return r
+        fns = {"Exp": np.exp, "Log": np.log, "Sqrt": np.sqrt, "Abs": np.abs, "Tanh": np.tanh}
+        if op in fns:
+            return fns[op](a)
+        if op == "Rsqrt":
+            return dt(1) / np.sqrt(a)
+        if op == "Max2":
+            return np.maximum(a, b)
+        if op == "Min2":
+            return np.minimum(a, b)
+        if op == "Pow":
+            return np.power(a, dt(t.args[1]))
+        if op == "Where":
+            return np.where(a != 0, b, kids[2])
+        cmp = {"CmpLt": np.less, "CmpLe": np.less_equal, "CmpGt": np.greater, "CmpGe": np.greater_equal,
+               "CmpEq": np.equal, "CmpNe": np.not_equal}
+        if op in cmp:
+            return cmp[op](a, b).astype(dt)
+        if op == "LAnd":
+            return ((a != 0) & (b != 0)).astype(dt)
+        if op == "LOr":
+            return ((a != 0) | (b != 0)).astype(dt)
+        if op == "LNot":
+            return (a == 0).astype(dt)
+        raise ValueError(f"simulate: no evaluation for operator {op}")
+
+
+def _samples(enc, seed):
+    rng = np.random.default_rng(seed)
+    n = sum(TILES)
+    elm = {}
+    par = {}
+    for name in sorted(enc.leaves):
+        regimes = rng.integers(0, 8, size=ROWS)
+        v = rng.standard_normal((ROWS, n))
+        for r in range(ROWS):
+            g = regimes[r]
+            if g == 1:
+                v[r] *= 30.0
+            elif g == 2:
+                v[r] = 1e4 + v[r]
+            elif g == 3:
+                v[r] *= 1e4
+            elif g == 4:
+                v[r] = -100.0 + v[r]
+            elif g == 5:
+                v[r, :TILES[0]] = -np.inf          # a fully masked first tile
+            elif g == 6:
+                v[r, TILES[0]:TILES[0] + TILES[1]] = -np.inf   # a fully masked middle tile
+                v[r, -2:] = 0.0
+            elif g == 7:
+                v[r] = np.abs(v[r]) * 1e3
+        elm[name] = v
+        p = rng.choice([0.0, 1.0, 2.0], size=ROWS)
+        par[name] = np.where(p == 0, rng.uniform(0.5, 2.0, ROWS), np.where(p == 1, rng.standard_normal(ROWS), 1e4))
+    return elm, par
+
+
+def failures(enc, p, forms: dict, kind: str, seed: int = 0) -> dict:
+    """{state: description} for the states of pass ``p`` whose ``forms`` (the rolling
+    updates when ``kind == "rolling"``, the merges when ``"merge"``) come out NaN/inf in
+    float32 where the float64 definition is finite. ``enc`` is the program's Encoding."""
+    elm, par = _samples(enc, seed)
+    n = sum(TILES)
+    bounds = np.cumsum((0,) + TILES)
+    tiles = [np.arange(bounds[i], bounds[i + 1]) for i in range(len(TILES))]
+    whole = np.arange(n)
+    with np.errstate(all="ignore"):
+        ref = _Eval(enc, elm, par, np.float64)
+        ref.blocks = {"A": whole, "J": whole}
+        truth = {s.name: ref.state(s.name, A) for s in p.states}
+        finals = {k: ref.state(k, A) for k in p.known}
+        ev = _Eval(enc, elm, par, np.float32)
+        for k, v in finals.items():
+            ev.states[(k, "J")] = v
+        names = [s.name for s in p.states]
+        order = list(p.states)
+        if kind == "rolling":
+            ev.blocks = {"B": tiles[0], "J": whole}
+            cur = {s.name: ev.ev(p.init[s.name], None, None) for s in order}
+            seen = tiles[0]
+            for t in tiles[1:]:
+                ev.blocks = {"A": seen, "B": t, "AB": np.concatenate([seen, t]), "J": whole}
+                ev.states = {(k, "J"): v for k, v in finals.items()}
+                ev.states.update({(q, "A"): v for q, v in cur.items()})
+                ev._defmemo = {}
+                new = {}
+                for s in order:
+                    val = ev.ev(forms[s.name], None, None)
+                    new[s.name] = val
+                    ev.states[(s.name, "AB")] = val
+                cur = new
+                seen = np.concatenate([seen, t])
+        else:
+            parts = []
+            for t in tiles:
+                ev.blocks = {"B": t, "J": whole}
+                ev.states = {(k, "J"): v for k, v in finals.items()}
+                ev._defmemo = {}
+                parts.append({s.name: ev.ev(p.init[s.name], None, None) for s in order})
+            cur, seen = parts[0], tiles[0]
+            for t, part in zip(tiles[1:], parts[1:]):
+                ev.blocks = {"A": seen, "B": t, "AB": np.concatenate([seen, t]), "J": whole}
+                ev.states = {(k, "J"): v for k, v in finals.items()}
+                ev.states.update({(q, "A"): v for q, v in cur.items()})
+                ev.states.update({(q, "B"): v for q, v in part.items()})
+                ev._defmemo = {}
+                new = {}
+                for s in order:
+                    if s.name not in forms:
+                        return {}
+                    val = ev.ev(forms[s.name], None, None)
+                    new[s.name] = val
+                    ev.states[(s.name, "AB")] = val
+                cur = new
+                seen = np.concatenate([seen, t])
+    out = {}
+    for q in names:
+        tv, got = truth[q], cur[q]
+        ok_truth = np.isfinite(tv) & (np.abs(tv) < FINITE_LIMIT)
+        bad = ok_truth & ~np.isfinite(got)
+        if bad.any():
+            r = int(np.argmax(bad))
+            out[q] = (f"its {kind} form gives {got[r]} in float32 where the value is {tv[r]:.6g} "
+                      f"(adversarial row {r} of the fuzz check)")
+    return out
