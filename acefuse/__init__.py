@@ -12,7 +12,7 @@ from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs
                           LanguageError, NEG_INF)
 from acefuse.fuse import Fusion, FuseError
 from acefuse.backward import backward, BackwardProgram, BackwardError
-from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, le, ub, Rule
+from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, pos, le, ub, Rule
 from acefuse.frontend import from_torch, backend, UnsupportedOpError
 
 from acefuse.rewrite import terms as rewrite_terms  # the term constructors, for writing rules

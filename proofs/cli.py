@@ -1,5 +1,9 @@
 """``acefuse prove [FILE.py] [--json] [--no-cache]``: prove rules and print a table.
 
+Per rule: the status, the float-safety tag derived in float32 (``!`` when the
+declared tag disagrees; listed below the table), and the method and scope of the
+proof (``for all block sizes``).
+
 Without FILE, every rule of ``acefuse.rules.REGISTRY`` is proved. With FILE, the
 file is imported and the rules it defines are proved: the module-level list
 ``RULES`` if there is one, otherwise every module-level ``Rule`` (and the rules
@@ -50,8 +54,9 @@ def load_rules_from_file(path: str) -> list[Rule]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="acefuse prove",
-        description="Prove rewrite and analysis rules sound (sympy on symbolic blocks; "
-                    "50-digit random search for counterexamples).")
+        description="Prove rewrite and analysis rules sound for all block sizes (sympy with block "
+                    "aggregates and induction over the block; a 50-digit random search for counterexamples), "
+                    "and derive each rule's float-safety tag in float32.")
     ap.add_argument("file", nargs="?", help="a Python file defining Rule objects (or a list RULES); "
                                             "default: every registered rule")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -81,17 +86,41 @@ def main(argv=None) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def _float_col(r) -> str:
+    if r.float_kind == "declared":
+        col = "unsafe(decl)"
+    elif r.float_unsafe:
+        col = f"unsafe({r.float_kind})"
+    else:
+        col = "safe"
+    return col + ("!" if r.float_note and r.float_kind != "declared" else "")
+
+
 def format_table(results) -> str:
+    """One line per rule: status, time, float tag, and the method and scope of its proof."""
     w = max([4] + [len(r.name) for r in results])
     wt = max([6] + [len(r.theory) for r in results])
-    lines = [f"{'rule':<{w}}  {'theory':<{wt}}  {'status':<8}  {'ms':>8}", "-" * (w + wt + 24)]
+    head = f"{'rule':<{w}}  {'theory':<{wt}}  {'status':<8}  {'ms':>8}  {'float':<16}  proof"
+    lines = [head, "-" * (len(head) + 40)]
     for r in results:
         ms = f"{r.seconds * 1000:8.1f}" + ("*" if r.cached else " ")
-        lines.append(f"{r.name:<{w}}  {r.theory:<{wt}}  {r.status:<8}  {ms}")
+        proof = f"{r.method}; {r.scope}" if r.ok else r.method
+        lines.append(f"{r.name:<{w}}  {r.theory:<{wt}}  {r.status:<8}  {ms} {_float_col(r):<16}  {proof}")
     bad = [r for r in results if not r.ok]
     n = len(results)
-    lines.append("-" * (w + wt + 24))
-    lines.append(f"{n - len(bad)}/{n} proved" + ("  (* = time of the cached proof)" if any(r.cached for r in results) else ""))
+    lines.append("-" * (len(head) + 40))
+    all_sizes = sum(1 for r in results if r.ok and r.scope == "for all block sizes")
+    lines.append(f"{n - len(bad)}/{n} proved ({all_sizes} with blocks, each for all block sizes; "
+                 f"the others are elementwise identities)"
+                 + ("  (* = time of the cached proof)" if any(r.cached for r in results) else ""))
+    mism = [r for r in results if r.float_note]
+    if mism:
+        lines.append(f"float tags: {len(mism)} rule(s) whose declared float_unsafe tag disagrees with the "
+                     f"one derived in float32:")
+        for r in mism:
+            lines.append(f"  {r.name}: {r.float_note}")
+    else:
+        lines.append("float tags: every declared float_unsafe tag agrees with the one derived in float32")
     for r in bad:
         lines.append("")
         lines.append(f"{r.name}: {r.status.upper()}  ({r.method})")

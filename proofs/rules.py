@@ -1,69 +1,74 @@
-"""Soundness proofs of rewrite and analysis rules.
+"""Soundness proofs of rewrite and analysis rules, for blocks of every size.
 
 ``prove_rule(rule)`` decides, for one ``Rule`` of ``acefuse.rules``:
 
 * a **rewrite** ``lhs => rhs`` (applied in an e-graph, so read as the equation
-  ``lhs = rhs``): under the side conditions, ``lhs - rhs`` simplifies to 0 with
-  sympy, and both sides are defined in the same places (``log``, ``sqrt``,
-  ``rsqrt`` and ``/`` are partial: an identity that needs ``x > 0`` or
-  ``b != 0`` must state it as a side condition);
+  ``lhs = rhs``): under the side conditions, ``lhs - rhs`` is 0, and both sides
+  are defined in the same places (``log``, ``sqrt``, ``rsqrt`` and ``/`` are
+  partial: a domain condition of one side must follow from the side conditions
+  and the other side's domain -- decided semantically, not by comparing text);
 * an **analysis** rule ``lhs |- facts``: every concluded fact follows from the
   premises (``Inv``: the value does not depend on the reduced element;
-  ``NonZero``: provably != 0; ``Le(a, b)``: ``b - a >= 0``; ``UB(m, e, s)``:
-  ``m - e_i >= 0`` for every element ``i`` of ``s``).
+  ``NonZero``: != 0; ``Le(a, b)``: ``b - a >= 0``; ``UB(m, e, s)``: ``m >= e_i``
+  for every element ``i`` of ``s``, i.e. ``m >= max_s e``).
 
-Semantics (see semantics.py): each block variable is a symbolic block of
-several sizes (distinct block variables are disjoint blocks, ``BU`` is their
-disjoint union, ``BJ`` contains every other block); a pattern variable is one
-real symbol when the rule states ``Inv(var)``, otherwise a *family* with one
-symbol per element (``f[1]``, ``f[2]``, ...; ``f`` outside every reduction is
-its value at the ambient element, kept independent of the block's elements);
-``St(q, s)`` is an opaque symbol per state and block; ``Cnt(s)`` is the size.
+**What "proved" means.** The proof holds for blocks of *every* size: block
+variables are arbitrary blocks, reductions over them are block aggregates
+(free symbols), and laws that relate aggregates are proved by induction over
+the block (base ``{e}``, step ``s u {e}``). The class of rules this decides,
+and the disjointness premise, are stated in induction.py. A rule outside the
+class, or one sympy cannot decide, is "unproved" (refused by default) -- unless
+the 50-digit random search on concrete blocks of sizes 1 to 5 (search.py) finds
+a counterexample: "refuted".
 
 Side conditions become sympy facts: ``NonZero(v)`` makes ``v`` a non-zero
 symbol; ``Le(a, b)`` substitutes ``b := a + g`` (``g >= 0``); ``UB(m, e, s)``
-substitutes ``e_i := m - g_i``. Max and min are decided by case splits
-(decide.py).
+substitutes ``max_s e := m - g``. ``pos(t)`` of the DSL is ``Le(0, t)`` and
+``NonZero(t)``. Max and min are decided by case splits (decide.py).
 
-When sympy cannot decide, a random search at 50 digits (mpmath) looks for a
-counterexample: found -> ``"refuted"`` with the point, else ``"unproved"``.
+**Float safety** is derived, not declared: floatcheck.py evaluates each rule in
+float32 on adversarial values against float64 and sets
+``ProofResult.float_unsafe`` (the reason, "" when no bad point was found) and
+``float_kind`` ("range": inf/NaN/underflow where the other side is finite;
+"rounding": one side loses many more bits). ``float_note`` says when the
+rule's declared tag disagrees with the derived one.
 
-Results are cached in-process and on disk (``$ACEFUSE_CACHE_DIR/proofs.json``,
-default ``~/.cache/acefuse/proofs.json``), keyed by a hash of the rule's egglog
-text and ``CHECKER_VERSION``.
+Results are cached in-process and on disk (cache.py), keyed by a hash of the
+checker's own source and the rule, and authenticated with an HMAC.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import random
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, asdict
-from pathlib import Path
+from dataclasses import dataclass, asdict, fields
 
-import mpmath
 import sympy as sp
 
-from acefuse.rewrite.terms import Term, substitute
+from acefuse.rewrite.terms import substitute
 from acefuse.rules.base import Rule, SELF
-from acefuse.proofs import decide
-from acefuse.proofs.semantics import (SympyBackend, MpBackend, Undefined, evaluate, mp_context)
+from acefuse.proofs import decide, cache as _cache
+from acefuse.proofs.cache import cache_path, checker_hash
+from acefuse.proofs.semantics import SympyBackend
+from acefuse.proofs.induction import (SymbolicProver, SymEnv, Unsupported, OMEGA, ALL_SIZES,
+                                      disjointness_problem, block_rewrite)
+from acefuse.proofs.search import Refuter
+from acefuse.proofs.floatcheck import derive as derive_float
 
-CHECKER_VERSION = "acefuse-proofs-1"
-RANDOM_POINTS = 200          # random 50-digit points per block configuration
-OMEGA = -1                   # a second ambient element, for proving Inv facts
-
+CHECKER_VERSION = "acefuse-proofs-2"
 
 
 @dataclass
 class ProofResult:
     """The outcome of proving one rule.
 
-    status: "proved" (sympy shows it), "refuted" (a counterexample exists),
-    "unproved" (sympy could not decide and random search found no counterexample).
+    status: "proved" (for every block size, see ``scope``), "refuted" (a
+    counterexample exists), "unproved" (outside what the checker decides, or
+    undecided, and no counterexample found).
+    method: how (``sympy identity``, ``sympy with block aggregates``, ``induction on |s| ...``).
+    scope: what the proof covers (``for all block sizes``; ``no blocks``).
+    float_unsafe / float_kind: the *derived* float-safety tag (floatcheck.py).
+    float_note: non-empty when the rule's declared ``float_unsafe`` disagrees.
     """
 
     name: str
@@ -74,13 +79,23 @@ class ProofResult:
     seconds: float = 0.0
     detail: str = ""
     cached: bool = False
+    scope: str = ""
+    float_unsafe: str = ""
+    float_kind: str = ""
+    float_note: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "proved"
 
+    @property
+    def float_safe(self) -> bool:
+        return not self.float_unsafe
+
     def summary(self) -> str:
         s = f"{self.name} [{self.theory}]: {self.status}"
+        if self.status == "proved" and self.scope:
+            s += f" ({self.method}; {self.scope})"
         if self.status != "proved":
             s += f" -- {self.detail}"
             if self.counterexample:
@@ -95,9 +110,9 @@ class UnprovedRuleError(ValueError):
         self.results = list(results)
         lines = [f"{len(self.results)} rule(s) failed their soundness proof and were not loaded:"]
         lines += ["  - " + r.summary() for r in self.results]
-        lines.append("Fix the rule (or state the side condition it needs: inv(k), nonzero(b), le(a, b)); "
-                     "check it with `acefuse prove my_rules.py`. For an experiment you may load it anyway "
-                     "with allow_unproved=True.")
+        lines.append("Fix the rule (or state the side condition it needs: inv(k), nonzero(b), pos(a), le(a, b), "
+                     "ub(m, e, s)); check it with `acefuse prove my_rules.py`. For an experiment you may load it "
+                     "anyway with allow_unproved=True.")
         super().__init__("\n".join(lines))
 
 
@@ -106,21 +121,28 @@ class UnprovedRuleError(ValueError):
 # ============================================================================
 
 def prove_rule(rule: Rule, use_cache: bool = True) -> ProofResult:
-    """Prove one rule (cached by its egglog text); see the module docstring."""
+    """Prove one rule (cached by the checker's source and the rule); see the module docstring."""
     key = rule_key(rule)
     if use_cache:
-        hit = _cache_get(key)
+        hit = _cache.get(key)
         if hit is not None:
-            return _with_identity(hit, rule, cached=True)
+            try:
+                res = ProofResult(**{f.name: hit[f.name] for f in fields(ProofResult) if f.name in hit})
+                return _with_identity(res, rule, cached=True)
+            except (TypeError, KeyError):
+                pass
     t0 = time.perf_counter()
     try:
         res = _Prover(rule).run()
     except Exception as exc:  # a malformed rule: say so instead of crashing the loader
         res = ProofResult(rule.name, rule.theory, "unproved", "error", None, 0.0,
                           f"the checker could not evaluate this rule: {type(exc).__name__}: {exc}")
+    _float_tag(rule, res)
     res.seconds = time.perf_counter() - t0
     if use_cache:
-        _cache_put(key, res)
+        d = asdict(res)
+        d["cached"] = False
+        _cache.put(key, d)
     return res
 
 
@@ -154,87 +176,19 @@ def require_proved(rules, allow_unproved: bool = False) -> list[ProofResult]:
 
 
 def rule_key(rule: Rule) -> str:
-    text = CHECKER_VERSION + "\n" + rule.egglog("r")
+    """Cache key: the checker's source hash, the rule's egglog text and its declared float tag."""
+    text = "\n".join((CHECKER_VERSION, checker_hash(), rule.egglog("r"), "float_unsafe=" + rule.float_unsafe))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-# ============================================================================
-# cache
-# ============================================================================
-
-_MEM: dict[str, dict] = {}
-_DISK_LOADED = False
-_DIRTY = False
-
-
-def cache_path() -> Path:
-    base = os.environ.get("ACEFUSE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "acefuse"
-    return root / "proofs.json"
 
 
 def clear_memory_cache():
     """Forget in-process results (the disk cache is re-read on next use)."""
-    global _DISK_LOADED
-    _MEM.clear()
-    _DISK_LOADED = False
-
-
-def _load_disk():
-    global _DISK_LOADED
-    if _DISK_LOADED:
-        return
-    _DISK_LOADED = True
-    try:
-        data = json.loads(cache_path().read_text())
-        if isinstance(data, dict):
-            for k, v in data.items():
-                _MEM.setdefault(k, v)
-    except (OSError, ValueError):
-        pass
-
-
-def _cache_get(key):
-    _load_disk()
-    d = _MEM.get(key)
-    if d is None:
-        return None
-    try:
-        return ProofResult(**d)
-    except TypeError:
-        return None
-
-
-def _cache_put(key, res: ProofResult):
-    global _DIRTY
-    d = asdict(res)
-    d["cached"] = False
-    _MEM[key] = d
-    _DIRTY = True
+    _cache.clear()
 
 
 def save_cache():
     """Merge the in-process results into the disk cache (atomic replace; errors ignored)."""
-    global _DIRTY
-    if not _DIRTY:
-        return
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                data = {}
-        except (OSError, ValueError):
-            data = {}
-        data.update(_MEM)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".proofs-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
-        _DIRTY = False
-    except OSError:
-        pass
+    _cache.save()
 
 
 def _with_identity(res: ProofResult, rule: Rule, cached: bool) -> ProofResult:
@@ -242,181 +196,96 @@ def _with_identity(res: ProofResult, rule: Rule, cached: bool) -> ProofResult:
     return res
 
 
+def _float_tag(rule: Rule, res: ProofResult):
+    """Derive the float-safety tag and compare it with the declared one."""
+    try:
+        v = derive_float(rule)
+    except Exception as exc:  # pragma: no cover - the float check must never crash the loader
+        res.float_unsafe, res.float_kind = f"the float check failed ({type(exc).__name__}: {exc})", "range"
+    else:
+        res.float_unsafe, res.float_kind = v.unsafe, v.kind
+    declared = bool(rule.float_unsafe)
+    if declared and not res.float_unsafe:
+        res.float_note = ("declared float_unsafe, but no float32 counterexample was found among the "
+                          "adversarial points (kept as declared)")
+        res.float_unsafe, res.float_kind = rule.float_unsafe, "declared"
+    elif res.float_unsafe and not declared:
+        res.float_note = f"declared float-safe, but derived unsafe ({res.float_kind}): {res.float_unsafe}"
+
+
 # ============================================================================
 # the prover
 # ============================================================================
 
-class _Env:
-    """Symbols and blocks of one block configuration of one rule."""
-
-    def __init__(self, blocks: dict, inv: set, nonzero: set):
-        self.blocks = blocks
-        self.inv = inv
-        self.nonzero = nonzero
-        self.symbols: dict[str, sp.Symbol] = {}
-
-    # -- blocks ------------------------------------------------------------------
-    def block(self, b: Term) -> tuple:
-        if b.op == "?":
-            return self.blocks[b.args[0]]
-        if b.op in ("BA", "BB", "BJ"):
-            return self.blocks[b.op[1]]
-        if b.op == "BU":
-            x, y = self.block(b.args[0]), self.block(b.args[1])
-            if set(x) & set(y):
-                raise ValueError(f"BU of overlapping blocks {b!r}")
-            return x + y
-        raise ValueError(f"not a block: {b!r}")
-
-    def block_key(self, b: Term) -> str:
-        if b.op == "?":
-            return b.args[0]
-        if b.op in ("BA", "BB", "BJ"):
-            return b.op[1]
-        if b.op == "BU":
-            return "(" + self.block_key(b.args[0]) + "+" + self.block_key(b.args[1]) + ")"
-        return repr(b)
-
-    # -- leaves ------------------------------------------------------------------
-    def sym(self, name: str, var: str | None = None) -> sp.Symbol:
-        s = self.symbols.get(name)
-        if s is None:
-            nz = var is not None and var in self.nonzero
-            s = sp.Symbol(name, real=True, nonzero=True) if nz else sp.Symbol(name, real=True)
-            self.symbols[name] = s
-        return s
-
-    def leaf(self, t: Term, elem: int):
-        op = t.op
-        if op == "?":
-            name = t.args[0]
-            if name in self.inv:
-                return self.sym(name, name)
-            return self.sym(_at(name, elem), name)
-        if op == "Num":  # Num with a variable payload: an invariant constant
-            return self.sym(t.args[0].args[0])
-        name = t.args[0]
-        if op == "Elm":
-            base = f"Elm({name.lstrip('?')})"
-            return self.sym(_at(base, elem))
-        if op == "Par":
-            return self.sym(f"Par({name.lstrip('?')})")
-        if op == "St":
-            return self.sym(f"St({name.lstrip('?')},{self.block_key(t.args[1])})")
-        raise ValueError(f"unexpected leaf {t!r}")
-
-    def ev(self, t: Term, elem: int = 0, be=None):
-        return evaluate(t, elem, be or SympyBackend(), self.leaf, self.block)
-
-
-def _at(name: str, elem: int) -> str:
-    if elem == 0:
-        return name
-    if elem == OMEGA:
-        return name + "[*]"
-    return f"{name}[{elem}]"
-
-
-def _block_configs(names: list[str]) -> list[tuple]:
-    n = len(names)
-    if n == 0:
-        return [()]
-    if n == 1:
-        return [(1,), (2,), (3,)]
-    if n == 2:
-        return [(1, 1), (2, 1), (1, 3), (2, 3)]
-    return [(1,) * n, tuple(2 if i % 2 == 0 else 1 for i in range(n))]
-
-
 class _Prover:
     def __init__(self, rule: Rule):
         self.rule = rule
-        self.rng = random.Random(int(rule_key(rule)[:12], 16))
-        facts = [substitute(f, {SELF: rule.lhs}) for f in rule.then]
-        self.facts = facts
-        # block names: pattern block variables, then the concrete blocks used
-        names, concrete = [], []
-        terms = [rule.lhs] + ([rule.rhs] if rule.rhs is not None else []) + list(rule.when) + facts
-        for t in terms:
-            for sub in t.walk():
-                if sub.op == "?" and sub.args[1] == "Blk" and sub.args[0] not in names:
-                    names.append(sub.args[0])
-                if sub.op in ("BA", "BB") and sub.op[1] not in concrete:
-                    concrete.append(sub.op[1])
-                if sub.op == "BJ" and "J" not in concrete:
-                    concrete.append("J")
-        self.block_names = names + [c for c in concrete if c != "J"]
-        self.has_j = "J" in concrete
-        self.inv = {w.args[0].args[0] for w in rule.when
-                    if w.op == "Inv" and w.args[0].op == "?"}
-        self.nonzero = {w.args[0].args[0] for w in rule.when
-                        if w.op == "NonZero" and w.args[0].op == "?"}
+        self.facts = [substitute(f, {SELF: rule.lhs}) for f in rule.then]
+        self.inv = {w.args[0].args[0] for w in rule.when if w.op == "Inv" and w.args[0].op == "?"}
+        self.nonzero = {w.args[0].args[0] for w in rule.when if w.op == "NonZero" and w.args[0].op == "?"}
+        self.has_blocks = any(sub.op in ("Sum", "RMax", "RMin", "Cnt", "St", "UB") or
+                              (sub.op == "?" and sub.args[1] == "Blk")
+                              for t in [rule.lhs] + ([rule.rhs] if rule.rhs is not None else [])
+                              + list(rule.when) + self.facts for sub in t.walk())
 
-    # ---------------------------------------------------------------------------
+    def _goals(self):
+        r = self.rule
+        if r.kind == "rewrite":
+            return [("eq", r.lhs, r.rhs)]
+        return [(f.op, *f.args) for f in self.facts]
+
     def run(self) -> ProofResult:
         r = self.rule
-        configs = _block_configs(self.block_names)
-        kind = "rewrite" if r.kind == "rewrite" else "analysis"
-        method = "sympy" if not self.block_names and not self.has_j else \
-            "sympy on symbolic blocks " + ", ".join(
-                "(" + ",".join(f"|{n}|={k}" for n, k in zip(self.block_names, c)) + ")" for c in configs)
+        scope = ALL_SIZES if self.has_blocks else "no blocks (an elementwise identity)"
+        if block_rewrite(r):
+            return self._unproved("outside the decided class", "a rewrite between blocks (sort Blk): the checker "
+                                  "decides equations between real-valued terms only")
+        problem = disjointness_problem(r, self.facts)
         notes = []
-        undecided = []
-        for sizes in configs:
-            env = self._env(sizes)
-            sub, unresolved = self._premises(env)
-            notes += [u for u in unresolved if u not in notes]
-            open_goals = []
-            for goal in self._goals():
-                ok, why = self._prove_goal(env, goal, sub)
-                if not ok:
-                    open_goals.append((goal, why))
-            if not open_goals:
-                continue
-            # sympy could not decide: search for a counterexample at 50 digits
-            cex = self._search(env, sub, [g for g, _ in open_goals], sizes)
-            if cex is not None:
-                point, why = cex
-                return ProofResult(r.name, r.theory, "refuted",
-                                   method + " + mpmath random search (50 digits)", point, 0.0,
-                                   why + _hint(r))
-            undecided.append((sizes, open_goals))
-        if undecided:
-            sizes, goals = undecided[0]
-            whys = "; ".join(why for _, why in goals)
-            where = f" on blocks {dict(zip(self.block_names, sizes))}" if sizes else ""
-            detail = (f"sympy could not decide{where}: {whys}. {RANDOM_POINTS} random 50-digit points per "
-                      f"block configuration found no counterexample. Simplify the rule, split it into "
-                      f"smaller steps, or state the side condition it relies on.")
-            if notes:
-                detail += " (side conditions not used by the checker: " + ", ".join(notes) + ")"
-            return ProofResult(r.name, r.theory, "unproved", method + " + mpmath random search", None,
-                               0.0, detail)
-        return ProofResult(r.name, r.theory, "proved", method, None, 0.0,
-                           f"{kind} proved" + (f" (side conditions not used: {', '.join(notes)})" if notes else ""))
+        if not problem:
+            try:
+                sp_ = SymbolicProver(r, self.facts, self._premises, self._goal)
+                ok, how, why, notes = sp_.run()
+            except Unsupported as exc:
+                ok, how, why = False, "", f"outside the decided class: {exc}"
+            if ok:
+                method = "sympy identity" if not self.has_blocks else \
+                    ("sympy, block aggregates as free symbols" if how == "aggregates" else "sympy, " + how)
+                detail = f"{r.kind} proved" + (f" (side conditions not used: {', '.join(notes)})" if notes else "")
+                return ProofResult(r.name, r.theory, "proved", method, None, 0.0, detail, scope=scope)
+        # not proved: search for a counterexample at 50 digits on concrete blocks
+        # the seed depends on the rule only (not on the checker's source): reproducible points
+        seed = int(hashlib.sha256(r.egglog("r").encode()).hexdigest()[:12], 16)
+        cex = Refuter(r, self.facts, seed).run(self._goals())
+        if cex is not None:
+            point, why2 = cex
+            return ProofResult(r.name, r.theory, "refuted", "mpmath random search (50 digits), blocks of sizes 1-5",
+                               point, 0.0, why2 + _hint(r))
+        if problem:
+            return self._unproved("disjointness not established", problem)
+        how = ("Neither block aggregates nor induction over the block decide it, and a 50-digit random search "
+               "on blocks of sizes 1 to 5 found no counterexample.") if self.has_blocks else \
+            "sympy does not decide it, and a 50-digit random search found no counterexample."
+        detail = (f"not proved{' for all block sizes' if self.has_blocks else ''}: {why}. {how} Simplify the rule, split it into smaller steps, "
+                  f"or state the side condition it relies on.")
+        if notes:
+            detail += " (side conditions not used by the checker: " + ", ".join(notes) + ")"
+        return self._unproved("sympy (aggregates, induction) + mpmath random search", detail)
 
-    def _env(self, sizes) -> _Env:
-        blocks, nxt = {}, 1
-        for name, k in zip(self.block_names, sizes):
-            blocks[name] = tuple(range(nxt, nxt + k))
-            nxt += k
-        if self.has_j:
-            blocks["J"] = tuple(range(1, nxt + 1))
-        return _Env(blocks, self.inv, self.nonzero)
+    def _unproved(self, method, detail):
+        r = self.rule
+        return ProofResult(r.name, r.theory, "unproved", method, None, 0.0, detail)
 
     # -- premises -> substitution ----------------------------------------------------
-    def _premises(self, env: _Env):
+    def _premises(self, env: SymEnv):
         """Turn Le/UB side conditions into substitutions by fresh >= 0 gaps."""
         sub: dict = {}
         unresolved = []
         for w in self.rule.when:
             a = w.args
-            if w.op == "Inv":
+            if w.op in ("Inv", "NonZero"):
                 if a[0].op != "?":
-                    unresolved.append(f"Inv({a[0]!r})")
-            elif w.op == "NonZero":
-                if a[0].op != "?":
-                    unresolved.append(f"NonZero({a[0]!r})")
+                    unresolved.append(f"{w.op}({a[0]!r})")
             elif w.op == "Le":
                 va, vb = env.ev(a[0]), env.ev(a[1])
                 done = False
@@ -427,31 +296,58 @@ class _Prover:
                     pos = a[0].args[0] in self.nonzero and vb == 0
                     done = decide.compose(sub, env.leaf(a[0], 0), vb - decide.gap(pos))
                 if not done:
+                    done = self._solve_premise(sub, vb - va)
+                if not done:
                     unresolved.append(f"Le({a[0]!r}, {a[1]!r})")
             elif w.op == "UB":
-                m, e, s = a
-                vm = env.ev(m)
-                elems = env.block(s)
-                done = False
-                if e.op == "?":
-                    targets = {env.leaf(e, i) for i in elems}
-                    if not (targets & vm.free_symbols):
-                        done = all(decide.compose(sub, env.leaf(e, i), vm - decide.gap()) for i in elems)
-                if not done and m.op == "?":
-                    top = sp.Max(*[env.ev(e, i) for i in elems])
-                    done = decide.compose(sub, env.leaf(m, 0), top + decide.gap())
-                if not done:
-                    unresolved.append(f"UB({m!r}, {e!r}, {s!r})")
+                if not self._ub_premise(env, sub, *a):
+                    unresolved.append(f"UB({a[0]!r}, {a[1]!r}, {a[2]!r})")
         return sub, unresolved
 
-    # -- goals ---------------------------------------------------------------------------
-    def _goals(self):
-        r = self.rule
-        if r.kind == "rewrite":
-            return [("eq", r.lhs, r.rhs)]
-        return [(f.op, *f.args) for f in self.facts]
+    def _solve_premise(self, sub, d) -> bool:
+        """``d >= 0``: solve for a symbol it is linear in (an aggregate or a plain symbol)."""
+        d = sp.expand(d.xreplace(sub))
+        for z in sorted(d.free_symbols, key=str):
+            if not (z.is_real and z.is_positive is None and z.is_nonnegative is None):
+                continue
+            c = sp.diff(d, z)
+            if c.is_number and c != 0:
+                rest = sp.expand(d - c * z)
+                if z not in rest.free_symbols:
+                    return decide.compose(sub, z, (decide.gap() - rest) / c)
+        return False
 
-    def _prove_goal(self, env: _Env, goal, sub):
+    def _ub_premise(self, env: SymEnv, sub, m, e, s) -> bool:
+        vm = env.ev(m)
+        blk = env.block(s)
+        items = []
+        if blk.atoms:
+            items.append(env.aggregate("RMax", blk.atoms, e, SympyBackend()))
+        for i in blk.elems:
+            if e.op == "?" and e.args[0] not in self.inv:
+                items.append(env.leaf(e, i))
+            else:
+                items = None
+                break
+        if items is not None and not any(x in vm.xreplace(sub).free_symbols for x in items) \
+                and all(x not in sub for x in items):
+            trial = dict(sub)
+            if all(decide.compose(trial, x, vm - decide.gap()) for x in items):
+                sub.clear()
+                sub.update(trial)
+                return True
+        if m.op == "?":
+            vals = ([env.aggregate("RMax", blk.atoms, e, SympyBackend())] if blk.atoms else []) + \
+                [env.ev(e, i) for i in blk.elems]
+            trial = dict(sub)
+            if decide.compose(trial, env.leaf(m, 0), sp.Max(*vals) + decide.gap()):
+                sub.clear()
+                sub.update(trial)
+                return True
+        return False
+
+    # -- goals -----------------------------------------------------------------------------
+    def _goal(self, env: SymEnv, goal, sub, _unused=None):
         kind = goal[0]
         if kind == "eq":
             bl, br = SympyBackend(), SympyBackend()
@@ -459,7 +355,7 @@ class _Prover:
             diff = (lhs - rhs).xreplace(sub)
             if decide.is_zero(diff) is None:
                 return False, f"lhs - rhs = {_short(sp.simplify(diff) if sp.count_ops(diff) < 60 else diff)} is not shown to be 0"
-            only_l, only_r = self._domain_diff(bl.conditions, br.conditions, sub, env)
+            only_l, only_r = self._domain_diff(env, bl.conditions, br.conditions, sub)
             if only_l or only_r:
                 parts = []
                 if only_l:
@@ -487,209 +383,65 @@ class _Prover:
         if kind == "UB":
             m, e, s = goal[1:]
             vm = env.ev(m)
-            for i in env.block(s):
-                d = (vm - env.ev(e, i)).xreplace(sub)
+            blk = env.block(s)
+            items = ([env.aggregate("RMax", blk.atoms, e, SympyBackend())] if blk.atoms else []) + \
+                [env.ev(e, i) for i in blk.elems]
+            for v in items:
+                d = (vm - v).xreplace(sub)
                 if not decide.is_nonneg(d):
-                    return False, f"{m!r} >= {e!r} at element {i} of {s!r} is not shown ({_short(d)} >= 0)"
+                    return False, f"{m!r} >= {e!r} on every element of {s!r} is not shown ({_short(d)} >= 0)"
             return True, ""
-        raise ValueError(f"unknown fact {kind!r}")
+        raise Unsupported(f"unknown fact {kind!r}")
 
-    def _domain_diff(self, lc, rc, sub, env):
-        """Domain conditions needed by one side only (after dropping those that always hold)."""
-        given = set()
+    def _domain_diff(self, env, lc, rc, sub):
+        """Domain conditions of one side not implied by the premises and the other side's domain."""
+        given = []
         for w in self.rule.when:
             if w.op == "NonZero":
-                given |= _split_cond(("nonzero", env.ev(w.args[0]).xreplace(sub)))
+                given.append(("nonzero", env.ev(w.args[0])))
+            elif w.op == "Le":
+                given.append(("nonneg", env.ev(w.args[1]) - env.ev(w.args[0])))
 
         def norm(conds):
-            out = set()
+            out = []
             for c in conds:
                 for k, x in _split_cond((c[0], c[1].xreplace(sub))):
-                    if (k, x) in given or _holds(k, x):
-                        continue
-                    out.add((k, x))
+                    if (k, x) not in out and not _holds(k, x):
+                        out.append((k, x))
             return out
 
         L, R = norm(lc), norm(rc)
-        return sorted(L - R, key=str), sorted(R - L, key=str)
+        G = [(k, x.xreplace(sub)) for k, x in given]
+        only_l = [c for c in L if c not in R and not _implied(c, R + G)]
+        only_r = [c for c in R if c not in L and not _implied(c, L + G)]
+        return sorted(only_l, key=str), sorted(only_r, key=str)
 
-    # -- random search -----------------------------------------------------------------------
-    def _search(self, env: _Env, sub, goals, sizes):
-        """A point (dict) where some goal fails at 50 digits, with an explanation; or None."""
-        lam = {}
-        with mp_context():
-            seeds = self._targeted_points(env, sub, goals)
-            for n in range(RANDOM_POINTS + len(seeds)):
-                vals = dict(seeds[n]) if n < len(seeds) else {}
-                point = _Point(env, sub, vals, self.rng, lam)
-                try:
-                    if not self._premises_hold(env, point):
-                        continue
-                except Undefined:
-                    continue
-                for g in goals:
-                    why = self._check_goal_numeric(env, point, g)
-                    if why:
-                        cex = point.report()
-                        for name, k in zip(self.block_names, sizes):
-                            cex[f"|{name}|"] = k
-                        return cex, why
-        return None
 
-    def _targeted_points(self, env, sub, goals):
-        """Points on the zero set of domain conditions x != 0 (random search never hits them)."""
-        pts = []
-        for g in goals:
-            if g[0] != "eq":
+def _implied(c, assumptions) -> bool:
+    """Whether condition ``c`` follows from ``assumptions`` (each solved for one symbol)."""
+    sub: dict = {}
+    for k, x in sorted(assumptions, key=lambda a: (sp.count_ops(a[1]), str(a[1]))):
+        x = sp.expand(x.xreplace(sub))
+        for z in sorted(x.free_symbols, key=str):
+            if not decide.is_plain(z):
                 continue
-            bl, br = SympyBackend(), SympyBackend()
-            env.ev(g[1], 0, bl), env.ev(g[2], 0, br)
-            for k, x in {c for c in bl.conditions + br.conditions}:
-                if k != "nonzero":
-                    continue
-                x = x.xreplace(sub)
-                if sp.count_ops(x) > 40:
-                    continue
-                for z in sorted((s for s in x.free_symbols if decide.is_plain(s)), key=lambda s: s.name)[:2]:
-                    try:
-                        sols = sp.solve(x, z)
-                    except Exception:
-                        continue
-                    for sol in sols[:2]:
-                        if sol.is_real is False:
-                            continue
-                        vals = {}
-                        for s in sol.free_symbols:
-                            vals[s] = mpmath.mpf(self.rng.choice([1, 2, -1, 3])) if not s.name.startswith("_g") \
-                                else mpmath.mpf(self.rng.choice([0, 1, 2]))
-                        try:
-                            v = sp.N(sol.xreplace({s: sp.Float(str(vals[s]), 50) for s in vals}), 50)
-                            if not v.is_real:
-                                continue
-                            vals[z] = mpmath.mpf(str(v))
-                        except Exception:
-                            continue
-                        pts.append(vals)
-        return pts
-
-    def _premises_hold(self, env, point) -> bool:
-        be = MpBackend()
-        for w in self.rule.when:
-            a = w.args
-            if w.op == "NonZero":
-                if evaluate(a[0], 0, be, point.leaf, env.block) == 0:
-                    return False
-            elif w.op == "Le":
-                x, y = (evaluate(t, 0, be, point.leaf, env.block) for t in a)
-                if not x <= y + _tol(x, y):
-                    return False
-            elif w.op == "UB":
-                m = evaluate(a[0], 0, be, point.leaf, env.block)
-                for i in env.block(a[2]):
-                    e = evaluate(a[1], i, be, point.leaf, env.block)
-                    if not e <= m + _tol(m, e):
-                        return False
-        return True
-
-    def _check_goal_numeric(self, env, point, g) -> str:
-        """Explanation if goal ``g`` fails at ``point``, else ''."""
-        be = MpBackend()
-        kind = g[0]
-
-        def ev(t, elem=0):
-            return evaluate(t, elem, be, point.leaf, env.block)
-
-        if kind == "eq":
-            try:
-                lv = ev(g[1])
-            except Undefined as exc:
-                lv = exc
-            try:
-                rv = ev(g[2])
-            except Undefined as exc:
-                rv = exc
-            l_bad, r_bad = isinstance(lv, Undefined), isinstance(rv, Undefined)
-            if l_bad and r_bad:
-                return ""
-            if l_bad or r_bad:
-                bad, good = ("lhs", "rhs") if l_bad else ("rhs", "lhs")
-                return (f"{bad} is undefined ({lv if l_bad else rv}) where {good} = "
-                        f"{_num(rv if l_bad else lv)}: the domains differ")
-            if abs(lv - rv) > _tol(lv, rv):
-                return f"lhs = {_num(lv)} but rhs = {_num(rv)}"
-            return ""
-        try:
-            if kind == "Inv":
-                v0, v1 = ev(g[1], 0), ev(g[1], OMEGA)
-                if abs(v0 - v1) > _tol(v0, v1):
-                    return f"{g[1]!r} takes different values at two elements ({_num(v0)} vs {_num(v1)})"
-            elif kind == "NonZero":
-                v = ev(g[1])
-                if abs(v) <= mpmath.mpf(10) ** -40:
-                    return f"{g[1]!r} = 0"
-            elif kind == "Le":
-                a, b = ev(g[1]), ev(g[2])
-                if a > b + _tol(a, b):
-                    return f"{g[1]!r} = {_num(a)} > {g[2]!r} = {_num(b)}"
-            elif kind == "UB":
-                m = ev(g[1])
-                for i in env.block(g[3]):
-                    e = ev(g[2], i)
-                    if e > m + _tol(m, e):
-                        return f"{g[1]!r} = {_num(m)} < {g[2]!r} = {_num(e)} at element {i}"
-        except Undefined as exc:
-            return f"{g[1]!r} is undefined ({exc})"
-        return ""
-
-
-class _Point:
-    """A random point: values of the free symbols, sampled lazily; substituted symbols computed."""
-
-    def __init__(self, env, sub, vals, rng, lam):
-        self.env, self.sub, self.rng, self.lam = env, sub, rng, lam
-        self.vals = vals  # Symbol -> mpf
-
-    def value(self, s: sp.Symbol):
-        v = self.vals.get(s)
-        if v is not None:
-            return v
-        if s in self.sub:
-            expr = self.sub[s]
-            fn = self.lam.get(s)
-            if fn is None:
-                args = sorted(expr.free_symbols, key=lambda x: x.name)
-                fn = (args, sp.lambdify(args, expr, modules=[{"Max": max, "Min": min}, "mpmath"]))
-                self.lam[s] = fn
-            args, f = fn
-            v = mpmath.mpf(f(*[self.value(a) for a in args]))
-        else:
-            v = self._sample(s)
-        self.vals[s] = v
-        return v
-
-    def _sample(self, s):
-        r = self.rng
-        if s.is_positive:
-            return mpmath.mpf(r.choice([r.uniform(0.05, 4), r.randint(1, 3), r.uniform(0.001, 0.1)]))
-        if s.is_nonnegative:
-            return mpmath.mpf(0 if r.random() < 0.2 else r.uniform(0, 4))
-        x = r.choice([r.uniform(-3, 3), r.uniform(-3, 3), float(r.randint(-3, 3)), r.uniform(-40, 40)])
-        if s.is_nonzero and x == 0:
-            x = 1.5
-        return mpmath.mpf(x)
-
-    def leaf(self, t, elem):
-        return self.value(self.env.leaf(t, elem))
-
-    def report(self) -> dict:
-        out = {}
-        for name, s in sorted(self.env.symbols.items()):
-            if s in self.vals or s in self.sub:
-                try:
-                    out[name] = float(self.value(s))
-                except Exception:
-                    pass
-        return out
+            co = sp.diff(x, z)
+            if z in co.free_symbols or not (co.is_nonzero or (not co.is_number and decide.is_nonzero(co))):
+                continue
+            rest = sp.expand(x - co * z)
+            if z in rest.free_symbols:
+                continue
+            w = decide.gap(positive=True) if k == "pos" else decide.gap() if k == "nonneg" else \
+                sp.Symbol(f"_w{next(decide._gap_counter)}", real=True, nonzero=True)
+            if decide.compose(sub, z, (w - rest) / co):
+                break
+    k, x = c
+    x = x.xreplace(sub)
+    if k == "nonzero":
+        return bool(decide.is_nonzero(x))
+    if k == "nonneg":
+        return bool(decide.is_nonneg(x))
+    return bool(decide.is_nonneg(x)) and bool(decide.is_nonzero(x))
 
 
 # ============================================================================
@@ -725,14 +477,6 @@ def _holds(k, x) -> bool:
 def _cond_str(c) -> str:
     k, x = c
     return f"{x} {dict(pos='>', nonneg='>=', nonzero='!=')[k]} 0"
-
-
-def _tol(a, b):
-    return mpmath.mpf(10) ** -25 * max(mpmath.mpf(1), abs(a), abs(b))
-
-
-def _num(v) -> str:
-    return mpmath.nstr(v, 8) if not isinstance(v, Exception) else str(v)
 
 
 def _short(e, n=160) -> str:

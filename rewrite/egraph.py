@@ -54,8 +54,14 @@ class RunStats:
     phases: list = field(default_factory=list)           # (phase, why it stopped, iterations, e-nodes)
 
     def __str__(self):
+        # no timing here: this line is part of generated kernel source, which must be
+        # deterministic (same program, same bytes); ``describe(timing=True)`` adds it
+        return self.describe(timing=False)
+
+    def describe(self, timing: bool = True) -> str:
+        """``stopped: saturated after 4 iterations, 612 e-nodes`` (``, 12 ms`` with timing)."""
         return (f"stopped: {self.stop_reason} after {self.iterations} iterations, "
-                f"{self.nodes} e-nodes, {self.seconds * 1000:.0f} ms")
+                f"{self.nodes} e-nodes" + (f", {self.seconds * 1000:.0f} ms" if timing else ""))
 
     def phase_summary(self) -> str:
         """One line per phase: ``expand: saturated after 3 iterations, 412 e-nodes``."""

@@ -3,7 +3,7 @@
 ``THEORIES`` maps a theory name to its ``Theory``; ``REGISTRY`` maps every rule
 name to its ``Rule``. Schedules (rewrite/schedules.py) refer to theories by name.
 """
-from acefuse.rules.base import Rule, Theory, rw, infer, V, tvars, bvars, inv, nonzero, le, ub, SELF
+from acefuse.rules.base import Rule, Theory, rw, infer, V, tvars, bvars, inv, nonzero, le, ub, pos, SELF
 from acefuse.rules import analysis, arith, assoc, commute, distrib, exponential, factoring, linearity, order, polynomial, reduction, swap
 
 THEORIES: dict[str, Theory] = {t.name: t for t in (
@@ -24,5 +24,5 @@ def _registry():
 
 REGISTRY: dict[str, Rule] = _registry()
 
-__all__ = ["Rule", "Theory", "rw", "infer", "V", "tvars", "bvars", "inv", "nonzero", "le", "ub",
+__all__ = ["Rule", "Theory", "rw", "infer", "V", "tvars", "bvars", "inv", "nonzero", "le", "ub", "pos",
            "SELF", "THEORIES", "REGISTRY"]

@@ -37,8 +37,10 @@ THEORY = Theory("analysis", __doc__, [
     infer("inv-min2", min2(a, b), inv(SELF), when=[inv(a), inv(b)]),
     # -- non-zero --------------------------------------------------------------------
     infer("nonzero-count", cnt(s), nonzero(SELF)),
-    infer("nonzero-exp", exp(a), nonzero(SELF)),
-    infer("nonzero-mul", a * b, nonzero(SELF), when=[nonzero(a), nonzero(b)]),
+    infer("nonzero-exp", exp(a), nonzero(SELF),
+          float_unsafe="exp(a) underflows to 0 in float32 for a < -103.9 (exp(-104) == 0)"),
+    infer("nonzero-mul", a * b, nonzero(SELF), when=[nonzero(a), nonzero(b)],
+          float_unsafe="a * b underflows to 0 in float32 when |a * b| < 1e-45 (a = b = 1e-30)"),
     # -- order between invariant values ------------------------------------------------
     infer("le-max2-left", max2(a, b), le(a, SELF)),
     infer("le-max2-right", max2(a, b), le(b, SELF)),

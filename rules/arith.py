@@ -4,6 +4,7 @@ from acefuse.rewrite.terms import num
 
 a, b, c = tvars("a b c")
 ZERO, ONE = num(0.0), num(1.0)
+_OVER = "a / b overflows (or underflows to 0) in float32 for tiny (huge) b, so (a / b) * b is inf or NaN where a is finite"
 
 THEORY = Theory("arith", __doc__, [
     rw("add-zero", a + ZERO, a),
@@ -23,6 +24,6 @@ THEORY = Theory("arith", __doc__, [
     rw("neg-sub", -(a - b), b - a),
     rw("sub-neg", a - (-b), a + b),
     rw("add-neg", a + (-b), a - b),
-    rw("div-mul-cancel", (a / b) * b, a, when=[nonzero(b)]),
-    rw("mul-div-cancel", b * (a / b), a, when=[nonzero(b)]),
+    rw("div-mul-cancel", (a / b) * b, a, when=[nonzero(b)], float_unsafe=_OVER),
+    rw("mul-div-cancel", b * (a / b), a, when=[nonzero(b)], float_unsafe=_OVER),
 ])

@@ -8,7 +8,11 @@ names the matched term). Side conditions are visible relation facts (``Inv``,
 ``NonZero``, ``Le``, ``UB``) that the analysis rules establish.
 
 A rule that is exact over the reals but risky in floating point carries
-``float_unsafe="why"``; the cost model sees the tag (extract/cost.py).
+``float_unsafe="why"``; the cost model sees the tag (extract/cost.py). The tag is
+checked: ``acefuse prove`` derives it by evaluating the rule in float32 on
+adversarial values (proofs/floatcheck.py) and reports a rule whose declared tag
+disagrees. Analysis rules carry the tag too (a fact true over the reals but false
+in float32, like ``NonZero(exp(a))``).
 """
 from __future__ import annotations
 
@@ -60,6 +64,29 @@ def le(a, b):
 def ub(m, e, s):
     """Side condition: m >= e for every element of block s."""
     return fact("UB", m, e, s)
+
+
+def pos(t):
+    """Side condition: t > 0 (the two facts ``le(num(0), t)`` and ``nonzero(t)``; ``when``
+    lists may contain it as one item)."""
+    from acefuse.rewrite.terms import num
+    return (le(num(0.0), t), nonzero(t))
+
+
+def _flat(conds) -> tuple:
+    out = []
+    for c in conds:
+        if isinstance(c, (tuple, list)):
+            out.extend(_flat(c))
+        elif isinstance(c, Term):
+            if c.op not in RELATIONS:
+                raise ValueError(f"side condition {c!r} is not a relation fact; use inv(t), nonzero(t), "
+                                 f"pos(t), le(a, b) or ub(m, e, s)")
+            out.append(c)
+        else:
+            raise TypeError(f"side condition {c!r} is not a fact; use inv(t), nonzero(t), pos(t), le(a, b) "
+                            f"or ub(m, e, s)")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -120,14 +147,17 @@ def _fact_str(c: Term) -> str:
 def rw(name, lhs, rhs, when=(), float_unsafe="", doc="") -> Rule:
     """A rewrite rule ``lhs => rhs`` (sound as an equation ``lhs = rhs`` under ``when``)."""
     _check_name(name)
-    return Rule(name=name, lhs=lhs, rhs=rhs, when=tuple(when), float_unsafe=float_unsafe, doc=doc)
+    return Rule(name=name, lhs=lhs, rhs=rhs, when=_flat(when), float_unsafe=float_unsafe, doc=doc)
 
 
-def infer(name, lhs, then, when=(), doc="") -> Rule:
-    """An analysis rule: when ``lhs`` matches (and ``when`` holds), the facts ``then`` hold."""
+def infer(name, lhs, then, when=(), float_unsafe="", doc="") -> Rule:
+    """An analysis rule: when ``lhs`` matches (and ``when`` holds), the facts ``then`` hold.
+
+    ``float_unsafe="why"``: the fact is true over the reals but can be false in
+    float32 (``NonZero(exp(a))``: ``exp(-104) == 0``)."""
     _check_name(name)
     then = (then,) if isinstance(then, Term) else tuple(then)
-    return Rule(name=name, lhs=lhs, then=then, when=tuple(when), doc=doc)
+    return Rule(name=name, lhs=lhs, then=then, when=_flat(when), float_unsafe=float_unsafe, doc=doc)
 
 
 def _check_name(name):

@@ -43,3 +43,18 @@ def test_the_opt_out_is_loud(capsys):
     assert f is not None
     err = capsys.readouterr().err
     assert "sub-comm-wrong" in err and "UNPROVED" in err.upper()
+
+
+def test_positivity_side_conditions_are_premises_of_the_proof():
+    from acefuse.proofs import require_proved
+    from acefuse.rules import pos, nonzero
+    a, b, c = tvars("a b c")
+    T = af.rewrite_terms
+    good = rw("my-log-mul", T.log(a * b), T.log(a) + T.log(b), when=[pos(a), pos(b)])
+    assert len(good.when) == 4            # pos(t) is le(0, t) and nonzero(t)
+    assert require_proved([good])[0].status == "proved"
+    wrong_var = rw("my-log-mul-wrong-var", T.log(a * b), T.log(a) + T.log(b), when=[pos(c), nonzero(a)])
+    with pytest.raises(UnprovedRuleError, match="my-log-mul-wrong-var"):
+        require_proved([wrong_var])
+    with pytest.raises(ValueError, match="not a relation fact"):
+        rw("my-bad-condition", a, a, when=[a + b])
