@@ -287,11 +287,12 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
             bad = simulate.failures(enc, p, p.rolling, "rolling") if ok else {}
             if not bad:
                 break
-            fresh = set(bad) - ex.strict_exp
+            fresh = {q for q, (cause, _) in bad.items() if cause == "overflow"} - ex.strict_exp
             if fresh:   # only exponentials proved bounded above for these, then check again
                 ex.strict_exp |= fresh
                 continue
-            unsafe.update(bad)     # no safe form: these states take another pass
+            # no safe form: these states take another pass
+            unsafe.update({q: msg for q, (cause, msg) in bad.items()})
         blocked.extend(why)
         # split merges for the states that fuse
         okn = frozenset(x.name for x in ok)
@@ -344,7 +345,7 @@ def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
         if s.name in unsafe:
             failed.add(s.name)
             why.append((s.name, f"reduction `{pretty(s.source)}` (state {s.name}): every derived update "
-                                f"can overflow float32 where the program as written cannot ({unsafe[s.name]}); "
+                                f"fails the adversarial float32 check (extract/simulate.py): {unsafe[s.name]}; "
                                 f"it takes another pass over {enc.axis!r}, which is exact"))
             continue
         cid = ex.class_of(lambda op, args, n=s.name: op == "St" and args and args[0] == n

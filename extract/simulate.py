@@ -18,8 +18,11 @@ runs it, on adversarial rows:
 
 A form *fails* when its state comes out NaN or infinite on a row where the float64
 definition is finite and below ``FINITE_LIMIT`` in magnitude (a value float32 can
-hold with margin). The fuse step then forbids exponentials whose argument is not
-proved bounded and extracts again; a state with no form that passes takes another
+hold with margin): the fuse step then forbids exponentials whose argument is not
+proved bounded and extracts again. It also fails when it is off by more than
+``ACCURACY_REL`` (relative, at least absolute) and more than ``ACCURACY_FACTOR`` times
+the error of float32 evaluating the state's definition directly (cancellation the
+program as written does not have). A state with no form that passes takes another
 pass (correct, and slower), and ``explain()`` says so.
 """
 from __future__ import annotations
@@ -30,6 +33,8 @@ from acefuse.rewrite.terms import Term, reblock, A, B, U
 from acefuse.codegen.emit import _child_pols
 
 FINITE_LIMIT = 1e30
+ACCURACY_REL = 1e-2      # a form is inaccurate when it is off by more than this (relative, at least 1)
+ACCURACY_FACTOR = 100.0  # ... and more than this many times the error of the plain float32 evaluation
 ROWS = 48
 TILES = (4, 4, 4, 3)   # a row of 15 elements in 4 tiles (the last one partial)
 
@@ -228,6 +233,10 @@ def failures(enc, p, forms: dict, kind: str, seed: int = 0) -> dict:
                     ev.states[(s.name, "AB")] = val
                 cur = new
                 seen = np.concatenate([seen, t])
+        # how well float32 computes each state as written (unfused, from its definition)
+        direct = _Eval(enc, elm, par, np.float32)
+        direct.blocks = {"A": whole, "J": whole}
+        plain = {q: direct.state(q, A) for q in names}
     out = {}
     for q in names:
         tv, got = truth[q], cur[q]
@@ -235,6 +244,18 @@ def failures(enc, p, forms: dict, kind: str, seed: int = 0) -> dict:
         bad = ok_truth & ~np.isfinite(got)
         if bad.any():
             r = int(np.argmax(bad))
-            out[q] = (f"its {kind} form gives {got[r]} in float32 where the value is {tv[r]:.6g} "
-                      f"(adversarial row {r} of the fuzz check)")
+            out[q] = ("overflow", f"its {kind} form gives {got[r]} in float32 where the value is "
+                                  f"{tv[r]:.6g} (adversarial row {r})")
+            continue
+        # accuracy: far worse than float32 evaluating the definition directly
+        with np.errstate(all="ignore"):
+            err = np.abs(got.astype(np.float64) - tv)
+            ref_err = np.abs(plain[q].astype(np.float64) - tv)
+            worse = ok_truth & np.isfinite(plain[q]) & (err > ACCURACY_REL * np.maximum(np.abs(tv), 1.0)) \
+                & (err > ACCURACY_FACTOR * ref_err)
+        if worse.any():
+            r = int(np.argmax(worse))
+            out[q] = ("accuracy", f"its {kind} form gives {got[r]:.6g} in float32 where the value is "
+                                  f"{tv[r]:.6g} and float32 evaluating the definition gives "
+                                  f"{plain[q][r]:.6g} (adversarial row {r}: cancellation)")
     return out

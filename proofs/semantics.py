@@ -132,6 +132,9 @@ class SympyBackend:
         return 1 / sp.sqrt(a)
 
 
+EXP_LIMIT = 1e6
+
+
 class MpBackend:
     """mpmath at 50 significant digits; raises ``Undefined`` outside the real domain."""
 
@@ -140,7 +143,13 @@ class MpBackend:
     def sub(self, a, b): return a - b
     def mul(self, a, b): return a * b
     def neg(self, a): return -a
-    def exp(self, a): return mpmath.exp(a)
+    def exp(self, a):
+        # exp of an exp of random values explodes (mpmath then runs out of memory): beyond
+        # EXP_LIMIT the point is outside what a 50-digit check can say anything about
+        if a > EXP_LIMIT:
+            raise Undefined(f"exp({mpmath.nstr(a, 5)}) is beyond the numeric check's range")
+        return mpmath.exp(a)
+
     def abs(self, a): return abs(a)
     def tanh(self, a): return mpmath.tanh(a)
     def sum(self, vals): return mpmath.fsum(vals)
