@@ -38,3 +38,14 @@ def test_example_program_compiles_and_matches_reference(fname, var, prog, rules)
         got = out[o].double().numpy()
         err = np.max(np.abs(got - r) / np.maximum(np.abs(r), 1.0))
         assert err < 2e-4, f"{var}.{o}: max rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("fname,var,prog,rules", PROGRAMS)
+def test_example_default_run_sizes_fit_the_cpu_budget(fname, var, prog, rules):
+    """``acefuse run FILE --check`` picks sizes per program that finish in seconds in
+    Triton's CPU interpreter (attention at 37 x ... x 1000 took over 10 minutes)."""
+    from acefuse import cli
+    axis = prog.reduced_axes()[0]
+    sizes = cli.default_sizes(prog, axis, {}, "cpu")
+    assert int(np.prod(list(sizes.values()))) <= cli.SIZE_BUDGET["cpu"], sizes
+    assert sizes[axis] >= min(cli.MIN_FUSED, cli.DEFAULT_FUSED)

@@ -9,13 +9,17 @@ rolling loop, split), so whether the fused axis fits one tile needs no new kerne
 
 Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
 run in torch, with one warning line naming the region, its source line and why.
+
+Gradients are never dropped: acefuse kernels are not autograd Functions yet, so a
+region whose inputs require grad (with grad mode on: training) runs in torch, with one
+warning per region. Grad mode and ``requires_grad`` are part of the shape signature,
+so the same function under ``torch.no_grad()`` (inference) still gets the kernels.
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -37,7 +41,6 @@ stats = {"specializations": 0, "kernel_memory_hits": 0, "kernel_disk_hits": 0, "
          "fallbacks": 0}
 _KERNELS: dict = {}
 _FAILED: dict = {}
-_VERSION = None
 
 
 def clear_cache(memory_only: bool = True):
@@ -52,21 +55,8 @@ def clear_cache(memory_only: bool = True):
 
 def _code_version() -> str:
     """A hash of the code that decides what a program compiles to (rules, extraction, codegen)."""
-    global _VERSION
-    if _VERSION is None:
-        import acefuse
-        import acefuse.codegen
-        import acefuse.extract
-        import acefuse.rewrite
-        import acefuse.rules
-        h = hashlib.sha256()
-        for pkg in (acefuse.codegen, acefuse.extract, acefuse.rewrite, acefuse.rules):
-            for p in sorted(Path(pkg.__file__).parent.glob("*.py")):
-                h.update(p.read_bytes())
-        for f in ("fuse.py", "lang.py"):
-            h.update((Path(acefuse.__file__).parent / f).read_bytes())
-        _VERSION = h.hexdigest()[:12]
-    return _VERSION
+    from acefuse.codegen.compile import code_version
+    return code_version()
 
 
 def _index_dir() -> Path:
@@ -83,11 +73,36 @@ class _Loaded:
         self.module, self.path = module, path
 
     def __call__(self, **inputs):
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            import numpy as np
-            with np.errstate(all="ignore"):
-                return self.module.run(**inputs)
-        return self.module.run(**inputs)
+        from acefuse.codegen.compile import run_module
+        return run_module(self.module, (), inputs)
+
+
+def _cache_warn(msg):
+    from acefuse.codegen.compile import CacheWarning
+    warnings.warn(f"acefuse: {msg}", CacheWarning, stacklevel=3)
+
+
+def _load_indexed(idx: Path):
+    """The kernel an index entry points to, or None (absent). A corrupt entry, or one whose
+    kernel file is missing or changed, is removed with a warning (the caller regenerates)."""
+    if not idx.exists():
+        return None
+    try:
+        meta = json.loads(idx.read_bytes())
+        path = Path(meta["path"])
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise ValueError(f"kernel file {path} does not match its recorded hash (truncated or overwritten)")
+        from acefuse.codegen.compile import load_module
+        return _Loaded(load_module(path, meta["module"]), path)
+    except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
+        _cache_warn(f"kernel cache index {idx.name} is unusable ({type(e).__name__}: {e}); "
+                    "removed, the kernel is regenerated")
+        try:
+            idx.unlink()
+        except OSError:
+            pass
+        return None
 
 
 def get_kernel(prog):
@@ -99,18 +114,11 @@ def get_kernel(prog):
     if key in _FAILED:
         raise _FAILED[key]
     idx = _index_dir() / f"{key}.json"
-    if idx.exists():
-        try:
-            meta = json.loads(idx.read_text())
-            path = Path(meta["path"])
-            if path.exists():
-                from acefuse.codegen.compile import load_module
-                k = _Loaded(load_module(path, meta["module"]), path)
-                stats["kernel_disk_hits"] += 1
-                _KERNELS[key] = k
-                return k
-        except Exception:
-            pass
+    k = _load_indexed(idx)
+    if k is not None:
+        stats["kernel_disk_hits"] += 1
+        _KERNELS[key] = k
+        return k
     from acefuse.codegen.compile import compile_program
     try:
         k = compile_program(prog)
@@ -118,10 +126,12 @@ def get_kernel(prog):
         _FAILED[key] = e
         raise
     stats["kernel_compiles"] += 1
+    from acefuse.codegen.compile import write_atomic
     mod = getattr(k.module, "__name__", f"acefuse_gen_{prog.name}")
-    tmp = idx.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"path": str(k.path), "module": mod, "program": repr(prog)}))
-    os.replace(tmp, idx)
+    if getattr(k, "path", None) is not None:   # (a staged kernel is two files: not indexed)
+        sha = hashlib.sha256(Path(k.path).read_bytes()).hexdigest()
+        write_atomic(idx, json.dumps({"path": str(k.path), "module": mod, "sha256": sha,
+                                      "program": repr(prog)}).encode())
     _KERNELS[key] = k
     return k
 
@@ -134,8 +144,15 @@ class CompiledRegion(torch.nn.Module):
         self.imp, self.kernel = imp, kernel
         self.program = imp.program
         self.fallback = fallback      # the region's own torch ops, same inputs and outputs
+        self.warned_grad = False
 
     def forward(self, *srcs):
+        if self.kernel is not None and _needs_grad(srcs):
+            # (a parameter read inside the graph may require grad although no argument does)
+            if not self.warned_grad:
+                self.warned_grad = True
+                _warn(self.imp.nodes, GRAD_REASON)
+            return tuple(self.fallback(*srcs))
         if self.kernel is not None:
             values = dict(zip(self.imp.sources, srcs))
             try:
@@ -148,6 +165,14 @@ class CompiledRegion(torch.nn.Module):
 
     def extra_repr(self):
         return repr(self.program)
+
+
+GRAD_REASON = ("its inputs require grad, and acefuse kernels do not compute gradients yet "
+               "(torch keeps the gradients; under torch.no_grad() the kernel runs)")
+
+
+def _needs_grad(values) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
 def _region_name(nodes) -> str:
@@ -168,13 +193,19 @@ def _reject_dtype(imp) -> str | None:
     return None
 
 
-def _warn(nodes, why):
-    stats["fallbacks"] += 1
+def _warn(nodes, why, seen=None):
+    """One warning line: the region, its source line, and why it runs in torch (once per
+    region and reason within ``seen``: a specialisation retries regions)."""
     anchor = next((n for n in nodes if kind_of(n) in ("reduce", "contraction")), nodes[0])
     where = source_line(anchor)
     first = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
-    warnings.warn(f"acefuse: region `{_region_name(nodes)}`{' at ' + where if where else ''} runs in torch: "
-                  f"{first}", AcefuseFallbackWarning, stacklevel=3)
+    msg = f"acefuse: region `{_region_name(nodes)}`{' at ' + where if where else ''} runs in torch: {first}"
+    if seen is not None:
+        if msg in seen:
+            return
+        seen.add(msg)
+    stats["fallbacks"] += 1
+    warnings.warn(msg, AcefuseFallbackWarning, stacklevel=3)
 
 
 def specialize(gm: torch.fx.GraphModule, args, name="fn"):
@@ -186,6 +217,7 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
     split_composites(gm)
     propagate(gm, args)
     exclude: set = set()
+    warned: set = set()
     for attempt in range(3):
         compiled, failed_contraction = [], False
         for i, nodes in enumerate(find_regions(gm, frozenset(exclude))):
@@ -210,6 +242,8 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
                 bad = _reject_dtype(imp)
                 if bad:
                     raise FrontendError(bad)
+                if _needs_grad(s.meta.get("af_val") for s in imp.sources):
+                    raise FrontendError(GRAD_REASON)
                 k = get_kernel(imp.program)
             except Exception as e:  # noqa: BLE001 - any failure means: this region runs in torch
                 contr = [n for n in nodes if kind_of(n) == "contraction"]
@@ -220,10 +254,10 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
                     failed_contraction = True
                     if attempt == 0:
                         _warn(contr, f"no kernel family for contractions yet ({e}); "
-                                     "matmuls stay in torch, the reductions around them go to acefuse")
+                                     "matmuls stay in torch, the reductions around them go to acefuse", warned)
                     continue
                 if attempt == 2 or not failed_contraction:
-                    _warn(nodes, e)
+                    _warn(nodes, e, warned)
                 continue
             compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp)), imp))
         if not failed_contraction:
@@ -253,10 +287,10 @@ def _torch_region(gm, imp) -> torch.fx.GraphModule:
 
 
 def _signature(args):
-    sig = []
+    sig = [("grad", torch.is_grad_enabled())]
     for a in args:
         if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.dtype, a.device.type))
+            sig.append((tuple(a.shape), a.dtype, a.device.type, a.requires_grad))
         elif isinstance(a, (int, float, bool, str, type(None))):
             sig.append(("v", a))
         else:
@@ -287,10 +321,14 @@ class CompiledFunction:
         return [r for g in self.graphs.values() for r in g.af_regions]
 
     def __call__(self, *args, **kwargs):
-        if kwargs and self.signature is not None:
-            b = self.signature.bind(*args, **kwargs)
-            b.apply_defaults()
-            args, kwargs = tuple(b.args), {}
+        if self.signature is not None:
+            try:   # too many, missing or unknown arguments: say so in the function's terms
+                b = self.signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{self.name}{self.signature}: {e}") from None
+            if kwargs:
+                b.apply_defaults()
+                args, kwargs = tuple(b.args), {}
         return self.graph_for(*args)(*args, **kwargs)
 
     def __repr__(self):
