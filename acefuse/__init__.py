@@ -10,7 +10,8 @@
 from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs, tanh, maximum,
                           minimum, where, sum, max, min, mean, take, program, Program, Expr,
                           LanguageError, NEG_INF)
-from acefuse.fuse import Fusion, FuseError
+from acefuse.fuse import Fusion, FuseError, unfused
+from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError
 from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, pos, le, ub, Rule
 from acefuse.frontend import from_torch, backend, UnsupportedOpError

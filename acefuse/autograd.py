@@ -215,7 +215,7 @@ class StagedFusion:
     def hbm_passes(self) -> dict:
         return {f.program.name: f.hbm_passes for f in self.stages}
 
-    def explain(self, chains: bool = True) -> str:
+    def explain(self, chains: bool = True, timings: bool = False) -> str:
         bwd = self.program
         L = [f"backward program {bwd.name!r} of {bwd.forward.name!r}: "
              + ("fusible" if self.fusible else "NOT fully fusible") + f" ({len(self.stages)} stage(s))",
@@ -230,7 +230,7 @@ class StagedFusion:
         for f in self.stages:
             L.append("")
             L.append(f"== stage {f.program.name} ==")
-            L.append(f.explain(chains=chains))
+            L.append(f.explain(chains=chains, timings=timings))
         return "\n".join(L)
 
     def to_json(self) -> dict:

@@ -323,8 +323,10 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
         remaining = [s for s in remaining if s.name not in known]
     fusible = len(passes) <= 1
     reason = "; ".join(r for _, r in blocked)
-    return Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
-                  seconds=time.perf_counter() - t0, schedule=schedule, normal_form=notes)
+    f = Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
+               seconds=time.perf_counter() - t0, schedule=schedule, normal_form=notes)
+    f.normal_program = normal   # the certificate checks the normal form against ``prog``
+    return f
 
 
 def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):

@@ -3,7 +3,7 @@ re-association of a product to derive its correction, which the default DERIVE
 schedule does not run. One proved user rule makes it fusible.
 
     acefuse prove examples/user_rule.py        # proves the rule
-    acefuse derive examples/user_rule.py       # (without the rule: not fusible)
+    acefuse derive examples/user_rule.py       # uses the file's RULES: fusible
 """
 import acefuse as af
 from acefuse.rules import rw, tvars
