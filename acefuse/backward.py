@@ -7,7 +7,8 @@
     bwd.cotangents                    # {"grad_y": ("r", "j")}: one per forward output
     bwd.grads                         # {"x": "grad_x", ...}: float input -> gradient output
     bwd.zero_grads                    # float inputs no output depends on (gradient 0)
-    bwd.stages                        # one Program per fused axis (what af.fuse/af.compile run)
+    bwd.stages                        # one Stage (a Program, .axis its fused axis) per fused
+                                      #   axis (what af.fuse/af.compile run)
     af.fuse(bwd).explain()            # every stage fused by the same engine
     k = af.compile(bwd)               # BackwardKernel: k(x=..., saved_m=..., grad_y=...) -> grads
 
@@ -31,7 +32,35 @@ Saved values: every forward reduction the backward needs whose result does not r
 over the forward's fused axis (the per-row max and sum of a softmax, a layernorm's
 mean and variance) is written by the augmented forward and read by the backward as
 ``saved_<m|s|mn><k>``; reductions that do range over it (attention's scores) are
-recomputed. Saved max/min values must be finite: a fully masked row's ``-inf`` is
+recomputed. A forward *output* the backward reads back keeps its own name
+(``saved_kind[name] == "output"``: attention's ``o``), since the forward writes it anyway.
+
+Normal form against the saved values (``_Normal``; the FlashAttention-2 backward comes
+out of it, from plain attention, with nothing that names attention). Two places use it:
+
+1. The adjoint of a max (or min) is put in normal form; when it is identically 0 the
+   max's tie-routing branch is dropped. Softmax-shaped programs do not depend on the
+   shift by their max, and the normal form proves it: with ``p = exp(s - m)``,
+   ``l = sum_j p`` and ``o = sum_j(p * v) / l``, the adjoint of ``m`` is
+   ``-sum_j(p * (sum_e(g * v) * r(l) - sum_e(g * S * r(l)^2)))`` (``S = sum_j(p * v)``,
+   ``r`` the safe reciprocal). Linearity splits it; in the first sum, ``sum_j`` is swapped
+   with ``sum_e`` and the invariant ``g * r(l)`` factored out, which leaves
+   ``sum_j(p * v)``, recognised as the saved ``S``; in the second, the invariant
+   ``sum_e(...)`` is factored out and ``sum_j(p)`` is the saved ``l``; then
+   ``r(l)^2 * l = r(l)`` and the two monomials cancel.
+2. Each innermost reduction of a gradient (a contraction: its body holds no reduction)
+   is put in normal form and the forward outputs are recognised in it:
+   ``sum_e(g * S * r(l) * r(l))`` becomes ``r(l) * sum_e(g * o)``, since ``S * r(l)`` is
+   the output ``o = S / l``, which the forward has written. That is FlashAttention-2's
+   ``D_i = sum_j P_ij dP_ij = sum_e dO_ie O_ie``: a sum over the head dim instead of over
+   the keys, so ``dS = P * (dP - D)`` and dQ (a sum over keys) and dK, dV (sums over
+   queries) have no cascade, and the backward saves only the max, the sum and ``o``.
+   The form is adopted only where it does less work per element than the derivation's.
+
+The normal form's laws (linearity, factoring an invariant, Fubini for two sums whose
+bodies commute, ``r(x)^a * x^b = r(x)^(a-b)`` for ``a > b >= 1``) are exact over the
+reals; reading ``o`` for ``S * r(l)`` is exact wherever the forward's ``o`` is finite.
+Polynomials past ``_Normal.LIMIT`` monomials are left as derived. Saved max/min values must be finite: a fully masked row's ``-inf`` is
 passed as 0 (the forward's own convention; ``BackwardKernel`` does it).
 
 Numerics conventions (matching the forward's): where a divisor or a log argument
@@ -157,6 +186,262 @@ def _cmp(op, a, b):
     return Term(op, (a, b))
 
 
+# ---- normal form of backward terms against the saved values ---------------------------------------
+class _Normal:
+    """Sums of products over named axes, in a normal form that reads saved values.
+
+    A polynomial is ``{monomial: coefficient}``; a monomial is a sorted tuple of
+    ``(atom, exponent)``; an atom is any term that is not ``+ - * neg`` or a constant. A
+    reduction ``sum_a(body)`` is normalised monomial by monomial with these laws, each
+    general algebra over the reals (nothing here knows a workload):
+
+    - linearity: ``sum_a(f + g) = sum_a(f) + sum_a(g)``, ``sum_a(c * f) = c * sum_a(f)``;
+    - factor an invariant: ``sum_a(k * f) = k * sum_a(f)`` when ``k`` does not range over
+      ``a``; ``sum_a(k) = k * size(a)``;
+    - swap sums (Fubini): ``sum_a(f * sum_e(g)) = sum_e(sum_a(f * g))`` when ``f`` does not
+      range over ``e``, taken only when the new inner ``sum_a`` becomes a saved value (the
+      extraction criterion: read what the forward already wrote instead of reducing again);
+    - recognise a saved value: a reduction equal (in this normal form) to the backward's
+      recomputation of a saved forward reduction is that saved input;
+    - the safe reciprocal ``r(x) = where(x == 0, 0, 1 / x)``: ``r(x)^a * x^b = r(x)^(a-b)``
+      for ``a > b >= 1`` (both sides are 0 where ``x`` is 0);
+    - recognise a forward output ``o = a / b`` (``b`` a reduction): the factors ``P(a) * r(P(b))``
+      of a monomial, or of a sum's body plus invariant factors next to the sum, read ``o``
+      (exact wherever the forward output is finite).
+    """
+
+    def __init__(self, d: "_Deriv"):
+        self.d = d
+        self.memo: dict = {}
+        self._cands = None
+        self._outs = None
+
+    # -- polynomials ----------------------------------------------------------------------------
+    @staticmethod
+    def key(t: Term) -> str:
+        return t.sexpr()
+
+    def mono(self, factors: dict) -> tuple:
+        return tuple(sorted(((a, e) for a, e in factors.items() if e), key=lambda x: self.key(x[0])))
+
+    LIMIT = 256   # monomials per polynomial; beyond it the normal form is not attempted
+
+    @staticmethod
+    def padd(p: dict, q: dict, c: float = 1.0) -> dict:
+        out = dict(p)
+        for m, v in q.items():
+            out[m] = out.get(m, 0.0) + c * v
+            if out[m] == 0:
+                del out[m]
+        if len(out) > _Normal.LIMIT:
+            raise _TooBig()
+        return out
+
+    def pmul(self, p: dict, q: dict) -> dict:
+        out: dict = {}
+        for m1, c1 in p.items():
+            for m2, c2 in q.items():
+                f = dict(m1)
+                for a, e in m2:
+                    f[a] = f.get(a, 0) + e
+                m = self.canon(f)
+                out = self.padd(out, {m: c1 * c2})
+        return out
+
+    def canon(self, f: dict) -> tuple:
+        """The safe-reciprocal law on a monomial's factors."""
+        f = dict(f)
+        for a in list(f):
+            x = _recip_of(a)
+            if x is not None and x in f and a in f and f[a] > f[x] >= 1:
+                f[a] -= f[x]
+                del f[x]
+        return self.mono(f)
+
+    def atom(self, t: Term) -> dict:
+        return {self.mono({t: 1}): 1.0}
+
+    # -- terms -> polynomials -----------------------------------------------------------------
+    def poly(self, t: Term) -> dict:
+        if t in self.memo:
+            return self.memo[t]
+        op = t.op
+        v = _val(t)
+        if v is not None:
+            r = {(): v} if v != 0 else {}
+        elif op == "Add":
+            r = self.padd(self.poly(t.args[0]), self.poly(t.args[1]))
+        elif op == "Sub":
+            r = self.padd(self.poly(t.args[0]), self.poly(t.args[1]), -1.0)
+        elif op == "Neg":
+            r = self.padd({}, self.poly(t.args[0]), -1.0)
+        elif op == "Mul":
+            r = self.pmul(self.poly(t.args[0]), self.poly(t.args[1]))
+        elif op == "Sum" and t.args[0].op == "Ax":
+            r = self.psum(t.args[0].args[0], self.poly(t.args[1]))
+        else:
+            r = self.atom(t)
+        self.memo[t] = r
+        return r
+
+    def psum(self, ax: str, body: dict) -> dict:
+        axes_of = self.d.axes_of
+        out: dict = {}
+        for m, c in body.items():
+            inv = {a: e for a, e in m if ax not in axes_of(a)}
+            var = {a: e for a, e in m if ax in axes_of(a)}
+            if not var:
+                inv[Term("Size", (ax,))] = inv.get(Term("Size", (ax,)), 0) + 1
+                out = self.padd(out, {self.canon(inv): c})
+                continue
+            res = self.swap(ax, var)
+            if res is None:
+                st = Term("Sum", (Term("Ax", (ax,)), self.term({self.mono(var): 1.0})))
+                res = self.recognise(st)
+            out = self.padd(out, self.pmul({self.canon(inv): c}, res))
+        return out
+
+    def swap(self, ax: str, var: dict):
+        """``sum_ax(f * sum_e(g))`` as ``sum_e(sum_ax(f * g))`` when the inner sum is saved."""
+        axes_of = self.d.axes_of
+        for a, e in var.items():
+            if e != 1 or a.op != "Sum" or a.args[0].op != "Ax" or a.args[0].args[0] == ax:
+                continue
+            ea = a.args[0].args[0]
+            rest = {b: k for b, k in var.items() if b != a}
+            if any(ea in axes_of(b) for b in rest):
+                continue
+            inner = self.psum(ax, self.pmul({self.mono(rest): 1.0}, self.poly(a.args[1])))
+            if any(_has_red(self.term({m: 1.0}), ax) for m in inner):
+                continue
+            return self.psum(ea, inner)
+        return None
+
+    def candidates(self) -> dict:
+        """Normal form of the backward's recomputation of each savable forward sum -> the sum."""
+        if self._cands is None:
+            self._cands = {}
+            d = self.d
+            seen = set()
+            for e in d.prog.outputs.values():
+                for t in e.term.walk():
+                    if t in seen or t.op != "Sum" or t.args[0].op != "Ax" or not d.savable(t):
+                        continue
+                    seen.add(t)
+                    raw = Term("Sum", (t.args[0], d.P(t.args[1])))
+                    p = self.poly(raw)
+                    if len(p) == 1 and list(p.values())[0] == 1.0:
+                        (m,) = p
+                        if len(m) == 1 and m[0][1] == 1:
+                            self._cands.setdefault(m[0][0], t)
+            self.memo.clear()   # normal forms computed while the table was incomplete
+        return self._cands
+
+    def recognise(self, st: Term) -> dict:
+        t = self.candidates().get(st)
+        if t is None:
+            return self.atom(st)
+        return self.atom(self.d.P(t))
+
+    # -- forward outputs ------------------------------------------------------------------------
+    def outputs(self) -> list:
+        """(output name, factors of P(a) * r(P(b))) for outputs ``a / b`` that may be saved."""
+        if self._outs is None:
+            d = self.d
+            self._outs = []
+            for k, e in d.prog.outputs.items():
+                t = e.term
+                if t.op != "Div" or not d.from_red(t.args[1]) or d.fused is None or d.fused in e.axes:
+                    continue
+                if k in d.prog.tensors:
+                    continue
+                pa = self.poly(d.P(t.args[0]))
+                if len(pa) != 1 or list(pa.values())[0] != 1.0:
+                    continue
+                (m,) = pa
+                f = dict(m)
+                rb = d.safe_recip(t.args[1])
+                f[rb] = f.get(rb, 0) + 1
+                self._outs.append((k, f, e.axes))
+        return self._outs
+
+    def with_outputs(self, p: dict) -> dict:
+        out: dict = {}
+        for m, c in p.items():
+            out = self.padd(out, {self.read_outputs(dict(m)): c})
+        return out
+
+    def read_outputs(self, f: dict) -> tuple:
+        axes_of = self.d.axes_of
+        for a in list(f):   # inside a sum: its body plus factors invariant along its axis
+            if a.op == "Sum" and a.args[0].op == "Ax" and f.get(a) == 1:
+                ax = a.args[0].args[0]
+                body = self.poly(a.args[1])
+                if len(body) != 1:
+                    continue
+                (bm, bc), = body.items()
+                bf = dict(bm)
+                outside = {b: e for b, e in f.items() if b != a and ax not in axes_of(b)}
+                for k, pat, axes in self.outputs():
+                    need = {b: e - bf.get(b, 0) for b, e in pat.items() if e > bf.get(b, 0)}
+                    if all(outside.get(b, 0) >= e for b, e in need.items()):
+                        for b, e in need.items():
+                            bf[b] = bf.get(b, 0) + e
+                            f[b] -= e
+                        for b, e in pat.items():
+                            bf[b] -= e
+                        bf[self.d.output_input(k, axes)] = 1
+                        del f[a]
+                        new = Term("Sum", (a.args[0], self.term({self.mono(bf): bc})))
+                        f[new] = f.get(new, 0) + 1
+                        break
+        for k, pat, axes in self.outputs():
+            while all(f.get(b, 0) >= e for b, e in pat.items()):
+                for b, e in pat.items():
+                    f[b] -= e
+                o = self.d.output_input(k, axes)
+                f[o] = f.get(o, 0) + 1
+        return self.canon(f)
+
+    # -- polynomials -> terms -------------------------------------------------------------------
+    def term(self, p: dict) -> Term:
+        out = ZERO
+        for m, c in sorted(p.items(), key=lambda x: [self.key(a) + str(e) for a, e in x[0]]):
+            t = None
+            for a, e in m:
+                for _ in range(e):
+                    t = a if t is None else mul(t, a)
+            t = num(abs(c)) if t is None else mul(num(abs(c)), t)
+            out = add(out, t) if c > 0 else sub(out, t)
+        return out
+
+
+class _TooBig(Exception):
+    """A normal form past ``_Normal.LIMIT`` monomials: the caller keeps the term as it is."""
+
+
+def _recip_of(t: Term):
+    """``x`` when ``t`` is the safe reciprocal ``where(x == 0, 0, 1 / x)``."""
+    if (t.op == "Where" and t.args[0].op == "CmpEq" and _val(t.args[0].args[1]) == 0
+            and _val(t.args[1]) == 0 and t.args[2].op == "Div" and _val(t.args[2].args[0]) == 1
+            and t.args[2].args[1] == t.args[0].args[0]):
+        return t.args[0].args[0]
+    return None
+
+
+def _size(t: Term) -> int:
+    return 1 + sum(_size(c) for c in t.children)
+
+
+def _inner_work(t: Term) -> int:
+    """Nodes evaluated per element of some reduction (work inside reduction bodies)."""
+    n = 0
+    for s in t.walk():
+        if s.op in RED:
+            n += _size(s.args[1])
+    return n
+
+
 # ---- the backward program -------------------------------------------------------------------------
 class BackwardProgram(Program):
     """The vector-Jacobian product of ``forward`` (see the module docstring for the API)."""
@@ -209,6 +494,45 @@ class _Deriv:
         self.counts: dict = {}
         self.lmemo: dict = {}
         self.idx_inputs = index_inputs(prog)
+        self.saved_outputs: dict = {}   # forward outputs the backward reads (name -> axes)
+        self.normal = _Normal(self)
+
+    def output_input(self, k: str, axes) -> Term:
+        """The forward output ``k`` read as a saved value (same name, written by the forward)."""
+        self.saved_outputs[k] = tuple(axes)
+        self.tensors[k] = tuple(axes)
+        return Term("In", (k,))
+
+    def vanishes(self, t: Term) -> bool:
+        """``t`` is identically 0 in the normal form (e.g. the adjoint of a max the program is
+        invariant to: softmax-like programs do not depend on the shift by their max)."""
+        try:
+            return not self.normal.poly(t)
+        except (_TooBig, RecursionError):   # too large to decide: keep the full adjoint
+            return False
+
+    def simplify_output(self, t: Term) -> Term:
+        """Each innermost reduction (a sum whose body holds no reduction: a contraction such as
+        ``sum_e(grad_o * saved_s2 * r(l) * r(l))``) in normal form against the saved values and
+        outputs (-> ``r(l) * sum_e(grad_o * o)``), when that does less work per element."""
+        memo: dict = {}
+
+        def go(u: Term) -> Term:
+            if u in memo:
+                return memo[u]
+            if u.op == "Sum" and u.args[0].op == "Ax" and not any(s.op in RED for s in u.args[1].walk()):
+                try:
+                    nf = self.normal.term(self.normal.with_outputs(self.normal.poly(u)))
+                except (_TooBig, RecursionError):
+                    nf = u
+                r = nf if nf != u and _inner_work(nf) < _inner_work(u) else u
+            elif u.children:
+                r = Term(u.op, tuple(go(a) if isinstance(a, Term) else a for a in u.args))
+            else:
+                r = u
+            memo[u] = r
+            return r
+        return go(t)
 
     def ordered(self, axes) -> tuple:
         return tuple(sorted(axes, key=self.order.__getitem__))
@@ -298,6 +622,8 @@ class _Deriv:
                 continue
             if t.op == "In":
                 grads[t.args[0]] = adj
+                continue
+            if t.op in ("RMax", "RMin") and self.vanishes(adj):
                 continue
             for child, c in self.local(t, adj):
                 if not self.live(child):
@@ -487,19 +813,27 @@ def backward(prog) -> BackwardProgram:
             continue
         if _val(g) is not None:   # a constant gradient: give it the input's axes
             g = mul(g, where(_cmp("CmpGe", Term("Idx", (axes[0],)), ZERO), ONE, ZERO))
-        outputs[gname] = _expr(d, g)
+        outputs[gname] = _expr(d, d.simplify_output(g))
         grads[name] = gname
     if not outputs:
         raise BackwardError(f"program {prog.name!r}: no float input reaches an output, so every gradient "
                             "is zero; there is nothing to differentiate")
+    used = {s.args[0] for e in outputs.values() for s in e.term.walk() if s.op == "In"}
     aug_out = dict(prog.outputs)
+    saved_kind = {}
     for t, name in d.saved.items():
-        aug_out[name] = Expr(t, d.tensors[name], dict(prog.tensors))
-    augmented = Program(prog.name + "_fwd", aug_out) if d.saved else prog
-    saved = {name: d.tensors[name] for name in d.saved.values()}
+        if name in used:
+            aug_out[name] = Expr(t, d.tensors[name], dict(prog.tensors))
+            saved_kind[name] = d.saved_kind[name]
+    augmented = Program(prog.name + "_fwd", aug_out) if saved_kind else prog
+    saved = {name: d.tensors[name] for name in saved_kind}
+    for k, axes in d.saved_outputs.items():   # forward outputs read back (written anyway)
+        if k in used:
+            saved[k] = axes
+            saved_kind[k] = "output"
     tensor_order = _tensor_order(prog, idx_inputs, saved, cot_axes)
     stages = _stages(prog.name + "_bwd", outputs, tensor_order)
-    bwd = BackwardProgram(prog.name + "_bwd", outputs, prog, augmented, saved, d.saved_kind, cot_axes,
+    bwd = BackwardProgram(prog.name + "_bwd", outputs, prog, augmented, saved, saved_kind, cot_axes,
                           grads, zero, idx_inputs, stages, dict(prog.tensors))
     bwd.tensors = {n: bwd.tensors[n] for n in tensor_order if n in bwd.tensors}
     return bwd
@@ -530,13 +864,46 @@ def _inner_axis(t: Term):
     red = _red_axes(t)
     if len(red) <= 1:
         return red[0] if red else None
-    inner = []
+    inner, nested = [], set()
     for s in t.walk():
         if s.op in RED and s.args[0].op == "Ax":
+            nested.update(u for u in s.args[1].walk() if u.op in RED and u.args[0].op == "Ax")
             for a in _red_axes(s.args[1]):
                 if a != s.args[0].args[0] and a not in inner:
                     inner.append(a)
+    # a contraction (a sum whose body holds no reduction, e.g. sum_d(q * k) inside
+    # sum_j(...)) is computed inside the fused loop's body; it does not pick the axis
+    fused = [a for a in inner if not all(_is_contraction(u) for u in nested if u.args[0].args[0] == a)]
+    if len(fused) == 1:
+        return fused[0]
+    if not fused:
+        top = []
+        for s in t.walk():
+            if s.op in RED and s.args[0].op == "Ax" and s not in nested and s.args[0].args[0] not in top:
+                top.append(s.args[0].args[0])
+        if len(top) == 1:
+            return top[0]
     return inner[0] if len(inner) == 1 else red[0]
+
+
+def _is_contraction(t: Term) -> bool:
+    return t.op == "Sum" and not any(s.op in RED for s in t.args[1].walk())
+
+
+class Stage(Program):
+    """One stage of a backward program: the outputs one kernel computes, fused over ``axis``.
+
+    Its reductions over other axes (``sum_d(q * k)``, ``sum_e(grad_o * v)``) are contractions
+    inside the fused loop's body, so ``reduced_axes`` names only the fused axis: that is the
+    axis ``af.fuse``/``af.compile`` pick for it when none is given."""
+
+    def __init__(self, name, outputs, axis):
+        super().__init__(name, outputs)
+        self.axis = axis
+
+    def reduced_axes(self) -> list:
+        red = super().reduced_axes()
+        return [self.axis] if self.axis in red else red
 
 
 def _stages(name, outputs: dict, tensor_order) -> list:
@@ -563,7 +930,7 @@ def _stages(name, outputs: dict, tensor_order) -> list:
             ax = outputs[k0].axes[-1]
             carrier = Term("Sum", (Term("Ax", (ax,)), Term("Mul", (outputs[k0].term, ZERO))))
             outs["carrier_"] = Expr(carrier, tuple(x for x in outputs[k0].axes if x != ax), outputs[k0].tensors)
-        p = Program(f"{name}_{a}" if a else name, outs)
+        p = Stage(f"{name}_{a}" if a else name, outs, a)
         p.tensors = {n: p.tensors[n] for n in tensor_order if n in p.tensors}
         stages.append(p)
     return stages
