@@ -5,11 +5,12 @@ code with the fused path (no states, no rules, no codegen), so comparing a kerne
 against it checks the whole pipeline.
 
 Conventions for fully masked data (the same ones the kernels document, README
-"Numerics"): IEEE semantics, except that an empty max reduction (-inf) reads as 0
-where it is subtracted (its sign inside an enclosing difference is negative,
-through ``+ - neg`` and products with a constant), an empty min (+inf) reads as 0
-where it is added inside a difference, and a division by a value computed from a
-reduction gives 0 when both sides are 0.
+"Numerics"): IEEE semantics, except that a value built only from reductions (an
+empty max, a logsumexp or mean of a fully masked row) that is -inf reads as 0 where
+it is subtracted (its sign inside an enclosing difference is negative, through
+``+ - neg`` and products with a constant), an empty min (+inf) reads as 0 where it
+is added inside a difference, and a division by a value computed from a reduction
+gives 0 when both sides are 0.
 """
 from __future__ import annotations
 
@@ -54,6 +55,22 @@ def _fin(v: _V, pol):
     return v.a
 
 
+def _row_only(t: Term) -> bool:
+    """A value built only from reductions and constants (a per-row value of the program)."""
+    found = [False]
+
+    def walk(u):
+        if u.op in ("Sum", "RMax", "RMin"):
+            found[0] = True
+            return True
+        if u.op in ("Num", "Size"):
+            return True
+        if u.op in ("In", "Idx", "Take"):
+            return False
+        return all(walk(c) for c in u.children)
+    return walk(t) and found[0]
+
+
 def _pols(t: Term, pol):
     """Signs of the operands of ``t`` inside an enclosing difference (None outside one)."""
     op = t.op
@@ -90,7 +107,12 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
         key = (t, pol)
         if key in memo:
             return memo[key]
-        r = _ev(t, pol)
+        if masked_conventions and pol == "-" and _row_only(t):
+            # a subtracted value built only from reductions that is -inf reads as 0
+            v = ev(t, None)
+            r = _V(np.where(v.a == -np.inf, 0.0, v.a), v.axes, red=True, ext=v.ext)
+        else:
+            r = _ev(t, pol)
         memo[key] = r
         return r
 

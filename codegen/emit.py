@@ -89,12 +89,18 @@ class Emitter:
         canon = getattr(self.ctx, "canon", None)
         if canon is not None:
             t = canon(t)
-        if t.op != "St" and not _carries_pol(t):
-            pol = None   # polarity only matters where it can reach an extremum state
+        if t.op != "St" and not _carries_pol(t) and not (pol == "-" and _row_only(t)):
+            pol = None   # polarity only matters where it can reach a per-row value
         key = (t, pol)
         if key in self.cache:
             return self.cache[key]
-        out = self._emit(t, pol)
+        if pol == "-" and t.op != "St" and _row_only(t):
+            # a subtracted per-row value built only from reductions that is -inf (a fully
+            # masked row reaching it) reads as 0, like an empty max (module docstring)
+            e, sh = self.emit(t)
+            out = self.bind(f"_fin_max({e})", sh, "f")
+        else:
+            out = self._emit(t, pol)
         self.cache[key] = out
         return out
 
@@ -116,7 +122,9 @@ class Emitter:
             return repr(v), "scalar"
         if op == "St":
             name, shape = ctx.state_var(t.args[0], t.args[1], pol)
-            kind = ctx.g.ops.get(t.args[0]) if ctx.is_extremum(t.args[0]) else None
+            kind = ctx.g.ops.get(t.args[0])
+            if pol == "-":
+                kind = "max"    # any subtracted per-row value from reductions: -inf reads as 0
             if (kind == "max" and pol == "-") or (kind == "min" and pol == "+"):
                 # an empty max (min) bounds the shift as 0: never -inf - -inf
                 return self.bind(f"_fin_{kind}({name})", shape, "f")
@@ -252,6 +260,25 @@ _POL_OPS = frozenset(("Add", "Sub", "Neg", "Mul", "Div"))
 
 def _carries_pol(t: Term) -> bool:
     return t.op in _POL_OPS
+
+
+_ROW_LEAVES = frozenset(("St", "Sum", "RMax", "RMin"))
+
+
+def _row_only(t: Term) -> bool:
+    """A per-row value built only from reductions (states, tile reductions) and constants."""
+    found = [False]
+
+    def walk(u):
+        if u.op in _ROW_LEAVES:
+            found[0] = True
+            return True
+        if u.op in ("Num", "Cnt", "Size"):
+            return True
+        if u.op in ("Elm", "Par", "In", "Idx", "Take"):
+            return False
+        return all(walk(c) for c in u.children)
+    return walk(t) and found[0]
 
 
 def _scale_log2e(t: Term, ctx) -> Term:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from acefuse.rewrite.terms import Term, reblock, A, B, U
-from acefuse.codegen.emit import _child_pols
+from acefuse.codegen.emit import _child_pols, _row_only
 
 FINITE_LIMIT = 1e30
 ACCURACY_REL = 1e-2      # a form is inaccurate when it is off by more than this (relative, at least 1)
@@ -73,6 +73,9 @@ class _Eval:
     def ev(self, t: Term, elems, pol):
         """Value of ``t``: (ROWS,) outside a reduction, (ROWS, |elems|) inside one."""
         op, dt = t.op, self.dt
+        if pol == "-" and op != "St" and _row_only(t):   # the kernels' convention (codegen/emit.py)
+            v = self.ev(t, elems, None)
+            return np.where(v == -np.inf, dt(0), v)
         if op == "Num":
             return dt(t.args[0])
         if op == "Elm":
@@ -87,7 +90,7 @@ class _Eval:
             q = t.args[0]
             v = self.state(q, t.args[1]).astype(dt)
             kind = self.defs[q].op
-            if kind == "max" and pol == "-":
+            if pol == "-":
                 v = np.where(v == -np.inf, dt(0), v)
             elif kind == "min" and pol == "+":
                 v = np.where(v == np.inf, dt(0), v)
