@@ -51,6 +51,7 @@ class _Eval:
         self.blocks: dict = {}            # block key -> index array
         self.states: dict = {}            # (q, block key) -> (ROWS,) value
         self._defmemo: dict = {}
+        self.known: frozenset = frozenset()   # states final from earlier passes: read over J
 
     def key(self, blk: Term) -> str:
         if blk.op == "BU":
@@ -67,7 +68,8 @@ class _Eval:
         # not supplied: its definition over that block (references, or the float64 reference)
         mk = (q, self.key(blk), tuple(self.idx(blk)) if self.key(blk) in self.blocks else None)
         if mk not in self._defmemo:
-            self._defmemo[mk] = self.ev(reblock(self.defs[q].definition, blk), None, None)
+            d = _finals(self.defs[q].definition, self.known)
+            self._defmemo[mk] = self.ev(reblock(d, blk), None, None)
         return self._defmemo[mk]
 
     def ev(self, t: Term, elems, pol):
@@ -147,6 +149,17 @@ class _Eval:
         raise ValueError(f"simulate: no evaluation for operator {op}")
 
 
+def _finals(t: Term, known) -> Term:
+    """A definition with the states of earlier passes read as final values (over J)."""
+    if not known:
+        return t
+    if t.op == "St" and t.args[0] in known:
+        return Term("St", (t.args[0], Term("BJ")))
+    if not t.children:
+        return t
+    return Term(t.op, tuple(_finals(a, known) if isinstance(a, Term) else a for a in t.args))
+
+
 def _samples(enc, seed):
     rng = np.random.default_rng(seed)
     n = sum(TILES)
@@ -191,8 +204,12 @@ def failures(enc, p, forms: dict, kind: str, seed: int = 0) -> dict:
         ref = _Eval(enc, elm, par, np.float64)
         ref.blocks = {"A": whole, "J": whole}
         truth = {s.name: ref.state(s.name, A) for s in p.states}
-        finals = {k: ref.state(k, A) for k in p.known}
+        # states finished in earlier passes, as the kernel has them: computed in float32
+        early = _Eval(enc, elm, par, np.float32)
+        early.blocks = {"A": whole, "J": whole}
+        finals = {k: early.state(k, A) for k in p.known}
         ev = _Eval(enc, elm, par, np.float32)
+        ev.known = frozenset(p.known)
         for k, v in finals.items():
             ev.states[(k, "J")] = v
         names = [s.name for s in p.states]
