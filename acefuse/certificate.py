@@ -38,7 +38,8 @@ from acefuse.proofs.certify import Certificate, StateDef, certify_claim, Unsuppo
 
 J = Term("BJ")
 AB = U(A, B)
-_STRUCTURAL = {"Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh",
+_STRUCTURAL = {"Erf", "Sigmoid", "Softplus", "Log1p", "Expm1", "Floor", "Ceil", "Round", "FloorDiv", "Mod",
+               "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr", "Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh",
                "Max2", "Min2", "Pow", "Where", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe",
                "LAnd", "LOr", "LNot"}
 _MEMO: dict = {}

@@ -8,6 +8,30 @@
 Broadcasting is by axis name: a tensor with axes "j" combines with one with axes
 "r j". Every expression wraps one program-level ``Term`` (rewrite/terms.py); a
 reduction is ``Sum/RMax/RMin(Ax(axis), body)``.
+
+Functions: ``erf``, ``sigmoid``, ``softplus``, ``log1p``, ``expm1`` are computed without
+overflow or cancellation (sigmoid as ``e / (1 + e)``, ``e = exp(-|x|)``, for x < 0;
+softplus as ``max(x, 0) + log1p(exp(-|x|))``; log1p, expm1 and softplus in float64 in
+the kernel, then rounded: within 1 ulp of float32; erf and sigmoid in float32, a few ulp,
+about ``|x| * 6e-8`` relative for sigmoid on a GPU, whose exp is approximate).
+``floor``, ``ceil``, ``round`` (ties to even, as torch) keep NaN and infinities.
+
+Integer arithmetic: ``//``, ``%``, ``&``, ``|``, ``^``, ``~``, ``<<``, ``>>`` take integer
+expressions (``rewrite.terms.is_integer``: indices, sizes, integer constants, comparisons,
+floor/ceil/round/cast results, and ``+ - *``, abs, max/min, where of those) and are exact:
+kernels compute them in int64 (``af.index("j") * 16777217 % 2`` is right, where float32
+would not be). ``//`` and ``%`` round toward -inf as Python and torch do (``-7 // 2 == -4``,
+``-7 % 3 == 2``); bitwise operators are two's complement; ``<<`` wraps in int64 like
+torch. Where the result is undefined (``a // 0``, ``a % 0``, a shift count outside 0..63,
+an operand that is NaN, infinite or beyond int64) it is NaN. An integer result that leaves
+integer arithmetic becomes a float (exact below 2**24 in float32 outputs). On real values
+use ``floor(a / b)`` or round first: ``x // 2`` on a float tensor is refused. ``&``, ``|``
+and ``~`` stay logical on booleans (comparisons) and on real values.
+
+Casts: ``cast(x, "int32" | "int64")`` truncates toward zero (as ``x.to(torch.int32)``)
+and gives NaN where ``x`` is NaN, infinite or outside the type; the result is an integer
+expression. Input tensors are read as floats, so an integer-valued input is exact up to
+2**24.
 """
 from __future__ import annotations
 
@@ -15,7 +39,7 @@ import builtins
 import math
 import re
 
-from acefuse.rewrite.terms import Term, pretty
+from acefuse.rewrite.terms import Term, pretty, is_integer, BOOLEAN, CAST_LIMITS
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = _AXIS
@@ -55,11 +79,44 @@ class Expr:
     def __le__(self, o): return self._bin(o, "CmpLe")
     def __gt__(self, o): return self._bin(o, "CmpGt")
     def __ge__(self, o): return self._bin(o, "CmpGe")
-    def __and__(self, o): return self._bin(o, "LAnd")
-    def __rand__(self, o): return self._bin(o, "LAnd", True)
-    def __or__(self, o): return self._bin(o, "LOr")
-    def __ror__(self, o): return self._bin(o, "LOr", True)
-    def __invert__(self): return _unary("LNot", self)
+    # ``&``, ``|``, ``~`` are logical on booleans (and on float values: nonzero is true) and
+    # bitwise on integer expressions (indices, integer constants, af.floor/cast results, ...)
+    def __and__(self, o): return self._logic(o, "LAnd", "BitAnd")
+    def __rand__(self, o): return self._logic(o, "LAnd", "BitAnd", True)
+    def __or__(self, o): return self._logic(o, "LOr", "BitOr")
+    def __ror__(self, o): return self._logic(o, "LOr", "BitOr", True)
+    def __xor__(self, o): return _intop("BitXor", self, o)
+    def __rxor__(self, o): return _intop("BitXor", o, self)
+    def __floordiv__(self, o): return _intop("FloorDiv", self, o)
+    def __rfloordiv__(self, o): return _intop("FloorDiv", o, self)
+    def __mod__(self, o): return _intop("Mod", self, o)
+    def __rmod__(self, o): return _intop("Mod", o, self)
+    def __lshift__(self, o): return _intop("Shl", self, o)
+    def __rlshift__(self, o): return _intop("Shl", o, self)
+    def __rshift__(self, o): return _intop("Shr", self, o)
+    def __rrshift__(self, o): return _intop("Shr", o, self)
+
+    def __abs__(self): return abs(self)
+    def __floor__(self): return floor(self)
+    def __ceil__(self): return ceil(self)
+
+    def __round__(self, ndigits=None):
+        if ndigits is not None:
+            raise LanguageError(f"round(`{self}`, {ndigits!r}): only rounding to an integer is supported; "
+                                "scale first, e.g. af.round(x * 100) / 100")
+        return round(self)
+
+    def __invert__(self):
+        if is_integer(self.term) and self.term.op not in BOOLEAN:
+            return _intop("BitNot", self)
+        return _unary("LNot", self)
+
+    def _logic(self, o, logical, bitwise, swap=False):
+        o = _lift(o)
+        a, b = (o, self) if swap else (self, o)
+        if all(is_integer(e.term) and e.term.op not in BOOLEAN for e in (a, b)):
+            return _intop(bitwise, a, b)
+        return _combine(logical, a, b)
 
     def eq(self, o):
         """Elementwise ``==`` (Python's ``==`` keeps its usual meaning on expressions)."""
@@ -173,6 +230,54 @@ def index(axis: str) -> Expr:
     return Expr(Term("Idx", (axis,)), (axis,), {})
 
 
+# ---- integer arithmetic ---------------------------------------------------------------------
+_INT_SYM = {"FloorDiv": "//", "Mod": "%", "BitAnd": "&", "BitOr": "|", "BitXor": "^", "Shl": "<<",
+            "Shr": ">>", "BitNot": "~"}
+
+
+def _fold_int(op, vals):
+    """The value of an integer operator on integer constants (Python semantics), or None
+    where it is undefined (the kernel's NaN)."""
+    a = builtins.int(vals[0])
+    if op == "BitNot":
+        return float(~a)
+    b = builtins.int(vals[1])
+    if op in ("FloorDiv", "Mod") and b == 0:
+        return None
+    if op in ("Shl", "Shr") and not 0 <= b < 64:
+        return None
+    r = {"FloorDiv": lambda: a // b, "Mod": lambda: a % b, "BitAnd": lambda: a & b,
+         "BitOr": lambda: a | b, "BitXor": lambda: a ^ b, "Shr": lambda: a >> b,
+         "Shl": lambda: (a << b) & (2 ** 64 - 1)}[op]()
+    if op == "Shl" and r >= 2 ** 63:
+        r -= 2 ** 64   # int64 wraps, as in the kernel and in torch
+    return float(r)
+
+
+def _intop(op, *operands) -> Expr:
+    """An integer operator; its operands must be integer expressions (module docstring of
+    rewrite/terms.py: ``is_integer``), and it is exact: int64 in the kernel."""
+    xs = [_lift(x) for x in operands]
+    sym = _INT_SYM[op]
+    for x in xs:
+        if not is_integer(x.term):
+            shown = f"{sym}`{xs[0]}`" if len(xs) == 1 else f"`{xs[0]}` {sym} `{xs[1]}`"
+            raise LanguageError(
+                f"{shown}: operand `{x}` is not an integer expression; the operators // % & | ^ << >> "
+                "are exact integer arithmetic on indices (af.index), sizes, integer constants and "
+                "rounded values. Round it first: af.floor(x), af.round(x), af.cast(x, 'int32') "
+                "(or use af.floor(a / b) for a floor division of real values)")
+    if op in ("FloorDiv", "Mod") and xs[1].term.op == "Num" and xs[1].term.args[0] == 0:
+        raise LanguageError(f"`{xs[0]}` {sym} 0: division by the constant zero")
+    if op in ("Shl", "Shr") and xs[1].term.op == "Num" and not 0 <= xs[1].term.args[0] < 64:
+        raise LanguageError(f"`{xs[0]}` {sym} {xs[1]}: a shift count must be in 0..63")
+    if all(x.term.op == "Num" for x in xs):
+        v = _fold_int(op, [x.term.args[0] for x in xs])
+        if v is not None:
+            return _lift(v)
+    return _combine(op, *xs)
+
+
 # ---- elementwise ------------------------------------------------------------------------
 def exp(x): return _unary("Exp", x)
 def log(x): return _unary("Log", x)
@@ -180,6 +285,89 @@ def sqrt(x): return _unary("Sqrt", x)
 def rsqrt(x): return _unary("Rsqrt", x)
 def abs(x): return _unary("Abs", x)  # noqa: A001 - mirrors numpy/torch naming
 def tanh(x): return _unary("Tanh", x)
+
+
+def _fn(op, x, fold):
+    x = _lift(x)
+    if x.term.op == "Num":   # a constant: its value (kernels never see a function of a literal)
+        v = x.term.args[0]
+        try:
+            return _lift(fold(v))
+        except (OverflowError, ValueError):
+            return _lift(math.nan)
+    return _unary(op, x)
+
+
+def _sigmoid(v):
+    if v >= 0:
+        return 1.0 / (1.0 + math.exp(-v))
+    e = math.exp(v)
+    return e / (1.0 + e)
+
+
+def _softplus(v):
+    return builtins.max(v, 0.0) + math.log1p(math.exp(-builtins.abs(v))) if math.isfinite(v) else \
+        (v if v > 0 else 0.0 if v < 0 else v)
+
+
+def _round_even(v):
+    return float(builtins.round(v)) if math.isfinite(v) else v
+
+
+def erf(x):
+    """The error function (exact GELU: ``x * 0.5 * (1 + af.erf(x / math.sqrt(2)))``)."""
+    return _fn("Erf", x, math.erf)
+
+
+def sigmoid(x):
+    """``1 / (1 + exp(-x))``, computed without overflow (``exp(x) / (1 + exp(x))`` for x < 0)."""
+    return _fn("Sigmoid", x, _sigmoid)
+
+
+def softplus(x):
+    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))``: no overflow, no cancellation."""
+    return _fn("Softplus", x, _softplus)
+
+
+def log1p(x):
+    """``log(1 + x)``, accurate for tiny ``x``."""
+    return _fn("Log1p", x, lambda v: math.log1p(v) if v > -1 else (-math.inf if v == -1 else math.nan))
+
+
+def expm1(x):
+    """``exp(x) - 1``, accurate for tiny ``x``."""
+    return _fn("Expm1", x, lambda v: math.expm1(v) if v < 710 else math.inf)
+
+
+def floor(x):
+    """The largest integer <= x (an integer expression; NaN and infinities pass through)."""
+    return _fn("Floor", x, lambda v: float(math.floor(v)) if math.isfinite(v) else v)
+
+
+def ceil(x):
+    """The smallest integer >= x (an integer expression; NaN and infinities pass through)."""
+    return _fn("Ceil", x, lambda v: float(math.ceil(v)) if math.isfinite(v) else v)
+
+
+def round(x):  # noqa: A001 - mirrors torch.round
+    """x rounded to the nearest integer, ties to even (as torch.round and Python's round)."""
+    return _fn("Round", x, _round_even)
+
+
+def cast(x, dtype="int32"):
+    """``x`` converted to an integer type, ``"int32"`` or ``"int64"``: truncated toward zero
+    (as ``x.to(torch.int32)`` and C casts). The result is an integer expression; where
+    ``x`` is NaN, infinite or outside the type's range the result is NaN (never a
+    wrapped value). Values stay numbers in acefuse: an output is still a float."""
+    if dtype not in CAST_LIMITS:
+        raise LanguageError(f"cast(`{_lift(x)}`, {dtype!r}): the integer type must be one of "
+                            f"{sorted(CAST_LIMITS)}")
+    x = _lift(x)
+    if x.term.op == "Num":
+        v, lim = x.term.args[0], CAST_LIMITS[dtype]
+        t = float(math.trunc(v)) if math.isfinite(v) else math.nan
+        return _lift(t if -lim <= t < lim else math.nan)
+    return Expr(Term("Cast", (x.term, dtype)), x.axes, x.tensors)
 
 
 def maximum(a, b):
@@ -268,6 +456,11 @@ class Program:
         self.tensors = _merge_tensors(*self.outputs.values())
         if not self.tensors:
             raise LanguageError(f"program {name!r} reads no input tensor")
+        clash = sorted(set(self.tensors) & set(self.outputs))
+        if clash:
+            raise LanguageError(f"program {name!r}: {', '.join(map(repr, clash))} names both an input tensor "
+                                "and an output; kernels take inputs and outputs as arguments of one "
+                                f"function, so rename the output (e.g. {clash[0] + '_out'}=...)")
         self.axes = axis_order(self.tensors)
         # outputs list their axes in the program's axis order (b h i e), not in the order
         # operands or outputs happened to be combined

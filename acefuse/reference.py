@@ -187,6 +187,12 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
                 r = np.tanh(arrs[0])
             elif op == "Pow":
                 r = np.power(arrs[0], float(t.args[1]))
+            elif op in _FUNCS:
+                r = _FUNCS[op](arrs[0])
+            elif op == "Cast":
+                r = _cast(arrs[0], t.args[1])
+            elif op in _INTS:
+                r = _int_op(op, arrs)
             elif op == "Where":
                 r = np.where(arrs[0] != 0, arrs[1], arrs[2])
             elif op in ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe"):
@@ -212,6 +218,61 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
         shape = [sizes[a] for a in e.axes]
         out[k] = np.broadcast_to(arr, shape).copy() if shape else np.asarray(arr)
     return out
+
+
+# ---- functions, rounding and integer arithmetic (float64 / exact int64) -----------------------
+def _erf(a):
+    from scipy.special import erf
+    return erf(a)
+
+
+def _sigmoid(a):
+    e = np.exp(-np.abs(a))
+    return np.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _round(a):
+    return np.round(a)   # ties to even, as torch.round
+
+
+_FUNCS = {"Erf": _erf, "Sigmoid": _sigmoid, "Softplus": lambda a: np.logaddexp(0.0, a),
+          "Log1p": np.log1p, "Expm1": np.expm1, "Floor": np.floor, "Ceil": np.ceil, "Round": _round}
+_INTS = ("FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")
+
+
+def _cast(a, dtype):
+    from acefuse.rewrite.terms import CAST_LIMITS
+    lim = CAST_LIMITS[dtype]
+    t = np.trunc(a)
+    return np.where((t >= -lim) & (t < lim), t, np.nan)
+
+
+def _int_op(op, arrs):
+    """Exact int64 arithmetic on integer-valued float64 operands (Python's floor semantics
+    for // and %); NaN where an operand is not a finite int64 or the operation is undefined."""
+    arrs = np.broadcast_arrays(*arrs)
+    ok = np.ones(arrs[0].shape, dtype=bool)
+    ints = []
+    for x in arrs:
+        good = np.isfinite(x) & (np.abs(x) < 2.0 ** 63)
+        ok &= good
+        ints.append(np.where(good, x, 0).astype(np.int64))
+    a = ints[0]
+    if op == "BitNot":
+        r = ~a
+    else:
+        b = ints[1]
+        if op in ("FloorDiv", "Mod"):
+            ok &= b != 0
+            bs = np.where(b == 0, 1, b)
+            r = np.floor_divide(a, bs) if op == "FloorDiv" else np.mod(a, bs)
+        elif op in ("Shl", "Shr"):
+            ok &= (b >= 0) & (b < 64)
+            bs = np.where((b >= 0) & (b < 64), b, 0)
+            r = np.left_shift(a, bs) if op == "Shl" else np.right_shift(a, bs)
+        else:
+            r = {"BitAnd": np.bitwise_and, "BitOr": np.bitwise_or, "BitXor": np.bitwise_xor}[op](a, b)
+    return np.where(ok, r.astype(np.float64), np.nan)
 
 
 def random_inputs(prog, sizes: dict, dtype=None, seed=None, scale=3.0, device="cpu"):

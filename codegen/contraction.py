@@ -302,14 +302,17 @@ class ContractionGen:
                     sites.append((name, t.args[0]))
         return sites
 
+    # what interval() and truth() can bound: anything else keeps the mask per element (no skip)
+    _INTERVAL_OPS = frozenset(("Num", "Idx", "Size", "Neg", "Add", "Sub", "Mul", "Abs", "FloorDiv",
+                               "LAnd", "LOr", "LNot", "CmpLt", "CmpLe", "CmpGt", "CmpGe"))
+
     def _interval_ok(self, c: Term) -> bool:
         for t in c.walk():
-            if t.op in ("In", "Take", "Sum", "RMax", "RMin", "Exp", "Log", "Tanh", "Div", "Sqrt", "Rsqrt",
-                        "Pow", "Where", "Size", "Max2", "Min2"):
-                if t.op == "Size":
-                    continue
+            if t.op not in self._INTERVAL_OPS:
                 return False
             if t.op == "Mul" and not any(x.op == "Num" for x in t.args):
+                return False
+            if t.op == "FloorDiv" and not (t.args[1].op == "Num" and float(t.args[1].args[0]) > 0):
                 return False
             if t.op == "Idx" and t.args[0] not in (self.axis,) + tuple(self.R) + tuple(self.G):
                 return False
@@ -408,6 +411,10 @@ class ContractionGen:
             lo, hi = self.interval(t.args[0], L)
             return (f"tl.where({lo} >= 0, {lo}, tl.where({hi} <= 0, -{hi}, 0.0))",
                     f"tl.maximum(tl.abs({lo}), tl.abs({hi}))")
+        if op == "FloorDiv":   # by a positive constant: monotone (exact for indices below 2**24)
+            lo, hi = self.interval(t.args[0], L)
+            c = repr(float(t.args[1].args[0]))
+            return f"tl.floor({lo} / {c})", f"tl.floor({hi} / {c})"
         raise CodegenError(f"interval of {op}")
 
     def truth(self, c: Term, L: list):

@@ -18,7 +18,7 @@ Numerics conventions (documented in README.md). IEEE semantics everywhere, excep
 """
 from __future__ import annotations
 
-from acefuse.rewrite.terms import Term, pretty
+from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN, CAST_LIMITS
 
 _BIN = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
 _CMP = {"CmpLt": "<", "CmpLe": "<=", "CmpGt": ">", "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!="}
@@ -178,6 +178,14 @@ class Emitter:
         if op == "Tanh":
             a, sa = self.emit(t.args[0])
             return self.bind(f"_tanh({a})", sa)
+        if op in _FUNCS:
+            return self._function(t)
+        if op in INT_OPS:
+            r, s, bad = self.emit_int(t)
+            f = f"({r}).to(tl.float32)"
+            if bad is not None:
+                f = f"tl.where({bad}, float('nan'), {f})"
+            return self.bind(f, s, "i")
         if op == "Pow":
             a, sa = self.emit(t.args[0])
             p = float(t.args[1])
@@ -197,6 +205,150 @@ class Emitter:
             return self.bind(f"tl.where({args})", s)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}` (operator {op}) in the row kernel "
                            "family; rewrite the program without it or report the operator")
+
+    # -- special functions and rounding (float32 values; see _FUNCS) ---------------------------
+    def _function(self, t: Term):
+        op, arg = t.op, t.args[0]
+        if arg.op == "Num" and not isinstance(arg.args[0], Term):
+            from acefuse import lang   # a function of a literal: its value
+            v = lang._lift(arg.args[0])
+            v = lang.cast(v, t.args[1]) if op == "Cast" else getattr(lang, _FUNCS[op])(v)
+            return self.emit(v.term)
+        a, sa = self.emit(arg)
+        b = lambda e, h="u": self._once(e, sa, h)   # noqa: E731 - one temporary of a's shape
+        if op == "Erf":
+            return self.bind(f"tl.erf({a})", sa)
+        if op == "Sigmoid":
+            # exp of -|a| never overflows; a < 0 uses e / (1 + e), exact to a few ulp for large -a
+            self.comment(f"sigmoid({pretty(arg)}): 1 / (1 + e) where the argument is >= 0, else e / (1 + e), "
+                         "with e = exp(-|argument|) <= 1")
+            e = b(f"tl.exp(-tl.abs({a}))")
+            return self.bind(f"tl.where({a} >= 0, 1.0 / (1.0 + {e}), {e} / (1.0 + {e}))", sa)
+        if op in ("Log1p", "Expm1", "Softplus"):
+            # computed in float64, then rounded to float32: error <= 1 ulp of float32 (a 3-term
+            # series where |w| < 1e-5, else log(1 + w) / exp(w) - 1 with >= 36 good bits)
+            self.comment(f"{_FUNCS[op]}({pretty(arg)}) in float64: a series for tiny arguments, no cancellation")
+            w = b(f"({a}).to(tl.float64)", "w")
+            if op == "Log1p":
+                return self.bind(f"tl.where(tl.abs({w}) < 1e-5, {w} * (1.0 - {w} * (0.5 - {w} * "
+                                 f"0.3333333333333333)), tl.log(1.0 + {w})).to(tl.float32)", sa)
+            if op == "Expm1":
+                return self.bind(f"tl.where(tl.abs({w}) < 1e-5, {w} * (1.0 + {w} * (0.5 + {w} * "
+                                 f"0.16666666666666666)), tl.exp({w}) - 1.0).to(tl.float32)", sa)
+            # softplus(w) = max(w, 0) + log1p(exp(-|w|)): no overflow, no cancellation
+            e = b(f"tl.exp(-tl.abs({w}))", "w")
+            lp = b(f"tl.where({e} < 1e-5, {e} * (1.0 - 0.5 * {e}), tl.log(1.0 + {e}))", "w")
+            return self.bind(f"(tl.where({w} > 0.0, {w}, 0.0) + {lp}).to(tl.float32)", sa)
+        if op == "Floor":
+            return self.bind(f"tl.floor({a})", sa)
+        if op == "Ceil":
+            return self.bind(f"tl.ceil({a})", sa)
+        if op == "Round":
+            # ties to even: f = floor(a), d = a - f (exact); up when d > 1/2, or d == 1/2 and f is odd
+            self.comment(f"round({pretty(arg)}): to nearest, ties to even")
+            f = b(f"tl.floor({a})")
+            d = b(f"{a} - {f}")
+            h = b(f"{f} * 0.5")
+            return self.bind(f"tl.where(({d} > 0.5) | (({d} == 0.5) & (tl.floor({h}) != {h})), {f} + 1.0, {f})", sa)
+        if op == "Cast":
+            lim = CAST_LIMITS[t.args[1]]
+            self.comment(f"cast({pretty(arg)}, {t.args[1]!r}): truncate toward zero; NaN outside the type")
+            tr = b(f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))")
+            return self.bind(f"tl.where(({tr} >= {-lim!r}) & ({tr} < {lim!r}), {tr}, float('nan'))", sa)
+        raise CodegenError(f"no Triton lowering for `{pretty(t)}`")
+
+    def _once(self, expr, shape, hint):
+        """A temporary for ``expr``, shared by every use in this region (a guard or a
+        conversion that several operators need is computed once)."""
+        key = ("once", expr, shape)
+        if key not in self.cache:
+            self.cache[key] = self.bind(expr, shape, hint)[0]
+        return self.cache[key]
+
+    # -- exact integer arithmetic ---------------------------------------------------------------
+    def emit_int(self, t: Term):
+        """Lower an integer expression (``is_integer``) to int64: (expression, shape, bad),
+        where ``bad`` names a boolean that is true where the value is undefined (a division
+        by zero, a shift count outside 0..63, rounding a NaN/infinite/huge value), or None.
+        Indices, constants and + - * stay exact in int64 here, whatever their size."""
+        canon = getattr(self.ctx, "canon", None)
+        if canon is not None:
+            t = canon(t)
+        key = ("int", t)
+        if key in self.cache:
+            return self.cache[key]
+        out = self._emit_int(t)
+        self.cache[key] = out
+        return out
+
+    def _emit_int(self, t: Term):
+        op, ctx = t.op, self.ctx
+        if not is_integer(t):
+            raise CodegenError(f"`{pretty(t)}` is not an integer expression (an acefuse bug: the "
+                               "language checks the operands of integer operators)")
+        if op == "Num":
+            return repr(int(t.args[0])), "scalar", None
+        if op == "Idx":
+            e, s = _index_int(ctx, t.args[0])
+            return self.bind(e, s, "ix")[0], s, None
+        if op in ("Add", "Sub", "Mul", "Max2", "Min2", "BitAnd", "BitOr", "BitXor", "FloorDiv", "Mod",
+                  "Shl", "Shr"):
+            (a, sa, ba), (b, sb, bb) = self.emit_int(t.args[0]), self.emit_int(t.args[1])
+            s = self.join(sa, sb)
+            a, b = self._bcast(a, sa, s), self._bcast(b, sb, s)
+            bad = _or(ba, bb)
+            if op in ("Add", "Sub", "Mul", "BitAnd", "BitOr", "BitXor"):
+                sym = {"Add": "+", "Sub": "-", "Mul": "*", "BitAnd": "&", "BitOr": "|", "BitXor": "^"}[op]
+                return self.bind(f"{a} {sym} {b}", s, "n")[0], s, bad
+            if op in ("Max2", "Min2"):
+                fn = "tl.maximum" if op == "Max2" else "tl.minimum"
+                return self.bind(f"{fn}({a}, {b})", s, "n")[0], s, bad
+            lit = _literal(t.args[1])
+            if op in ("FloorDiv", "Mod") and lit is not None and lit > 0 and lit & (lit - 1) == 0:
+                # a power of two: an arithmetic shift and a mask round toward -inf exactly
+                e = f"{a} >> {lit.bit_length() - 1}" if op == "FloorDiv" else f"{a} & {lit - 1}"
+                return self.bind(e, s, "n")[0], s, bad
+            if op in ("FloorDiv", "Mod"):
+                if lit is None or lit == 0:
+                    zero = self._once(f"{b} == 0", s, "z")
+                    bad = _or(bad, zero)
+                    b = self._once(f"tl.where({zero}, 1, {b})", s, "n")
+                # Triton's // truncates toward zero (C); floor semantics by a correction
+                self.comment(f"{pretty(t)}: exact int64, rounding toward -inf (Python/torch semantics)")
+                q = self.bind(f"{a} // {b}", s, "n")[0]
+                r = self.bind(f"{a} - {q} * {b}", s, "n")[0]
+                fix = f"{r} < 0" if lit is not None and lit > 0 else f"({r} != 0) & (({r} < 0) != ({b} < 0))"
+                fix = self.bind(fix, s, "z")[0]
+                if op == "FloorDiv":
+                    return self.bind(f"tl.where({fix}, {q} - 1, {q})", s, "n")[0], s, bad
+                return self.bind(f"tl.where({fix}, {r} + {b}, {r})", s, "n")[0], s, bad
+            # shifts: the count must be in 0..63 (else undefined in int64: NaN)
+            if lit is None:
+                okc = self._once(f"({b} >= 0) & ({b} < 64)", s, "z")
+                bad = _or(bad, f"~{okc}")
+                b = self._once(f"tl.where({okc}, {b}, 0)", s, "n")
+            if _literal(t.args[0]) is not None:   # a literal shifted by a tensor: make it int64
+                a = f"tl.full([], {a}, tl.int64)"
+            sym = "<<" if op == "Shl" else ">>"
+            return self.bind(f"{a} {sym} {b}", s, "n")[0], s, bad
+        if op in ("Neg", "Abs", "BitNot"):
+            a, sa, ba = self.emit_int(t.args[0])
+            e = {"Neg": f"-{a}", "Abs": f"tl.abs({a})", "BitNot": f"~{a}"}[op]
+            return self.bind(e, sa, "n")[0], sa, ba
+        if op == "Where":
+            c, sc = self.emit(t.args[0])
+            (a, sa, ba), (b, sb, bb) = self.emit_int(t.args[1]), self.emit_int(t.args[2])
+            s = self.join(self.join(sc, sa), sb)
+            args = ", ".join(self._bcast(e, se, s) for e, se in ((c, sc), (a, sa), (b, sb)))
+            cb = self._bcast(c, sc, s)
+            bad = _or(f"tl.where({cb}, {ba}, False)" if ba else None, f"tl.where({cb}, False, {bb})" if bb else None)
+            return self.bind(f"tl.where({args})", s, "n")[0], s, bad
+        # a float value that is integer by construction (a size, a boolean, a rounded value)
+        f, sf = self.emit(t)
+        if op in ("Size", "Cnt") or op in BOOLEAN:
+            return self.bind(f"({f}).to(tl.int64)", sf, "n")[0], sf, None
+        ok = self.bind(f"({f} >= -9.223372036854776e18) & ({f} < 9.223372036854776e18)", sf, "z")[0]
+        return self.bind(f"tl.where({ok}, {f}, 0.0).to(tl.int64)", sf, "n")[0], sf, f"~{ok}"
 
     def _reduce(self, t: Term):
         special = getattr(self.ctx, "reduce_tile", None)
@@ -232,6 +384,36 @@ class Emitter:
 
 
 LOG2E = 1.4426950408889634
+
+# function -> its name in the language (acefuse.lang), which also folds it on literals
+_FUNCS = {"Erf": "erf", "Sigmoid": "sigmoid", "Softplus": "softplus", "Log1p": "log1p", "Expm1": "expm1",
+          "Floor": "floor", "Ceil": "ceil", "Round": "round", "Cast": "cast"}
+
+
+def _or(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return f"({a}) | ({b})"
+
+
+def _literal(t: Term):
+    return int(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
+
+
+def _index_int(ctx, axis):
+    """The index along ``axis`` as int64 (the family's ``index_int`` when it has one, else its
+    float index expression with the conversion to float32 replaced)."""
+    f = getattr(ctx, "index_int", None)
+    if f is not None:
+        return f(axis)
+    e, s = ctx.index(axis)
+    if e.endswith(".to(tl.float32)"):
+        return e[:-len(".to(tl.float32)")] + ".to(tl.int64)", s
+    if e.startswith("(") and e.endswith(" * 1.0)"):
+        return f"({e[1:-len(' * 1.0)')]}).to(tl.int64)", s
+    return f"({e}).to(tl.int64)", s
 
 
 def _flip(p):

@@ -51,6 +51,12 @@ WEIGHTS = {
     "Pow": 8.0,           # a constant power: a few multiplies, or exp(p * log(a))
     "Where": 1.0, "CmpLt": 1.0, "CmpLe": 1.0, "CmpGt": 1.0, "CmpGe": 1.0, "CmpEq": 1.0,
     "CmpNe": 1.0, "LAnd": 1.0, "LOr": 1.0, "LNot": 1.0,
+    # special functions: an exp/log (or two) and a few flops; log1p/expm1/softplus work in float64
+    "Erf": 8.0, "Sigmoid": 6.0, "Softplus": 12.0, "Log1p": 8.0, "Expm1": 8.0,
+    "Floor": 1.0, "Ceil": 1.0, "Round": 4.0, "Cast": 2.0,
+    # exact int64 arithmetic: a division is a long sequence, the rest a few integer ops
+    "FloorDiv": 8.0, "Mod": 8.0, "BitAnd": 2.0, "BitOr": 2.0, "BitXor": 2.0, "BitNot": 2.0,
+    "Shl": 2.0, "Shr": 2.0,
 }
 LEAF = 1.0            # reading a register / a scalar argument
 REDUCE = 2.0          # the cross-lane reduction itself

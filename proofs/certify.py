@@ -295,8 +295,18 @@ _SYM_OPS = {
 }
 # operators without algebra here: uninterpreted functions of their values (equal arguments,
 # equal results: sound, and enough when both sides use them the same way)
-for _op in ("Where", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot"):
+for _op in ("Where", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot",
+            "Round", "FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr"):
     _SYM_OPS[_op] = sp.Function(_op.lower(), real=True)
+_SYM_OPS.update({
+    "Erf": sp.erf,
+    "Sigmoid": lambda a: 1 / (1 + sp.exp(-a)),
+    "Softplus": lambda a: sp.log(1 + sp.exp(a)),
+    "Log1p": lambda a: sp.log(1 + a),
+    "Expm1": lambda a: sp.exp(a) - 1,
+    "Floor": sp.floor,
+    "Ceil": sp.ceiling,
+})
 
 
 def symbolic_check(sdict: dict, lhs: Term, rhs: Term):

@@ -62,6 +62,8 @@ def evaluate(t: Term, elem: int, be, leaf, blocks):
             raise ValueError(f"reduction {t!r} over an empty block")
         vals = [evaluate(t.args[1], i, be, leaf, blocks) for i in elems]
         return {"Sum": be.sum, "RMax": be.max, "RMin": be.min}[op](vals)
+    if op == "Cast":
+        return be.cast(evaluate(t.args[0], elem, be, leaf, blocks), t.args[1])
     fn = _OPS.get(op)
     if fn is None:
         raise ValueError(f"cannot evaluate operator {op!r} in {t!r}")
@@ -83,7 +85,51 @@ _OPS = {
     "Tanh": lambda be, a: be.tanh(a),
     "Max2": lambda be, a, b: be.max([a, b]),
     "Min2": lambda be, a, b: be.min([a, b]),
+    "Erf": lambda be, a: be.erf(a),
+    "Sigmoid": lambda be, a: be.sigmoid(a),
+    "Softplus": lambda be, a: be.softplus(a),
+    "Log1p": lambda be, a: be.log1p(a),
+    "Expm1": lambda be, a: be.expm1(a),
+    "Floor": lambda be, a: be.floor(a),
+    "Ceil": lambda be, a: be.ceil(a),
+    "Round": lambda be, a: be.round(a),
+    # exact integer arithmetic (floor division and modulo as Python; int64 two's complement)
+    "FloorDiv": lambda be, a, b: be.intop("FloorDiv", a, b),
+    "Mod": lambda be, a, b: be.intop("Mod", a, b),
+    "BitAnd": lambda be, a, b: be.intop("BitAnd", a, b),
+    "BitOr": lambda be, a, b: be.intop("BitOr", a, b),
+    "BitXor": lambda be, a, b: be.intop("BitXor", a, b),
+    "BitNot": lambda be, a: be.intop("BitNot", a),
+    "Shl": lambda be, a, b: be.intop("Shl", a, b),
+    "Shr": lambda be, a, b: be.intop("Shr", a, b),
 }
+
+
+def int_value(op: str, a: int, b: int = 0):
+    """An integer operator on Python ints, or None where it is undefined (x // 0, x % 0, a
+    shift count outside 0..63). ``<<`` wraps to int64 like the kernels and torch."""
+    if op == "BitNot":
+        return ~a
+    if op in ("FloorDiv", "Mod") and b == 0:
+        return None
+    if op in ("Shl", "Shr") and not 0 <= b < 64:
+        return None
+    if op == "Shl":
+        r = (a << b) & (2 ** 64 - 1)
+        return r - 2 ** 64 if r >= 2 ** 63 else r
+    return {"FloorDiv": lambda: a // b, "Mod": lambda: a % b, "BitAnd": lambda: a & b,
+            "BitOr": lambda: a | b, "BitXor": lambda: a ^ b, "Shr": lambda: a >> b}[op]()
+
+
+_UNINTERPRETED = {}
+
+
+def _uf(name):
+    """An uninterpreted real function (equal arguments, equal results): sound, and enough
+    for claims that use an operator the same way on both sides."""
+    if name not in _UNINTERPRETED:
+        _UNINTERPRETED[name] = sp.Function(name, real=True)
+    return _UNINTERPRETED[name]
 
 
 class SympyBackend:
@@ -131,6 +177,25 @@ class SympyBackend:
         self.conditions.append(("pos", a))
         return 1 / sp.sqrt(a)
 
+    def erf(self, a): return sp.erf(a)
+    def sigmoid(self, a): return 1 / (1 + sp.exp(-a))
+    def softplus(self, a): return sp.log(1 + sp.exp(a))
+    def expm1(self, a): return sp.exp(a) - 1
+    def floor(self, a): return sp.floor(a)
+    def ceil(self, a): return sp.ceiling(a)
+    def round(self, a): return _uf("round_even")(a)
+    def cast(self, a, dtype): return _uf("cast_" + dtype)(a)
+
+    def log1p(self, a):
+        self.conditions.append(("pos", 1 + a))
+        return sp.log(1 + a)
+
+    def intop(self, op, a, b=None):
+        if op in ("FloorDiv", "Mod"):
+            self.conditions.append(("nonzero", b))
+            return sp.floor(a / b) if op == "FloorDiv" else a - b * sp.floor(a / b)
+        return _uf(op.lower())(a) if b is None else _uf(op.lower())(a, b)
+
 
 EXP_LIMIT = 1e6
 
@@ -176,6 +241,48 @@ class MpBackend:
             raise Undefined(f"rsqrt of non-positive {mpmath.nstr(a, 6)}")
         return 1 / mpmath.sqrt(a)
 
+    def erf(self, a): return mpmath.erf(a)
+    def floor(self, a): return mpmath.floor(a)
+    def ceil(self, a): return mpmath.ceil(a)
+
+    def sigmoid(self, a):
+        e = mpmath.exp(-abs(a))
+        return 1 / (1 + e) if a >= 0 else e / (1 + e)
+
+    def softplus(self, a):
+        return max(a, 0) + mpmath.log1p(mpmath.exp(-abs(a)))
+
+    def log1p(self, a):
+        if a <= -1:
+            raise Undefined(f"log1p of {mpmath.nstr(a, 6)} <= -1")
+        return mpmath.log1p(a)
+
+    def expm1(self, a):
+        if a > EXP_LIMIT:
+            raise Undefined(f"expm1({mpmath.nstr(a, 5)}) is beyond the numeric check's range")
+        return mpmath.expm1(a)
+
+    def round(self, a):
+        f = mpmath.floor(a)
+        d = a - f
+        return f + 1 if d > 0.5 or (d == 0.5 and int(f) % 2) else f
+
+    def cast(self, a, dtype):
+        from acefuse.rewrite.terms import CAST_LIMITS
+        t = mpmath.floor(a) if a >= 0 else mpmath.ceil(a)
+        if not -CAST_LIMITS[dtype] <= t < CAST_LIMITS[dtype]:
+            raise Undefined(f"cast({mpmath.nstr(a, 6)}, {dtype!r}) is outside the type")
+        return t
+
+    def intop(self, op, a, b=None):
+        vals = [a] if b is None else [a, b]
+        if any(v != mpmath.floor(v) for v in vals):
+            raise Undefined(f"integer operator {op} of a non-integer {[mpmath.nstr(v, 6) for v in vals]}")
+        r = int_value(op, *(int(v) for v in vals))
+        if r is None:
+            raise Undefined(f"integer operator {op} undefined at {[int(v) for v in vals]}")
+        return mpmath.mpf(r)
+
 
 class FloatBackend:
     """IEEE float64, as a kernel computes (inf/nan propagate; the caller checks finiteness)."""
@@ -195,6 +302,30 @@ class FloatBackend:
     def sum(self, vals): return np.float64(math.fsum(float(v) for v in vals))
     def max(self, vals): return np.float64(max(vals))
     def min(self, vals): return np.float64(min(vals))
+    def erf(self, a): return np.float64(math.erf(a)) if not np.isnan(a) else np.float64(np.nan)
+    def log1p(self, a): return np.log1p(a)
+    def expm1(self, a): return np.expm1(a)
+    def floor(self, a): return np.floor(a)
+    def ceil(self, a): return np.ceil(a)
+    def round(self, a): return np.round(a)   # ties to even
+
+    def sigmoid(self, a):
+        e = np.exp(-np.abs(a))
+        return 1.0 / (1.0 + e) if a >= 0 else e / (1.0 + e)
+
+    def softplus(self, a): return np.logaddexp(np.float64(0.0), a)
+
+    def cast(self, a, dtype):
+        from acefuse.rewrite.terms import CAST_LIMITS
+        t = np.trunc(a)
+        return t if -CAST_LIMITS[dtype] <= t < CAST_LIMITS[dtype] else np.float64(np.nan)
+
+    def intop(self, op, a, b=None):
+        vals = [a] if b is None else [a, b]
+        if not all(np.isfinite(v) and float(v).is_integer() and abs(v) < 2.0 ** 63 for v in vals):
+            return np.float64(np.nan)
+        r = int_value(op, *(int(v) for v in vals))
+        return np.float64(np.nan) if r is None else np.float64(r)
 
 
 def mp_context():

@@ -36,7 +36,7 @@ from acefuse.rewrite.egraph import Limits
 class Phase:
     name: str
     theories: tuple
-    analysis: tuple = ("analysis",)
+    analysis: tuple = ("analysis", "functions")
     max_iterations: int = 12
 
 

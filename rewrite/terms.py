@@ -70,6 +70,26 @@ OPS: dict[str, Op] = dict([
     _op("LAnd", ("T", "T"), "T", "a & b for booleans"),
     _op("LOr", ("T", "T"), "T", "a | b for booleans"),
     _op("LNot", ("T",), "T", "~a for a boolean"),
+    # --- special functions (accurate float formulations: codegen/emit.py) ------
+    _op("Erf", ("T",), "T", "the error function erf(a)"),
+    _op("Sigmoid", ("T",), "T", "1 / (1 + exp(-a)), without overflow for large |a|"),
+    _op("Softplus", ("T",), "T", "log(1 + exp(a)), without overflow or cancellation for large |a|"),
+    _op("Log1p", ("T",), "T", "log(1 + a), accurate for tiny a"),
+    _op("Expm1", ("T",), "T", "exp(a) - 1, accurate for tiny a"),
+    # --- rounding to integers (results are integer-valued; NaN/inf propagate) -
+    _op("Floor", ("T",), "T", "the largest integer <= a"),
+    _op("Ceil", ("T",), "T", "the smallest integer >= a"),
+    _op("Round", ("T",), "T", "a rounded to the nearest integer, ties to even (torch.round)"),
+    _op("Cast", ("T", "String"), "T", "a truncated toward zero into an integer type ('int32'/'int64'); NaN when a is NaN, infinite or out of the type's range"),
+    # --- exact integer arithmetic (int64 in kernels; NaN where undefined) ------
+    _op("FloorDiv", ("T", "T"), "T", "a // b: floor division as Python and torch (rounds toward -inf); NaN when b == 0"),
+    _op("Mod", ("T", "T"), "T", "a % b = a - (a // b) * b: the sign of b, as Python and torch.remainder; NaN when b == 0"),
+    _op("BitAnd", ("T", "T"), "T", "a & b on integers (two's complement, int64)"),
+    _op("BitOr", ("T", "T"), "T", "a | b on integers (two's complement, int64)"),
+    _op("BitXor", ("T", "T"), "T", "a ^ b on integers (two's complement, int64)"),
+    _op("BitNot", ("T",), "T", "~a = -a - 1 on integers"),
+    _op("Shl", ("T", "T"), "T", "a << b on int64 (wraps like torch int64); NaN unless 0 <= b < 64"),
+    _op("Shr", ("T", "T"), "T", "a >> b: arithmetic shift, floor(a / 2**b); NaN unless 0 <= b < 64"),
     # --- reductions over a block ---------------------------------------------
     _op("Sum", ("Blk", "T"), "T", "sum over the elements of a block of the body"),
     _op("RMax", ("Blk", "T"), "T", "max over the elements of a block of the body (-inf when empty)"),
@@ -77,8 +97,38 @@ OPS: dict[str, Op] = dict([
 ])
 
 REDUCTIONS = ("Sum", "RMax", "RMin")
+FUNCTIONS = ("Erf", "Sigmoid", "Softplus", "Log1p", "Expm1")
+ROUNDING = ("Floor", "Ceil", "Round", "Cast")
+INT_OPS = ("FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")
+BOOLEAN = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
+CAST_LIMITS = {"int32": 2.0 ** 31, "int64": 2.0 ** 63}   # a cast needs -limit <= trunc(a) < limit
+INT_LIMIT = 2.0 ** 63   # integer constants are exact int64 values below this magnitude
 BINARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T", "T"))
 UNARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T",))
+
+
+
+def is_integer(t: "Term") -> bool:
+    """True when ``t`` is integer-valued wherever it is finite, by construction: indices,
+    sizes (and block counts), integer constants, rounding, casts, comparisons and the integer operators, closed
+    under ``+ - *``, negation, abs, max/min and where. The integer operators (``//``, ``%``,
+    bitwise, shifts) accept only such operands, and kernels compute them exactly in int64.
+
+        >>> is_integer(Term("Mod", (Term("Idx", ("j",)), num(3)))), is_integer(num(0.5))
+        (True, False)
+    """
+    op = t.op
+    if op in ("Idx", "Size", "Cnt") or op in ROUNDING or op in INT_OPS or op in BOOLEAN:
+        return True
+    if op == "Num":
+        v = t.args[0]
+        return isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < INT_LIMIT
+    if op in ("Add", "Sub", "Mul", "Max2", "Min2", "Neg", "Abs"):
+        return all(is_integer(c) for c in t.children)
+    if op == "Where":
+        return is_integer(t.args[1]) and is_integer(t.args[2])
+    return False
+
 
 # Relations the analyses compute (rules/analysis.py); extraction reads them.
 RELATIONS = {
@@ -209,6 +259,8 @@ def _b(op):
 
 
 exp, log, sqrt, rsqrt, absf, tanh = (_u(o) for o in ("Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh"))
+erf, sigmoid, softplus, log1p, expm1 = (_u(o) for o in FUNCTIONS)
+floor, ceil, round_ = (_u(o) for o in ("Floor", "Ceil", "Round"))
 max2, min2 = _b("Max2"), _b("Min2")
 
 
@@ -227,7 +279,9 @@ def rmin(blk, body):
 # ---- printing --------------------------------------------------------------------
 _INFIX = {"Add": ("+", 1), "Sub": ("-", 1), "Mul": ("*", 2), "Div": ("/", 2)}
 _FN = {"Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Abs": "abs", "Tanh": "tanh",
-       "Max2": "max", "Min2": "min"}
+       "Max2": "max", "Min2": "min", "Erf": "erf", "Sigmoid": "sigmoid", "Softplus": "softplus",
+       "Log1p": "log1p", "Expm1": "expm1", "Floor": "floor", "Ceil": "ceil", "Round": "round"}
+_INT = {"FloorDiv": "//", "Mod": "%", "BitAnd": "&", "BitOr": "|", "BitXor": "^", "Shl": "<<", "Shr": ">>"}
 _RED = {"Sum": "sum", "RMax": "max", "RMin": "min"}
 _CMP = {"CmpLt": "<", "CmpLe": "<=", "CmpGt": ">", "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!=",
         "LAnd": "&", "LOr": "|"}
@@ -274,8 +328,13 @@ def pretty(t: Term, prec: int = 0) -> str:
     if op in _CMP:
         s = f"{pretty(t.args[0], 1)} {_CMP[op]} {pretty(t.args[1], 1)}"
         return f"({s})" if prec > 0 else s
-    if op == "LNot":
+    if op == "LNot" or op == "BitNot":
         return f"~{pretty(t.args[0], 4)}"
+    if op in _INT:
+        s = f"{pretty(t.args[0], 4)} {_INT[op]} {pretty(t.args[1], 4)}"
+        return f"({s})" if prec > 0 else s
+    if op == "Cast":
+        return f"cast({pretty(t.args[0])}, {t.args[1]!r})"
     if op == "St":
         name = t.args[0]
         name = str(name).lstrip("?")

@@ -4,11 +4,12 @@
 name to its ``Rule``. Schedules (rewrite/schedules.py) refer to theories by name.
 """
 from acefuse.rules.base import Rule, Theory, rw, infer, V, tvars, bvars, inv, nonzero, le, ub, pos, SELF
-from acefuse.rules import analysis, arith, assoc, commute, distrib, exponential, factoring, linearity, order, polynomial, reduction, swap
+from acefuse.rules import (analysis, arith, assoc, commute, distrib, exponential, factoring, functions, linearity,
+                           order, polynomial, reduction, swap)
 
 THEORIES: dict[str, Theory] = {t.name: t for t in (
     analysis.THEORY, reduction.THEORY, linearity.THEORY, arith.THEORY, assoc.THEORY, distrib.THEORY, exponential.THEORY,
-    order.THEORY, commute.THEORY, factoring.THEORY, polynomial.THEORY, swap.THEORY)}
+    order.THEORY, commute.THEORY, factoring.THEORY, polynomial.THEORY, swap.THEORY, functions.THEORY)}
 
 
 def _registry():

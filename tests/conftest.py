@@ -13,6 +13,12 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    # long property runs (marked slow) run only when asked for: pytest -m slow
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skip_slow = pytest.mark.skip(reason="long run: use pytest -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
