@@ -12,6 +12,13 @@
   values, and whose backward runs the ``BackwardKernel``. Missing cotangents are
   zeros; gradients come back in each input's dtype (None for index inputs). The
   augmented forward and the backward are compiled on the first call that needs them.
+  A backward stage reducing over several axes (a parameter's gradient over a batch of
+  rows) is compiled over the first axis of ``stage_axes`` that compiles. A backward with
+  ``create_graph=True`` (double backward) raises ``NotDifferentiableError``: the backward
+  kernels are not differentiable themselves.
+
+The torch frontend (``af.backend``, ``af.compile(fn, *inputs)``) runs each region whose
+inputs require grad through a ``DifferentiableKernel`` (acefuse/frontend/runtime.py).
 """
 from __future__ import annotations
 
@@ -98,9 +105,57 @@ class BackwardKernel:
         return f"<acefuse backward kernel {self.program.name!r}: {len(self.kernels)} stage(s)>"
 
 
+def stage_axes(stage) -> list:
+    """The axes a backward stage may fuse, best first: ``[None]`` (the program's own
+    choice) when it reduces over one axis; else the axis ``af.backward`` grouped the stage
+    by, then the others innermost first (a parameter's gradient over a batch of rows,
+    ``sum_d0(sum_d1(...))``, fuses d1 and sums the per-d0 values in a second stage)."""
+    from acefuse.rewrite.encode import RED_OPS
+    try:
+        from acefuse.backward import _inner_axis   # how af.backward grouped the stage
+    except ImportError:  # pragma: no cover - the nesting order alone
+        def _inner_axis(t):
+            return None
+    depth: dict = {}   # reduced axis -> deepest nesting of a reduction over it
+
+    def walk(t, d):
+        if t.op in RED_OPS and t.args[0].op == "Ax":
+            a = t.args[0].args[0]
+            depth[a] = max(depth.get(a, 0), d)
+            d += 1
+        for c in t.children:
+            walk(c, d)
+
+    for e in stage.outputs.values():
+        walk(e.term, 0)
+    if len(depth) <= 1:
+        return [None]
+    out = []
+    for e in stage.outputs.values():
+        a = _inner_axis(e.term)
+        if a is not None and a not in out:
+            out.append(a)
+    out += [a for a in sorted(depth, key=lambda a: -depth[a]) if a not in out]
+    return out
+
+
+def compile_stage(stage, compile_one=None, **kw):
+    """Compile one backward stage over the first of ``stage_axes`` that compiles (the
+    error of the first choice is raised when none does)."""
+    if compile_one is None:
+        from acefuse.codegen.compile import compile_program as compile_one
+    first = None
+    for a in stage_axes(stage):
+        try:
+            return compile_one(stage, axis=a, **kw)
+        except Exception as e:  # noqa: BLE001 - another axis may compile; the first error is raised
+            first = first or e
+    raise first
+
+
 def compile_backward(bwd, **kw) -> BackwardKernel:
-    from acefuse.codegen.compile import compile_program
-    return BackwardKernel(bwd, [compile_program(s, **kw) for s in bwd.stages])
+    kw.pop("axis", None)
+    return BackwardKernel(bwd, [compile_stage(s, **kw) for s in bwd.stages])
 
 
 class _Function(torch.autograd.Function):
@@ -118,6 +173,13 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cots):
         dk = ctx.dk
+        if torch.is_grad_enabled():   # create_graph=True: the backward kernels are not differentiable
+            from acefuse.codegen.compile import NotDifferentiableError
+            raise NotDifferentiableError(
+                f"program {dk.prog.name!r}: higher-order gradients (backward with create_graph=True) "
+                "through acefuse kernels are not supported: the backward kernels' results would have no "
+                "grad_fn. Run this part in torch (outside af.compile / the acefuse backend) for "
+                "double backward.")
         _, bwd = dk._grad_kernels()
         vals = ctx.saved_tensors
         n = len(ctx.names)

@@ -230,6 +230,29 @@ def test_unsupported_op_names_op_and_line():
     assert ei.value.op == "torch.cumsum"
 
 
+def test_untraceable_function_says_how_to_fix():
+    def sized(x):
+        n = x.size(1)
+        return torch.softmax(x + torch.ones(n, n)[0], -1)
+    with pytest.raises(aff.FrontendError, match=r"sized: torch.fx could not trace it at test_frontend.py:\d+: "
+                                                r".*torch.ones\(n, n\).*TypeError.*backend=af.backend"):
+        aff.compile_fn(sized, _g(3, 4))
+
+
+def test_norm_modules_are_traced_through():
+    """nn.LayerNorm / nn.RMSNorm are lowered (their parameters become program inputs),
+    not kept as opaque fx leaf calls."""
+    for mod in (nn.LayerNorm(10), nn.RMSNorm(10)):
+        with torch.no_grad():
+            mod.weight.uniform_(0.5, 1.5)
+        x = _g(3, 10, scale=2.0) + 1.0
+        prog = af_from_torch(mod, x)
+        assert any("weight" in t for t in prog.tensors), prog.tensors
+        imp = prog.frontend
+        got = imp.reference(graph_values(imp, [x.double()]))[0]
+        _close(got, mod.double()(x.double()))
+
+
 def test_unsupported_use_of_supported_op():
     def f(x):
         return F.gelu(x) + torch.softmax(x, -1)

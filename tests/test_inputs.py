@@ -129,11 +129,11 @@ def test_plain_kernel_refuses_inputs_that_require_grad(k_sm):
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(24, 24)
+        self.lin, self.lin2 = nn.Linear(24, 24), nn.Linear(24, 24)
         self.ln = nn.LayerNorm(24)
 
     def forward(self, x):
-        h = self.ln(self.lin(x))
+        h = self.lin2(self.ln(self.lin(x)))
         return torch.softmax(h, -1) * torch.logsumexp(h, -1, keepdim=True)
 
 
@@ -163,36 +163,52 @@ def _assert_grads(got, ref):
         assert torch.allclose(got[n].double(), r, rtol=1e-4, atol=1e-5), n
 
 
-def _grad_warnings(rec):
-    return [str(r.message) for r in rec if issubclass(r.category, AcefuseFallbackWarning)
-            and "require grad" in str(r.message)]
+def _fallbacks(rec):
+    return [str(r.message) for r in rec if issubclass(r.category, AcefuseFallbackWarning)]
 
 
-def test_torch_compile_backend_keeps_parameter_gradients():
+def _grad_calls(regions):
+    return sorted((r.program.name.split("_", 1)[1], r.calls["grad"]) for r in regions)
+
+
+def test_torch_compile_backend_trains_with_differentiable_kernels():
+    """Training through the backend: the regions run acefuse's differentiable kernels
+    (no fallback), and every parameter gets float64 eager's gradient."""
+    torch._dynamo.reset()
     net, x, w, ref = _grad_setup()
-    cm = torch.compile(net, backend=af.backend)
+    graphs = []
+
+    def backend(gm, ex):
+        graphs.append(af.backend(gm, ex))
+        return graphs[-1]
+
+    cm = torch.compile(net, backend=backend)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        for _ in range(2):      # the region is left to torch, and said so once
+        for _ in range(2):
             _assert_grads(_grads(cm, x, w, prefix="_orig_mod."), ref)
-    msgs = _grad_warnings(rec)
-    assert len(msgs) == 1 and "region `" in msgs[0] and "runs in torch" in msgs[0], msgs
+    assert _fallbacks(rec) == []
+    assert _grad_calls(r for g in graphs for r in g.regions) == [("layer_norm", 2), ("softmax", 2)]
 
 
-def test_compiled_function_trains_in_torch_and_infers_with_kernels():
+def test_compiled_function_trains_and_infers_with_kernels():
     net, x, w, ref = _grad_setup()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         cf = af.compile(net, x)
         for _ in range(2):
             net.zero_grad()
-            (cf(x) * w).sum().backward()
+            y = cf(x)
+            assert y.grad_fn is not None
+            (y * w).sum().backward()
             _assert_grads({n: p.grad for n, p in net.named_parameters()}, ref)
-    assert len(_grad_warnings(rec)) == 1, _grad_warnings(rec)
-    with torch.no_grad():       # inference: the kernels run
+    assert _fallbacks(rec) == []
+    assert _grad_calls(cf.graph_for(x).af_regions) == [("layer_norm", 2), ("softmax", 2)]
+    with torch.no_grad():       # inference: the plain kernels run
         y = cf(x)
         g = cf.graph_for(x)
-    assert g.af_regions, "no region ran as an acefuse kernel under no_grad"
+    assert y.grad_fn is None
+    assert g.af_regions and all(r.calls == {"kernel": 1, "grad": 0, "torch": 0} for r in g.af_regions)
     ref_y = _Net().double()
     ref_y.load_state_dict({k: v.double() for k, v in net.state_dict().items()})
     assert torch.allclose(y.double(), ref_y(x.double()), rtol=1e-4, atol=1e-5)

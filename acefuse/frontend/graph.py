@@ -28,6 +28,15 @@ class _Tracer(torch.fx.Tracer):
         super().__init__()
         self.record_stack_traces = True
 
+    # torch.nn modules acefuse lowers: traced through (their F.* call and parameters
+    # become graph nodes), where fx would keep them as opaque leaf calls
+    TRACE_THROUGH = ("LayerNorm", "RMSNorm")
+
+    def is_leaf_module(self, m, qualname) -> bool:
+        if type(m).__module__.startswith("torch.nn") and type(m).__name__ in self.TRACE_THROUGH:
+            return False
+        return super().is_leaf_module(m, qualname)
+
     def _filter_traceback_frames(self, summary):
         frames = [f for f in summary if not f.filename.startswith(_TORCH_DIR)
                   and not f.filename.startswith(_HERE)]
@@ -37,9 +46,24 @@ class _Tracer(torch.fx.Tracer):
 def trace(fn) -> torch.fx.GraphModule:
     """An FX GraphModule for a function or an nn.Module (torch-level ops, stack traces kept)."""
     tracer = _Tracer()
-    graph = tracer.trace(fn)
-    root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
     name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        graph = tracer.trace(fn)
+    except Exception as e:
+        from acefuse.frontend.errors import FrontendError
+        if isinstance(e, FrontendError):
+            raise
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_HERE)]
+        where = (f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}: {frames[-1].line}"
+                 if frames else "")
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise FrontendError(
+            f"{name}: torch.fx could not trace it{where} ({type(e).__name__}: {first}). Symbolic tracing "
+            "runs the function on proxies: sizes are not Python ints and tensor values cannot steer "
+            "Python control flow. Compute such values outside the traced code (a buffer, a constant), "
+            "or use torch.compile(fn, backend=af.backend), which handles them") from e
+    root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
     gm = torch.fx.GraphModule(root, graph, name)
     gm._af_name = name
     return gm

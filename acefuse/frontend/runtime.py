@@ -10,10 +10,18 @@ rolling loop, split), so whether the fused axis fits one tile needs no new kerne
 Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
 run in torch, with one warning line naming the region, its source line and why.
 
-Gradients are never dropped: acefuse kernels are not autograd Functions yet, so a
-region whose inputs require grad (with grad mode on: training) runs in torch, with one
-warning per region. Grad mode and ``requires_grad`` are part of the shape signature,
-so the same function under ``torch.no_grad()`` (inference) still gets the kernels.
+Training: a region whose inputs require grad (grad mode on) runs as a differentiable
+kernel (acefuse.autograd): a ``torch.autograd.Function`` whose forward is the augmented
+forward kernel and whose backward runs the kernels of ``af.backward(program)``, so its
+outputs have a ``grad_fn`` and every input upstream or inside (a LayerNorm's weight and
+bias) gets its gradient. torch.compile hands a plain backend the forward graph only
+(no AOTAutograd), and autograd records each region as one node. A region acefuse
+cannot differentiate or whose backward does not compile runs in torch, with one
+warning naming the region and why: gradients are never dropped. When that region
+holds contractions (matmuls: no derived backward kernel yet), they stay in torch and
+the reductions around them are retried, as for inference. Grad mode and
+``requires_grad`` are part of the shape signature, so the same function under
+``torch.no_grad()`` (inference) runs the plain kernels.
 """
 from __future__ import annotations
 
@@ -37,16 +45,28 @@ class AcefuseFallbackWarning(UserWarning):
     """A recognised region runs in torch instead of an acefuse kernel (the message says why)."""
 
 
+class GradKernelError(FrontendError):
+    """A region needs gradients and acefuse has no backward kernel for it (says why)."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"its inputs require grad and acefuse has no backward kernel for it ({why}); "
+                         "torch computes this region and its gradients (under torch.no_grad() the "
+                         "kernel runs)")
+
+
 stats = {"specializations": 0, "kernel_memory_hits": 0, "kernel_disk_hits": 0, "kernel_compiles": 0,
-         "fallbacks": 0}
+         "fallbacks": 0, "grad_kernel_compiles": 0}
 _KERNELS: dict = {}
 _FAILED: dict = {}
+_GRAD: dict = {}
 
 
 def clear_cache(memory_only: bool = True):
     """Forget compiled kernels in memory (the on-disk cache stays unless memory_only=False)."""
     _KERNELS.clear()
     _FAILED.clear()
+    _GRAD.clear()
     if not memory_only:
         d = _index_dir()
         for p in d.glob("*.json"):
@@ -69,12 +89,15 @@ def _index_dir() -> Path:
 class _Loaded:
     """A generated module loaded from the disk cache (no fusion run)."""
 
-    def __init__(self, module, path):
-        self.module, self.path = module, path
+    def __init__(self, module, path, program=None):
+        self.module, self.path, self.program = module, path, program
 
     def __call__(self, **inputs):
-        from acefuse.codegen.compile import run_module
-        return run_module(self.module, (), inputs)
+        from acefuse.codegen import compile as cc
+        names = cc.requires_grad_inputs((), inputs)
+        if names:     # like a compiled Kernel: never a result without grad_fn
+            return cc.grad_hook(self, names, (), inputs)
+        return cc.run_module(self.module, (), inputs)
 
 
 def _cache_warn(msg):
@@ -82,7 +105,7 @@ def _cache_warn(msg):
     warnings.warn(f"acefuse: {msg}", CacheWarning, stacklevel=3)
 
 
-def _load_indexed(idx: Path):
+def _load_indexed(idx: Path, program=None):
     """The kernel an index entry points to, or None (absent). A corrupt entry, or one whose
     kernel file is missing or changed, is removed with a warning (the caller regenerates)."""
     if not idx.exists():
@@ -94,7 +117,7 @@ def _load_indexed(idx: Path):
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise ValueError(f"kernel file {path} does not match its recorded hash (truncated or overwritten)")
         from acefuse.codegen.compile import load_module
-        return _Loaded(load_module(path, meta["module"]), path)
+        return _Loaded(load_module(path, meta["module"]), path, program)
     except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
         _cache_warn(f"kernel cache index {idx.name} is unusable ({type(e).__name__}: {e}); "
                     "removed, the kernel is regenerated")
@@ -105,29 +128,29 @@ def _load_indexed(idx: Path):
         return None
 
 
-def get_kernel(prog):
+def get_kernel(prog, axis=None):
     """The kernel of a program: memory, then the on-disk index, then af.compile."""
-    key = f"{prog.name}_{prog.key()}_{_code_version()}"
+    key = f"{prog.name}_{prog.key()}{'_' + axis if axis else ''}_{_code_version()}"
     if key in _KERNELS:
         stats["kernel_memory_hits"] += 1
         return _KERNELS[key]
     if key in _FAILED:
         raise _FAILED[key]
     idx = _index_dir() / f"{key}.json"
-    k = _load_indexed(idx)
+    k = _load_indexed(idx, prog)
     if k is not None:
         stats["kernel_disk_hits"] += 1
         _KERNELS[key] = k
         return k
     from acefuse.codegen.compile import compile_program
     try:
-        k = compile_program(prog)
+        k = compile_program(prog, axis=axis)
     except Exception as e:
         _FAILED[key] = e
         raise
     stats["kernel_compiles"] += 1
     from acefuse.codegen.compile import write_atomic
-    mod = getattr(k.module, "__name__", f"acefuse_gen_{prog.name}")
+    mod = getattr(getattr(k, "module", None), "__name__", f"acefuse_gen_{prog.name}")
     if getattr(k, "path", None) is not None:   # (a staged kernel is two files: not indexed)
         sha = hashlib.sha256(Path(k.path).read_bytes()).hexdigest()
         write_atomic(idx, json.dumps({"path": str(k.path), "module": mod, "sha256": sha,
@@ -136,39 +159,91 @@ def get_kernel(prog):
     return k
 
 
-class CompiledRegion(torch.nn.Module):
-    """One region of the graph, run by an acefuse kernel."""
+def get_grad_kernel(prog, kernel):
+    """The differentiable kernel of a region's program (acefuse.autograd), its augmented
+    forward and backward kernels compiled; GradKernelError (naming the program and why)
+    when ``af.backward`` or a backward kernel fails. Cached in memory by program."""
+    key = f"{prog.name}_{prog.key()}_{_code_version()}"
+    hit = _GRAD.get(key)
+    if isinstance(hit, Exception):
+        raise hit
+    if hit is not None and hit.kernel is kernel:
+        return hit
+    from acefuse.autograd import DifferentiableKernel, BackwardKernel, compile_stage
+    from acefuse.backward import backward
+    dk = DifferentiableKernel(prog, kernel, {})
+    if hit is not None:            # same program, kernel reloaded: reuse the compiled backward
+        dk._aug = kernel if hit._aug is hit.kernel else hit._aug
+        dk._bwd, dk._bwd_kernel = hit._bwd, hit._bwd_kernel
+    else:
+        try:
+            # each stage through get_kernel: cached in memory and on disk like forward kernels
+            bwd = backward(prog)
+            bk = BackwardKernel(bwd, [compile_stage(s, get_kernel) for s in bwd.stages])
+            dk._aug = kernel if bwd.augmented is prog else get_kernel(bwd.augmented)
+            dk._bwd, dk._bwd_kernel = bwd, bk
+        except Exception as e:  # noqa: BLE001 - reported as the region's reason to run in torch
+            first = (str(e).strip().splitlines() or [""])[0]
+            err = GradKernelError(f"{type(e).__name__}: {first}")
+            _GRAD[key] = err
+            raise err from e
+        stats["grad_kernel_compiles"] += 1
+    _GRAD[key] = dk
+    return dk
 
-    def __init__(self, imp, kernel, fallback):
+
+class CompiledRegion(torch.nn.Module):
+    """One region of the graph, run by an acefuse kernel; differentiable (``grad``, an
+    acefuse.autograd kernel) when its inputs require grad. ``calls`` counts how each call
+    ran: ``kernel`` (plain), ``grad`` (differentiable kernel), ``torch`` (fallback)."""
+
+    def __init__(self, imp, kernel, fallback, grad=None):
         super().__init__()
-        self.imp, self.kernel = imp, kernel
+        self.imp, self.kernel, self.grad = imp, kernel, grad
         self.program = imp.program
         self.fallback = fallback      # the region's own torch ops, same inputs and outputs
-        self.warned_grad = False
+        self.grad_error = None
+        self.calls = {"kernel": 0, "grad": 0, "torch": 0}
+
+    def _torch(self, srcs):
+        self.calls["torch"] += 1
+        return tuple(self.fallback(*srcs))
 
     def forward(self, *srcs):
-        if self.kernel is not None and _needs_grad(srcs):
-            # (a parameter read inside the graph may require grad although no argument does)
-            if not self.warned_grad:
-                self.warned_grad = True
-                _warn(self.imp.nodes, GRAD_REASON)
-            return tuple(self.fallback(*srcs))
-        if self.kernel is not None:
-            values = dict(zip(self.imp.sources, srcs))
+        if self.kernel is None:
+            return self._torch(srcs)
+        values = dict(zip(self.imp.sources, srcs))
+        if _needs_grad(srcs):
+            # (a parameter read inside the graph may require grad although no argument did
+            # when the region was specialised: the differentiable kernel is built now)
+            if self.grad is None and self.grad_error is None:
+                try:
+                    self.grad = get_grad_kernel(self.program, self.kernel)
+                except GradKernelError as e:
+                    self.grad_error = e
+                    _warn(self.imp.nodes, e)
+            if self.grad is None:
+                return self._torch(srcs)
             try:
-                outs = self.kernel(**self.imp.program_inputs(values))
-                return tuple(self.imp.torch_outputs(outs))
+                outs = self.grad(**self.imp.program_inputs(values))
             except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
-                _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
-                self.kernel = None
-        return tuple(self.fallback(*srcs))
+                _warn(self.imp.nodes, f"its differentiable kernel failed at run time and is disabled "
+                                      f"({type(e).__name__}: {e})")
+                self.grad, self.grad_error = None, e
+                return self._torch(srcs)
+            self.calls["grad"] += 1
+            return tuple(self.imp.torch_outputs(outs))
+        try:
+            outs = self.kernel(**self.imp.program_inputs(values))
+        except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
+            _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
+            self.kernel = None
+            return self._torch(srcs)
+        self.calls["kernel"] += 1
+        return tuple(self.imp.torch_outputs(outs))
 
     def extra_repr(self):
         return repr(self.program)
-
-
-GRAD_REASON = ("its inputs require grad, and acefuse kernels do not compute gradients yet "
-               "(torch keeps the gradients; under torch.no_grad() the kernel runs)")
 
 
 def _needs_grad(values) -> bool:
@@ -242,24 +317,27 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
                 bad = _reject_dtype(imp)
                 if bad:
                     raise FrontendError(bad)
-                if _needs_grad(s.meta.get("af_val") for s in imp.sources):
-                    raise FrontendError(GRAD_REASON)
                 k = get_kernel(imp.program)
+                dk = None
+                if _needs_grad(s.meta.get("af_val") for s in imp.sources):
+                    dk = get_grad_kernel(imp.program, k)
             except Exception as e:  # noqa: BLE001 - any failure means: this region runs in torch
                 contr = [n for n in nodes if kind_of(n) == "contraction"]
-                if contr and not isinstance(e, FrontendError) and attempt < 2:
-                    # the contraction family is not available: keep the contractions in
-                    # torch and fuse what remains around them (softmax between matmuls)
+                grad = isinstance(e, GradKernelError)
+                if contr and (grad or not isinstance(e, FrontendError)) and attempt < 2:
+                    # no kernel (or, in training, no backward kernel) for the contractions:
+                    # keep them in torch and fuse what remains around them (softmax between matmuls)
                     exclude |= set(contr)
                     failed_contraction = True
                     if attempt == 0:
-                        _warn(contr, f"no kernel family for contractions yet ({e}); "
-                                     "matmuls stay in torch, the reductions around them go to acefuse", warned)
+                        _warn(contr, (f"no backward kernel for its contractions ({e.why}); in training the "
+                                      if grad else f"no kernel family for contractions yet ({e}); ")
+                              + "matmuls stay in torch, the reductions around them go to acefuse", warned)
                     continue
                 if attempt == 2 or not failed_contraction:
                     _warn(nodes, e, warned)
                 continue
-            compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp)), imp))
+            compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp), dk), imp))
         if not failed_contraction:
             break
     new = rebuild(gm, compiled)
