@@ -250,6 +250,8 @@ def compile_program(prog, axis=None, rules=(), allow_unproved=False, fusion=None
     ``allow_uncertified=True`` is the loud opt-out: the uncertified fusion is compiled,
     with a louder warning."""
     from acefuse.fuse import fuse, _pick_axis, certified_or_unfused, FuseError
+    if fusion is None and axis is None and not prog.reduced_axes():
+        axis = prog.axes[-1]   # an elementwise program: one kernel over its last axis, no states
     if fusion is None:
         staged = stage(prog, _pick_axis(prog, axis))
         if staged is not None:
