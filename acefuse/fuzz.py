@@ -985,7 +985,7 @@ def run_program(outputs: dict, w_axes, cases: list, res: Result, log=print, name
         inf_rows = _inf_rows(exact)
         for sched in SCHEDULES:
             try:
-                out = k(**inputs, schedule=sched, block_j=BLOCK_J, nsplit=NSPLIT)
+                out = k(**_on_device(inputs), schedule=sched, block_j=BLOCK_J, nsplit=NSPLIT)
             except ValueError as exc:
                 if sched == "split" and "has no split schedule" in str(exc):
                     continue
@@ -1063,7 +1063,7 @@ def _minimize(f: Failure, outputs, w_axes, case, sched, o, name) -> Failure:
             exact = {n: t.to(torch.float64) for n, t in inputs.items()}
             v64, bound = reference(one, exact, torch.float64, track=True)[o]
             v32 = reference(one, exact, torch.float32)[o][0]
-            got = k(**inputs, schedule=sched, block_j=BLOCK_J, nsplit=NSPLIT)
+            got = k(**_on_device(inputs), schedule=sched, block_j=BLOCK_J, nsplit=NSPLIT)
             ir = _inf_rows(exact)
             return check_output(got, v64, v32, bound, DTYPES[c["dtype"]], ir if one[o].shape != "rj" else ir[:, None])
 
@@ -1082,9 +1082,19 @@ def _minimize(f: Failure, outputs, w_axes, case, sched, o, name) -> Failure:
         return f
 
 
+DEVICE = "cpu"   # where kernels run (inputs are made, and references computed, on the CPU)
+
+
+def _on_device(inputs: dict) -> dict:
+    return inputs if DEVICE == "cpu" else {n: t.to(DEVICE) for n, t in inputs.items()}
+
+
 def run(n_programs: int | None = None, seed: int = 0, profile: str = "short", minutes: float | None = None,
-        log=None, depth=None) -> Result:
-    """Fuzz ``n_programs`` random programs (or for ``minutes``); returns a Result."""
+        log=None, depth=None, device: str = "cpu") -> Result:
+    """Fuzz ``n_programs`` random programs (or for ``minutes``); returns a Result. ``device="cuda"``
+    runs the kernels compiled on a GPU (references stay on the CPU)."""
+    global DEVICE
+    DEVICE = device
     log = log or (lambda *a: None)
     prof = PROFILES[profile]
     depth = depth or prof["depth"]
@@ -1142,10 +1152,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="short")
     ap.add_argument("--programs", type=int, default=None, help="stop after this many programs")
     ap.add_argument("--findings", default=None, help="append each distinct failure's reproducer to this file")
+    ap.add_argument("--device", default="cpu", help="run the kernels here (cpu: Triton's interpreter; cuda)")
     args = ap.parse_args(argv)
     t0 = time.time()
     res = run(n_programs=args.programs, seed=args.seed, profile=args.profile, minutes=args.minutes,
-              log=lambda s: print(s, flush=True))
+              log=lambda s: print(s, flush=True), device=args.device)
     print(f"\n== acefuse fuzz: seed {args.seed}, profile {args.profile}, {time.time() - t0:.0f}s ==")
     print(res.summary())
     seen = set()
