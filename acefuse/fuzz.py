@@ -141,15 +141,17 @@ def _kid_pols(n, pol):
 
 
 def _row_only(n) -> bool:
-    """Built only from reductions over j and constants (a per-row value), with a reduction."""
+    """Built only from reductions over j and constants (a per-row value), with a max, a min
+    or a log among them (the shift of a masked row; a mean or a sum that is -inf is read as
+    it is)."""
     def walk(u):
         if u.op in ("sum", "max", "min"):
-            return True, True
+            return True, u.op != "sum"
         if u.op in ("const", "size"):
             return True, False
         if u.op in ("in", "index"):
             return False, False
-        ok, found = True, False
+        ok, found = True, u.op == "log"
         for k in u.kids:
             o, f = walk(k)
             ok, found = ok and o, found or f

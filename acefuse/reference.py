@@ -5,9 +5,9 @@ code with the fused path (no states, no rules, no codegen), so comparing a kerne
 against it checks the whole pipeline.
 
 Conventions for fully masked data (the same ones the kernels document, README
-"Numerics"): IEEE semantics, except that a value built only from reductions (an
-empty max, a logsumexp or mean of a fully masked row) that is -inf reads as 0 where
-it is subtracted (its sign inside an enclosing difference is negative, through
+"Numerics"): IEEE semantics, except that a value built only from reductions, with a
+max, min or log among them (an empty max, the logsumexp of a fully masked row), that is -inf
+reads as 0 where it is subtracted (its sign inside an enclosing difference is negative, through
 ``+ - neg`` and products with a constant), an empty min (+inf) reads as 0 where it
 is added inside a difference, and a division by a value computed from a reduction
 gives 0 when both sides are 0.
@@ -56,17 +56,20 @@ def _fin(v: _V, pol):
 
 
 def _row_only(t: Term) -> bool:
-    """A value built only from reductions and constants (a per-row value of the program)."""
+    """A value built only from reductions and constants, with a max, a min or a log among
+    them (the shift of a masked row: ``max_j x``, ``max_j x + log(...)``; not a mean or a sum)."""
     found = [False]
 
     def walk(u):
         if u.op in ("Sum", "RMax", "RMin"):
-            found[0] = True
+            found[0] = found[0] or u.op != "Sum"   # built from a max or min: the shift of a masked row
             return True
         if u.op in ("Num", "Size"):
             return True
         if u.op in ("In", "Idx", "Take"):
             return False
+        if u.op == "Log":
+            found[0] = True   # the log of a sum that is 0 (a masked row's sum of exponentials)
         return all(walk(c) for c in u.children)
     return walk(t) and found[0]
 

@@ -59,6 +59,17 @@ class Emitter:
         # (Triton rejects a loop-carried name whose type changes)
         self.counter = counter if counter is not None else getattr(getattr(ctx, "g", None), "counter", [0])
 
+    def _is_ext(self, q) -> bool:
+        """State q is a max/min, or a reference value built from one (``m + log(l)``)."""
+        g = getattr(self.ctx, "g", None)
+        ops = getattr(g, "ops", {})
+        if ops.get(q) in ("max", "min"):
+            return True
+        if ops.get(q) == "ref":   # built from a max, a min or a log (m + log(l), log(l))
+            return any((u.op == "St" and u.args[0] != q and self._is_ext(u.args[0])) or u.op == "Log"
+                       for u in g.defs[q].walk())
+        return False
+
     def fresh(self, hint="t"):
         self.counter[0] += 1
         return f"_{hint}{self.counter[0]}"
@@ -89,12 +100,13 @@ class Emitter:
         canon = getattr(self.ctx, "canon", None)
         if canon is not None:
             t = canon(t)
-        if t.op != "St" and not _carries_pol(t) and not (pol == "-" and _row_only(t)):
+        shift = pol == "-" and t.op != "St" and _row_only(t, self._is_ext)
+        if t.op != "St" and not _carries_pol(t) and not shift:
             pol = None   # polarity only matters where it can reach a per-row value
         key = (t, pol)
         if key in self.cache:
             return self.cache[key]
-        if pol == "-" and t.op != "St" and _row_only(t):
+        if shift:
             # a subtracted per-row value built only from reductions that is -inf (a fully
             # masked row reaching it) reads as 0, like an empty max (module docstring)
             e, sh = self.emit(t)
@@ -123,8 +135,8 @@ class Emitter:
         if op == "St":
             name, shape = ctx.state_var(t.args[0], t.args[1], pol)
             kind = ctx.g.ops.get(t.args[0])
-            if pol == "-":
-                kind = "max"    # any subtracted per-row value from reductions: -inf reads as 0
+            if pol == "-" and self._is_ext(t.args[0]):
+                kind = "max"    # a subtracted per-row value built from a max: -inf reads as 0
             if (kind == "max" and pol == "-") or (kind == "min" and pol == "+"):
                 # an empty max (min) bounds the shift as 0: never -inf - -inf
                 return self.bind(f"_fin_{kind}({name})", shape, "f")
@@ -447,18 +459,24 @@ def _carries_pol(t: Term) -> bool:
 _ROW_LEAVES = frozenset(("St", "Sum", "RMax", "RMin"))
 
 
-def _row_only(t: Term) -> bool:
-    """A per-row value built only from reductions (states, tile reductions) and constants."""
+def _row_only(t: Term, is_ext=None) -> bool:
+    """A per-row value built only from reductions (states, tile reductions) and constants,
+    with at least one max or min (``is_ext(q)``: state q is one, or is built from one) or
+    log among them: the shift of a masked row (``m``, ``m + log(l)``, ``log(l)``), not a
+    mean or a sum."""
     found = [False]
 
     def walk(u):
         if u.op in _ROW_LEAVES:
-            found[0] = True
+            if u.op in ("RMax", "RMin") or (u.op == "St" and (is_ext is None or is_ext(u.args[0]))):
+                found[0] = True
             return True
         if u.op in ("Num", "Cnt", "Size"):
             return True
         if u.op in ("Elm", "Par", "In", "Idx", "Take"):
             return False
+        if u.op == "Log":
+            found[0] = True   # the log of a sum that is 0 (a masked row's sum of exponentials)
         return all(walk(c) for c in u.children)
     return walk(t) and found[0]
 

@@ -54,6 +54,16 @@ class _Eval:
         self._defmemo: dict = {}
         self.known: frozenset = frozenset()   # states final from earlier passes: read over J
 
+    def is_ext(self, q) -> bool:
+        """State q is a max/min or a reference value built from one (codegen/emit.py)."""
+        d = self.defs.get(q)
+        if d is None:
+            return False
+        if d.op in ("max", "min"):
+            return True
+        return d.op == "ref" and any((u.op == "St" and u.args[0] != q and self.is_ext(u.args[0]))
+                                     or u.op == "Log" for u in d.definition.walk())
+
     def key(self, blk: Term) -> str:
         if blk.op == "BU":
             return self.key(blk.args[0]) + self.key(blk.args[1])
@@ -76,7 +86,7 @@ class _Eval:
     def ev(self, t: Term, elems, pol):
         """Value of ``t``: (ROWS,) outside a reduction, (ROWS, |elems|) inside one."""
         op, dt = t.op, self.dt
-        if pol == "-" and op != "St" and _row_only(t):   # the kernels' convention (codegen/emit.py)
+        if pol == "-" and op != "St" and _row_only(t, self.is_ext):   # the kernels' convention (emit.py)
             v = self.ev(t, elems, None)
             return np.where(v == -np.inf, dt(0), v)
         if op == "Num":
@@ -93,7 +103,7 @@ class _Eval:
             q = t.args[0]
             v = self.state(q, t.args[1]).astype(dt)
             kind = self.defs[q].op
-            if pol == "-":
+            if pol == "-" and self.is_ext(q):
                 v = np.where(v == -np.inf, dt(0), v)
             elif kind == "min" and pol == "+":
                 v = np.where(v == np.inf, dt(0), v)
