@@ -170,15 +170,14 @@ def requires_grad_inputs(args, inputs, names=()) -> list:
 
 
 def refuse_grad(kernel, names, args, inputs):
-    """What a kernel does when inputs require grad: refuse, naming the inputs and the way
-    out. (Kernels are not autograd Functions yet; acefuse/autograd.py replaces this hook,
-    ``acefuse.codegen.compile.grad_hook``, with one that is.)"""
+    """What a plain (forward-only) kernel does when inputs require grad: refuse, naming the
+    inputs and the way out (the differentiable kernels are in acefuse/autograd.py)."""
     raise NotDifferentiableError(
-        f"program {kernel.program.name!r}: input(s) {names} require grad, and acefuse kernels do "
-        "not compute gradients yet: the result would have no grad_fn, and every parameter "
-        "upstream would silently get no gradient. Call the kernel under torch.no_grad() (or on "
-        "detached inputs) for inference; to train, use af.compile(fn, *inputs) or "
-        "torch.compile(model, backend=af.backend), which leave such regions to torch.")
+        f"program {kernel.program.name!r}: input(s) {names} require grad, and this plain kernel "
+        "is not differentiable: its result would have no grad_fn, and every parameter upstream "
+        "would silently get no gradient. Use af.compile(prog) (a differentiable kernel with the "
+        "derived backward), af.compile(fn, *inputs) or torch.compile(model, backend=af.backend); "
+        "or call this kernel under torch.no_grad() for inference.")
 
 
 grad_hook = refuse_grad   # (kernel, names, args, inputs) -> outputs; replaceable
