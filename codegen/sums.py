@@ -1,0 +1,512 @@
+"""The sum kernel of the contraction family: one pass whose states are all plain sums over
+the loop axis, with contractions inside (the stages of a derived backward: dQ over keys,
+dK/dV over queries). Split out of contraction.py, whose interval arithmetic, mask
+analysis and context it shares."""
+from __future__ import annotations
+
+import math
+
+from acefuse.rewrite.terms import Term, pretty
+from acefuse.codegen.emit import CodegenError
+from acefuse.codegen.row import HEADER, PREPARE
+from acefuse.codegen.contraction import ContractionGen, _flat_mul
+
+
+class SumGen:
+    """A one-pass kernel whose states are all plain sums over the loop axis ``F``
+    (``s_AB = s_A + sum_B(e)``: the stages of a derived backward, e.g. dQ = sum_j(dS * k)
+    with F = j, or dK = sum_i(dS * q), dV = sum_i(P * dO) with F = i).
+
+    Axes, classified, not named: ``F`` the loop axis (tiles of BLOCK_J); grid axes ``G``
+    (every tensor over F has them: batch, heads): one program each; row axes ``R`` (output
+    axes no F-tensor has): flattened into tiles of BLOCK_I; vector axes: any other axis a
+    tensor or output carries (head dims), one per value, a [BLOCK, BLOCK_<axis>] tile.
+    Values are scalars, rows [I], loop columns [J], tiles [I, J], row vectors [I, a] or
+    loop vectors [J, a]. Inside the body a sum over a vector axis is a contraction:
+    ``tl.dot`` of a row vector and a loop vector (-> tile), else ``tl.sum`` over the axis.
+    A state ``sum_F(t * w)`` with ``w`` a loop vector is ``acc = tl.dot(t, w, acc)``; a
+    state ``sum_F(t)`` is ``acc += tl.sum(t, axis=1)``.
+
+    Mask analysis: ``where(cond, a, b)`` conditions built from indices are evaluated with
+    interval arithmetic over each loop tile's index box; when every state's body is 0 where
+    all of them are false (checked symbolically: ``where(c, a, 0)``, ``exp(-inf) = 0``,
+    ``0 * finite``), the loop runs only over the tiles between the first and the last tile
+    the mask does not exclude entirely.
+    """
+
+    def __init__(self, fusion):
+        self.f = fusion
+        enc = fusion.encoding
+        self.enc = enc
+        self.F = enc.axis
+        self.name = fusion.program.name
+        self.tensors = dict(enc.tensors)
+        if len(fusion.passes) != 1:
+            raise CodegenError(f"program {self.name!r}: {len(fusion.passes)} passes; sum kernels are one pass")
+        p = fusion.passes[0]
+        self.p = p
+        self.states = {}
+        for s in p.states:
+            src = s.source
+            if s.op != "sum" or src.op != "Sum" or src.args[0].args[0] != self.F:
+                raise CodegenError(f"program {self.name!r}: state {s.name} is not a plain sum over {self.F!r}")
+            self.states[s.name] = src.args[1]
+        self.outs = {}
+        for o, t in enc.outputs.items():
+            if t.op != "St" or t.args[0] not in self.states:
+                raise CodegenError(f"program {self.name!r}: output {o!r} = {pretty(t)} is not a state")
+            self.outs[o] = t.args[0]
+        self.out_axes = dict(enc.output_axes)
+        F = self.F
+        ft = [ax for ax in self.tensors.values() if F in ax]
+        if not ft:
+            raise CodegenError(f"program {self.name!r}: no tensor ranges over the loop axis {F!r}")
+        common = set(ft[0]).intersection(*[set(a) for a in ft[1:]]) - {F}
+        order = fusion.program.axes
+        out_ax = [a for ax in self.out_axes.values() for a in ax]
+        self.R = [a for a in order if a in out_ax and not any(a in ax for ax in ft)]
+        self.G = [a for a in order if a in common and a not in self.R]
+        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax}
+        self.V = [a for a in order if a in allax and a != F and a not in self.R and a not in self.G]
+        if not self.R:
+            raise CodegenError(f"program {self.name!r}: no row axis (every output axis is carried by a "
+                               f"tensor over {F!r})")
+        for o, ax in self.out_axes.items():
+            if [a for a in ax if a in self.R] != self.R:
+                raise CodegenError(f"program {self.name!r}: output {o!r} does not range over every row axis {self.R}")
+            if len([a for a in ax if a in self.V]) > 1:
+                raise CodegenError(f"program {self.name!r}: output {o!r} has more than one vector axis")
+        self.hoisted: list = []
+        self._hoist: dict = {}
+        self.lines: list = []
+        self.n = 0
+
+    # -- values: (expression, shape); shape is "s", "r", "f", "rf", ("r", a) or ("f", a) --------------
+    def bind(self, expr, shape, hint="t", hoist=False):
+        if hoist:
+            if expr not in self._hoist:
+                name = f"h{len(self._hoist) + 1}"
+                self.hoisted.append(f"    {name} = {expr}")
+                self._hoist[expr] = name
+            return self._hoist[expr], shape
+        self.n += 1
+        name = f"{hint}{self.n}"
+        self.lines.append(f"{name} = {expr}")
+        return name, shape
+
+    @staticmethod
+    def join(a, b):
+        if a == b or b == "s":
+            return a
+        if a == "s":
+            return b
+        s = {a, b} if isinstance(a, str) and isinstance(b, str) else None
+        if s and s <= {"r", "f", "rf"}:
+            return "rf"
+        for x, y in ((a, b), (b, a)):
+            if isinstance(y, tuple) and x == y[0]:
+                return y
+        raise CodegenError(f"cannot combine a {a} value with a {b} value in one expression (a value over "
+                           "rows, the loop axis and a vector axis at once is not supported)")
+
+    @staticmethod
+    def bcast(e, sh, to):
+        if sh == to or sh == "s":
+            return e
+        if to == "rf":
+            return f"{e}[:, None]" if sh == "r" else f"{e}[None, :]"
+        if isinstance(to, tuple) and sh == to[0]:
+            return f"{e}[:, None]"
+        raise CodegenError(f"cannot broadcast a {sh} value to {to}")
+
+    def vec(self, a):
+        return f"vc_{a}", f"vm_{a}"
+
+    def load(self, name):
+        ax = self.tensors[name]
+        has_r = any(a in self.R for a in ax)
+        has_f = self.F in ax
+        vs = [a for a in ax if a in self.V]
+        if len(vs) > 1 or (vs and has_r and has_f):
+            raise CodegenError(f"tensor {name!r} (axes {' '.join(ax)}): at most two of rows, the loop axis "
+                               "and one vector axis")
+        ptr = f"{name}_ptr + off_{name}_g"
+        masks = []
+        lead = "[:, None]" if vs or (has_r and has_f) else ""
+        if has_r:
+            ptr += f" + off_{name}_r{lead}"
+            masks.append(f"rmask{lead}")
+        if has_f:
+            fl = "[:, None]" if vs else ("[None, :]" if has_r else "")
+            ptr += f" + cols{fl} * s_{name}_{self.F}"
+            masks.append(f"fmask{fl}")
+        if vs:
+            c, m = self.vec(vs[0])
+            ptr += f" + {c}[None, :] * s_{name}_{vs[0]}"
+            masks.append(f"{m}[None, :]")
+        shape = ((("r" if has_r else "f"), vs[0]) if vs else
+                 "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
+        m = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
+        return self.bind(f"tl.load({ptr}{m}).to(tl.float32)", shape, "ld_", hoist=not has_f)
+
+    def emit(self, t: Term):
+        memo = self._memo
+        if t in memo:
+            return memo[t]
+        r = self._emit(t)
+        memo[t] = r
+        return r
+
+    def _emit(self, t: Term):
+        op = t.op
+        if op == "Num":
+            v = float(t.args[0])
+            return ("float('-inf')" if v == -math.inf else "float('inf')" if v == math.inf else repr(v)), "s"
+        if op == "In":
+            return self.load(t.args[0])
+        if op == "Idx":
+            a = t.args[0]
+            if a == self.F:
+                return "cols.to(tl.float32)", "f"
+            if a in self.R:
+                return f"idx_{a}.to(tl.float32)", "r"
+            if a in self.G:
+                return f"(idx_{a} * 1.0)", "s"
+            raise CodegenError(f"index({a!r}) over a vector axis is not supported in this kernel")
+        if op == "Size":
+            return (f"(len_{t.args[0]} * 1.0)" if t.args[0] != self.F else "nf_f"), "s"
+        if op == "Sum":
+            return self.contract(t)
+        if op in ("RMax", "RMin"):
+            raise CodegenError(f"`{pretty(t)}`: a max/min over another axis inside the body is not supported")
+        args = [self.emit(c) for c in t.children]
+        sh = "s"
+        for _, s in args:
+            sh = self.join(sh, s)
+        xs = [self.bcast(e, s, sh) for e, s in args]
+        binop = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "CmpLt": "<", "CmpLe": "<=", "CmpGt": ">",
+                 "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!=", "LAnd": "&", "LOr": "|"}
+        if op in binop:
+            return self.bind(f"{xs[0]} {binop[op]} {xs[1]}", sh)
+        unary = {"Neg": "-{}", "Exp": "tl.exp({})", "Log": "tl.log({})", "Sqrt": "tl.sqrt({})",
+                 "Rsqrt": "tl.rsqrt({})", "Abs": "tl.abs({})", "Tanh": "_tanh({})", "LNot": "~({})"}
+        if op in unary:
+            return self.bind(unary[op].format(xs[0]), sh)
+        if op in ("Max2", "Min2"):
+            return self.bind(f"tl.{'maximum' if op == 'Max2' else 'minimum'}({xs[0]}, {xs[1]})", sh)
+        if op == "Where":
+            return self.bind(f"tl.where({xs[0]}, {xs[1]}, {xs[2]})", sh)
+        raise CodegenError(f"operator {op!r} in `{pretty(t)}` is not supported by the sum kernel")
+
+    def contract(self, t: Term):
+        ax = t.args[0].args[0]
+        if ax not in self.V:
+            raise CodegenError(f"`{pretty(t)}`: a sum over {ax!r} inside the body must run over a vector axis")
+        fs = _flat_mul(t.args[1])
+        on = [self.emit(f) for f in fs if ax in self._axes(f)]
+        off = [self.emit(f) for f in fs if ax not in self._axes(f)]
+        rs = [x for x in on if x[1] == ("r", ax)]
+        ls = [x for x in on if x[1] == ("f", ax)]
+        if len(rs) == 1 and len(ls) == 1 and len(on) == 2:
+            out = self.bind(f"tl.dot({rs[0][0]}.to(DOT_T), tl.trans({ls[0][0]}.to(DOT_T)), "
+                            "input_precision=PREC)", "rf", "dot_")
+        else:
+            sh = "s"
+            for _, s in on:
+                sh = self.join(sh, s)
+            if not isinstance(sh, tuple):
+                raise CodegenError(f"`{pretty(t)}`: the body of a sum over {ax!r} does not range over it")
+            prod = " * ".join(self.bcast(e, s, sh) for e, s in on)
+            out = self.bind(f"tl.sum({prod}, axis=1)", sh[0], hoist=sh[0] == "r" and
+                            all(s2 != "f" and not (isinstance(s2, tuple) and s2[0] == "f") for _, s2 in on)
+                            and self._row_only(t))
+        for e, s in off:
+            sh = self.join(out[1], s)
+            out = self.bind(f"{self.bcast(out[0], out[1], sh)} * {self.bcast(e, s, sh)}", sh)
+        return out
+
+    def _row_only(self, t):
+        return self.F not in self._axes(t) and not any(s.op == "Idx" for s in t.walk())
+
+    def _axes(self, t: Term) -> set:
+        if t.op == "In":
+            return set(self.tensors[t.args[0]])
+        if t.op == "Idx":
+            return {t.args[0]}
+        if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
+            return self._axes(t.args[1]) - {t.args[0].args[0]}
+        return set().union(*[self._axes(c) for c in t.children]) if t.children else set()
+
+    # -- mask analysis ---------------------------------------------------------------------------
+    def mask_conds(self) -> list:
+        conds = []
+        for body in self.states.values():
+            for t in body.walk():
+                if t.op == "Where" and self._index_only(t.args[0]) and t.args[0] not in conds:
+                    conds.append(t.args[0])
+        return conds
+
+    def _index_only(self, c: Term) -> bool:
+        ok = ("Idx", "Num", "Size", "Add", "Sub", "Neg", "Mul", "Abs", "CmpLt", "CmpLe", "CmpGt", "CmpGe",
+              "LAnd", "LOr", "LNot")
+        return (any(s.op == "Idx" for s in c.walk()) and all(s.op in ok for s in c.walk())
+                and all(s.args[0] in [self.F] + self.R + self.G for s in c.walk() if s.op == "Idx")
+                and not any(s.op == "Mul" and not any(x.op == "Num" for x in s.args) for s in c.walk()))
+
+    def _zero_if_false(self, t: Term, conds) -> bool:
+        """``t`` is 0 wherever every condition in ``conds`` is false. Inputs are taken to be
+        finite (an infinite input would give NaN in the unskipped tile, not 0)."""
+        def cls(u):   # "0", "-inf" or "?" (finite, unknown)
+            op = u.op
+            if op == "Num":
+                v = u.args[0]
+                return "0" if v == 0 else "-inf" if v == -math.inf else "?"
+            if op == "Where" and u.args[0] in conds:
+                return cls(u.args[2])
+            if op == "Exp":
+                return "0" if cls(u.args[0]) == "-inf" else "?"
+            if op in ("Add", "Sub"):
+                a, b = cls(u.args[0]), cls(u.args[1])
+                return "-inf" if a == "-inf" and b == "?" else "?"
+            if op == "Mul":
+                a, b = cls(u.args[0]), cls(u.args[1])
+                if "0" in (a, b) and "-inf" not in (a, b):
+                    return "0"
+                for x, y in ((u.args[0], u.args[1]), (u.args[1], u.args[0])):
+                    if cls(x) == "-inf" and y.op == "Num" and 0 < y.args[0] < math.inf:
+                        return "-inf"
+                return "?"
+            if op == "Neg":
+                return "0" if cls(u.args[0]) == "0" else "?"
+            if op == "Sum":
+                return "0" if cls(u.args[1]) == "0" else "?"
+            return "?"
+        return cls(t) == "0"
+
+    def interval(self, t: Term, L: list):
+        op = t.op
+        if op == "Num":
+            v = repr(float(t.args[0]))
+            return v, v
+        if op == "Idx":
+            a = t.args[0]
+            if a == self.F:
+                return "f_lo", "f_hi"
+            if a in self.R:
+                return f"{a}_lo", f"{a}_hi"
+            return f"(idx_{a} * 1.0)", f"(idx_{a} * 1.0)"
+        if op == "Size":
+            v = "nf_f" if t.args[0] == self.F else f"(len_{t.args[0]} * 1.0)"
+            return v, v
+        if op in ("Neg", "Add", "Sub", "Mul", "Abs", "FloorDiv"):
+            return ContractionGen.interval(self, t, L)
+        raise CodegenError(f"program {self.name!r}: no interval arithmetic for {op!r} in a mask condition")
+
+    truth = ContractionGen.truth
+
+    # -- kernel text -----------------------------------------------------------------------------
+    def sig(self):
+        args = []
+        for t, axes in list(self.tensors.items()) + list(self.out_axes.items()):
+            args.append(f"{t}_ptr")
+            args += [f"s_{t}_{a}" for a in axes]
+        args += [f"len_{a}" for a in self.G + self.R + self.V]
+        return args + ["n_rows", "n_f"]
+
+    def kernel(self) -> str:
+        self._memo = {}
+        F = self.F
+        blocks = ", ".join(f"BLOCK_V_{a}: tl.constexpr" for a in self.V)
+        L = ["@triton.jit",
+             f"def {self.name}_sum({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
+             f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
+             f"    # grid: (row tiles over {' '.join(self.R)}, {' '.join(self.G) or 'one'}); "
+             f"loop over tiles of {F!r} carrying the sums"]
+        L.append("    pid_r = tl.num_programs(0) - 1 - tl.program_id(0)")
+        L.append("    pid_g = tl.program_id(1)")
+        L.append("    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)")
+        L.append("    rmask = rows < n_rows")
+        L.append("    rem = rows.to(tl.int64)")
+        for a in reversed(self.R):
+            L.append(f"    idx_{a} = rem % len_{a}")
+            L.append(f"    rem = rem // len_{a}")
+        L.append("    gem = pid_g.to(tl.int64)")
+        for a in reversed(self.G):
+            L.append(f"    idx_{a} = gem % len_{a}")
+            L.append(f"    gem = gem // len_{a}")
+        for a in self.R:
+            L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
+            L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
+        L.append("    nf_f = n_f * 1.0")
+        for a in self.V:
+            c, m = self.vec(a)
+            L.append(f"    {c} = tl.arange(0, BLOCK_V_{a})")
+            L.append(f"    {m} = {c} < len_{a}")
+        for t in list(self.tensors) + list(self.out_axes):
+            axes = self.tensors[t] if t in self.tensors else self.out_axes[t]
+            g = [a for a in axes if a in self.G]
+            r = [a for a in axes if a in self.R]
+            L.append(f"    off_{t}_g = " + (" + ".join(f"idx_{a} * s_{t}_{a}" for a in g) if g else "0"))
+            if r:
+                L.append(f"    off_{t}_r = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in r))
+        # the loop's range: mask analysis
+        conds = self.mask_conds()
+        skip = bool(conds) and all(self._zero_if_false(b, conds) for b in self.states.values())
+        if skip:
+            L.append(f"    # mask analysis: interval arithmetic over each {F!r} tile's index box; tiles where "
+                     "every mask")
+            L.append("    # condition is false add 0 to every sum (checked symbolically) and are skipped")
+            L.append("    BIG = 2147483647")
+            L.append("    first = 0 * n_f + BIG")
+            L.append("    end = 0 * n_f")
+            L.append("    for t0 in range(0, n_f, SCAN * BLOCK_J):")
+            L.append("        start = t0 + tl.arange(0, SCAN) * BLOCK_J")
+            L.append("        valid = start < n_f")
+            L.append("        f_lo = start * 1.0")
+            L.append("        f_hi = (tl.minimum(start + BLOCK_J, n_f) - 1) * 1.0")
+            ivl: list = []
+            falses = []
+            for c in conds:
+                falses.append(self.truth(c, ivl)[1])
+            L.extend(f"        {x}" for x in ivl)
+            L.append(f"        seen = (~({' & '.join(falses)})) & valid")
+            L.append("        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))")
+            L.append("        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_f), 0), axis=0))")
+            L.append("    first = tl.where(first == BIG, 0, first)")
+            L.append("    end = tl.maximum(end, first)")
+        else:
+            L.append("    first = 0")
+            L.append("    end = n_f")
+        accs = {}
+        body = []
+        for q, b in self.states.items():
+            self.lines = []
+            fs = _flat_mul(b)
+            vecs = [f for f in fs if isinstance(self._shape_of(f), tuple) and self._shape_of(f)[0] == "f"]
+            if len(vecs) == 1:
+                rest = [f for f in fs if f is not vecs[0]] or [Term("Num", (1.0,))]
+                w, wsh = self.emit(vecs[0])
+                tt = rest[0]
+                for f in rest[1:]:
+                    tt = Term("Mul", (tt, f))
+                e, sh = self.emit(tt)
+                if sh not in ("rf", "r", "f", "s"):
+                    raise CodegenError(f"state {q}: `{pretty(b)}` is not a (rows x {F!r}) tile times a vector")
+                e = self.bcast(e, sh, "rf") if sh != "rf" else e
+                if sh in ("r", "s"):
+                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+                a = wsh[1]
+                accs[q] = (f"tl.zeros([BLOCK_I, BLOCK_V_{a}], tl.float32)", ("r", a))
+                self.lines.append(f"{q} = tl.dot(tl.where(tmask, {e}, 0.0).to(DOT_T), {w}.to(DOT_T), acc={q}, "
+                                  "input_precision=PREC)")
+            else:
+                e, sh = self.emit(b)
+                if sh not in ("rf", "f"):
+                    raise CodegenError(f"state {q}: `{pretty(b)}` has shape {sh}; expected a (rows x {F!r}) tile")
+                e = self.bcast(e, sh, "rf") if sh != "rf" else e
+                if sh == "f":
+                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+                accs[q] = ("tl.zeros([BLOCK_I], tl.float32)", "r")
+                self.lines.append(f"{q} = {q} + tl.sum(tl.where(tmask, {e}, 0.0), axis=1)")
+            body.append(f"        # {q}_AB = {q}_A + sum_B({pretty(b)})")
+            body.extend("        " + x for x in self.lines)
+        for q, (init, _) in accs.items():
+            L.append(f"    {q} = {init}")
+        L2 = ["    for start in range(first, end, BLOCK_J):",
+              "        cols = start + tl.arange(0, BLOCK_J)",
+              "        fmask = cols < end",
+              "        tmask = rmask[:, None] & fmask[None, :]"]
+        store = []
+        for o, q in self.outs.items():
+            sh = accs[q][1]
+            ptr = f"{o}_ptr + off_{o}_g + off_{o}_r"
+            if isinstance(sh, tuple):
+                c, m = self.vec(sh[1])
+                ptr = f"{ptr}[:, None] + {c}[None, :] * s_{o}_{sh[1]}"
+                mask = f"rmask[:, None] & {m}[None, :]"
+            else:
+                mask = "rmask"
+            if isinstance(sh, tuple) != any(a in self.V for a in self.out_axes[o]):
+                raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
+            store.append(f"    tl.store({ptr}, {q}.to({o}_ptr.dtype.element_ty), mask={mask})")
+        return "\n".join(L + self.hoisted + L2 + body + store)
+
+    def _shape_of(self, t: Term):
+        ax = self._axes(t)
+        vs = [a for a in ax if a in self.V]
+        has_r, has_f = any(a in self.R for a in ax), self.F in ax
+        if vs:
+            return ("r" if has_r else "f", vs[0]) if len(vs) == 1 and not (has_r and has_f) else "?"
+        return "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s"
+
+    def module(self) -> str:
+        f = self.f
+        parts = [HEADER.format(name=self.name, axis=self.F, explain=f.explain().replace('"""', "'''")),
+                 self.kernel(), self.launcher()]
+        return "\n\n\n".join(parts) + "\n"
+
+    def launcher(self):
+        blocks = ", ".join(f"BLOCK_V_{a}=max(16, _np2(sizes[{a!r}]))" for a in self.V)
+        L = [
+            f"PROGRAM = {self.name!r}",
+            f"AXIS = {self.F!r}",
+            f"TENSORS = {dict(self.tensors)!r}",
+            "INDEX_TENSORS = []",
+            f"OUTPUTS = {dict(self.out_axes)!r}",
+            f"GRID_AXES = {self.G!r}",
+            f"ROW_AXES = {self.R!r}",
+            f"VEC_AXES = {self.V!r}",
+            "",
+            "",
+            "def _np2(n):",
+            "    return 1 << max(0, (int(n) - 1).bit_length())",
+            "",
+            "",
+            PREPARE.format(name=self.name),
+            "",
+            "",
+            "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
+            "        num_stages=None, **inputs):",
+            "    \"\"\"Launch the kernel; returns the output (a dict when there are several).\"\"\"",
+            "    if schedule not in (None, 'loop'):",
+            f"        raise ValueError(f\"program {self.name!r} runs the 'loop' schedule only (got {{schedule!r}})\")",
+            "    inputs, sizes, ref, dev = _prepare(args, inputs)",
+            "    n_rows = 1",
+            "    for a in ROW_AXES:",
+            "        n_rows *= sizes[a]",
+            "    n_g = 1",
+            "    for a in GRID_AXES:",
+            "        n_g *= sizes[a]",
+            "    n_f = sizes[AXIS]",
+            "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
+            "    argv = []",
+            "    for t in TENSORS:",
+            "        argv.append(inputs[t])",
+            "        argv.extend(inputs[t].stride())",
+            "    for o in OUTPUTS:",
+            "        argv.append(outs[o])",
+            "        argv.extend(outs[o].stride())",
+            "    argv.extend(sizes[a] for a in GRID_AXES + ROW_AXES + VEC_AXES)",
+            "    argv.extend([n_rows, n_f])",
+            "    on_gpu = dev.type == 'cuda'",
+            "    wide = ref.dtype == torch.float32",
+            "    bi = block_i or block_r or (max(16, min(64 if wide else 128, _np2(n_rows))) if on_gpu else max(16, min(32, _np2(n_rows))))",
+            "    bj = block_j or ((32 if wide else 64) if on_gpu else 16)",
+            "    prec = 'ieee' if ref.dtype == torch.float32 else 'tf32'",
+            "    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32",
+            "    scan = max(16, min(256, _np2(triton.cdiv(n_f, bj))))",
+            f"    kw = dict(BLOCK_I=bi, BLOCK_J=bj, {blocks + ', ' if blocks else ''}PREC=prec, DOT_T=dot_t, SCAN=scan,",
+            "              num_warps=num_warps or 4)",
+            "    if on_gpu and num_stages:",
+            "        kw['num_stages'] = num_stages",
+            f"    {self.name}_sum[(triton.cdiv(n_rows, bi), n_g)](*argv, **kw)",
+            "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
+        ]
+        return "\n".join(L)
+
+
+def sum_pass(fusion) -> bool:
+    """Every state of the (single) pass is a plain sum over the fused axis."""
+    return (len(fusion.passes) == 1 and bool(fusion.passes[0].states)
+            and all(s.op == "sum" for s in fusion.passes[0].states)
+            and all(t.op == "St" for t in fusion.encoding.outputs.values()))
