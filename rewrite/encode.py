@@ -140,7 +140,9 @@ def encode(prog, axis: str) -> Encoding:
         if is_red(t):
             return Term("St", (state_of(t), A))
         if t.op == "Size" and t.args[0] == axis:
-            return Term("Cnt", (A,))
+            # inside a reduction body the axis length is the whole axis's (a per-program
+            # constant); in a value built from reductions (a mean) it is the block's count
+            return leaf(t, "Par") if allow_ref else Term("Cnt", (A,))
         if not has_red(t):
             if axis in axes_of(t):
                 return leaf(t, "Elm")

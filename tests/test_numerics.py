@@ -215,3 +215,15 @@ def test_tanh_relative_accuracy():
     y = af.compile(prog)(x=X).double()
     ref = torch.tanh(X.double())
     assert ((y - ref).abs() / ref.abs()).max() < 1e-6
+
+
+def test_axis_length_inside_a_reduction_body_is_the_whole_axis():
+    """size(j) in a body is the axis's length (a constant), not the tile's count."""
+    x = af.tensor("x", "r j")
+    half = af.where(af.index("j") < af.size("j") * 0.5, x, 0.0)
+    prog = af.program("nm_size_body", y=af.sum(half, "j"), z=af.sum(x * af.size("j"), "j"))
+    X = torch.randn(3, 41, generator=torch.Generator().manual_seed(13))
+    Xd = X.double()
+    for out in run_all(af.compile(prog), {"x": X}).values():
+        close(out["y"], Xd[:, :21].sum(-1))
+        close(out["z"], Xd.sum(-1) * 41, atol=1e-3)
