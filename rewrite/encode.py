@@ -151,7 +151,13 @@ def encode(prog, axis: str) -> Encoding:
             return leaf(t, "Par")
         if allow_ref and axis not in axes_of(t) and has_true_red(t):
             return Term("St", (ref_of(t), A))
-        return Term(t.op, tuple(enc(a, allow_ref) if isinstance(a, Term) else a for a in t.args))
+        args = tuple(enc(a, allow_ref) if isinstance(a, Term) else a for a in t.args)
+        if t.op == "Mul" and _reads_state(args[1]) and not _reads_state(args[0]):
+            # a product is written with the factor that reads states first (multiplication
+            # commutes, in floating point too), so that `w * exp(x - m)` and `exp(x - m) * w`
+            # meet the same factoring rules
+            args = (args[1], args[0])
+        return Term(t.op, args)
 
     def deps_of(d: Term):
         return tuple(dict.fromkeys(s.args[0] for s in d.walk() if s.op == "St"))
@@ -194,6 +200,10 @@ def encode(prog, axis: str) -> Encoding:
     enc_ = Encoding(prog.name, axis, states, leaves, outputs, output_axes, dict(prog.tensors),
                     unfused_passes=unfused, elementwise_outputs=elementwise, leaf_of=leaf_of)
     return enc_
+
+
+def _reads_state(t: Term) -> bool:
+    return any(u.op in ("St", "Cnt") for u in t.walk())
 
 
 def _finals(t: Term, names, is_red) -> Term:

@@ -227,3 +227,16 @@ def test_axis_length_inside_a_reduction_body_is_the_whole_axis():
     for out in run_all(af.compile(prog), {"x": X}).values():
         close(out["y"], Xd[:, :21].sum(-1))
         close(out["z"], Xd.sum(-1) * 41, atol=1e-3)
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["w-first", "exp-first"])
+def test_factor_order_does_not_change_fusibility(left):
+    x, w = af.tensor("x", "r j"), af.tensor("w", "r j")
+    e = af.exp(x - af.max(x, "j"))
+    prog = af.program(f"nm_order_{int(left)}", y=af.sum(w * e if left else e * w, "j"))
+    assert af.fuse(prog).fusible
+    g = torch.Generator().manual_seed(14)
+    X, W = torch.randn(3, 70, generator=g), torch.randn(3, 70, generator=g)
+    ref = (W.double() * torch.exp(X.double() - X.double().amax(-1, keepdim=True))).sum(-1)
+    for y in run_all(af.compile(prog), {"x": X, "w": W}).values():
+        close(y, ref)
