@@ -225,8 +225,9 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
 
 # ---- functions, rounding and integer arithmetic (float64 / exact int64) -----------------------
 def _erf(a):
-    from scipy.special import erf
-    return erf(a)
+    import math
+    a = np.asarray(a)
+    return np.frompyfunc(math.erf, 1, 1)(a).astype(a.dtype if a.dtype.kind == "f" else np.float64)
 
 
 def _sigmoid(a):

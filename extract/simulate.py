@@ -174,8 +174,9 @@ def _sigmoid(a):
 
 
 def _erf(a):
-    from scipy.special import erf
-    return erf(a)
+    import math
+    a = np.asarray(a)
+    return np.frompyfunc(math.erf, 1, 1)(a).astype(a.dtype if a.dtype.kind == "f" else np.float64)
 
 
 _SPECIAL = {"Erf": _erf, "Sigmoid": _sigmoid, "Softplus": lambda a: np.logaddexp(0.0, a), "Log1p": np.log1p,
