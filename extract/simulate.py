@@ -31,7 +31,10 @@ import numpy as np
 
 from acefuse.rewrite.terms import Term, reblock, A, B, U
 from acefuse.codegen.emit import _child_pols, _row_only
-from acefuse.rewrite.terms import CAST_LIMITS, INT_OPS as _INT_OPS
+from acefuse.rewrite.terms import INT_OPS as _INT_OPS
+# functions, rounding and integer operators: the kernels compute them accurately (float64
+# inside, or exact int64), so they are evaluated as the float64 reference does and rounded
+from acefuse.reference import _FUNCS as _SPECIAL, _cast, _int_op
 
 FINITE_LIMIT = 1e30
 ACCURACY_REL = 1e-2      # a form is inaccurate when it is off by more than this (relative, at least 1)
@@ -164,50 +167,6 @@ class _Eval:
         if op == "LNot":
             return (a == 0).astype(dt)
         raise ValueError(f"simulate: no evaluation for operator {op}")
-
-
-# Functions, rounding and integer operators: the kernels compute them accurately (float64
-# inside, or exact int64), so they are evaluated in float64 and rounded to the simulated type.
-def _sigmoid(a):
-    e = np.exp(-np.abs(a))
-    return np.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-def _erf(a):
-    import math
-    a = np.asarray(a)
-    return np.frompyfunc(math.erf, 1, 1)(a).astype(a.dtype if a.dtype.kind == "f" else np.float64)
-
-
-_SPECIAL = {"Erf": _erf, "Sigmoid": _sigmoid, "Softplus": lambda a: np.logaddexp(0.0, a), "Log1p": np.log1p,
-            "Expm1": np.expm1, "Floor": np.floor, "Ceil": np.ceil, "Round": np.round}
-
-
-def _cast(a, dtype):
-    t, lim = np.trunc(a), CAST_LIMITS[dtype]
-    return np.where((t >= -lim) & (t < lim), t, np.nan)
-
-
-def _int_op(op, kids):
-    """int64 semantics (floor // and %, two's complement); NaN where undefined."""
-    kids = np.broadcast_arrays(*kids)
-    ok = np.ones(kids[0].shape, dtype=bool)
-    ints = []
-    for k in kids:
-        good = np.isfinite(k) & (np.abs(k) < 2.0 ** 63)
-        ok &= good
-        ints.append(np.where(good, k, 0).astype(np.int64))
-    a = ints[0]
-    if op == "BitNot":
-        return np.where(ok, (~a).astype(np.float64), np.nan)
-    b = ints[1]
-    if op in ("FloorDiv", "Mod", "Shl", "Shr"):
-        valid = (b != 0) if op in ("FloorDiv", "Mod") else ((b >= 0) & (b < 64))
-        ok &= valid
-        b = np.where(valid, b, 1)
-    fn = {"FloorDiv": np.floor_divide, "Mod": np.mod, "BitAnd": np.bitwise_and, "BitOr": np.bitwise_or,
-          "BitXor": np.bitwise_xor, "Shl": np.left_shift, "Shr": np.right_shift}[op]
-    return np.where(ok, fn(a, b).astype(np.float64), np.nan)
 
 
 def _finals(t: Term, known) -> Term:
