@@ -229,3 +229,36 @@ def test_reference_polarity_conventions():
                            torch.float32, torch.tensor([True, True])).ok
     assert not fz.check_output(torch.tensor([0.0, 0.0]), ref, ref.float(), torch.zeros(2, dtype=torch.float64),
                                torch.float32, torch.tensor([False, False])).ok
+
+
+def test_loose_rows_only_where_an_infinite_sum_is_read_further():
+    """README "Infinite inputs after algebra": once the program reads a sum over j that is
+    +-inf or NaN on a row whose inputs hold an infinity, the rewrites may move the sum
+    across a shift (``max_j(x + s) = max_j(x) + s``), so that row's outputs are free.
+    Rows without such a sum, and rows without an infinity, are still checked."""
+    x = fz.inp("x", "rj")
+    t = fz.add(x, fz.reduce("sum", x))
+    s = fz.sub(t, fz.reduce("max", t))
+    s.hi = 0.0
+    y = fz.exp(s)
+    X = torch.randn(3, 7, dtype=torch.float64)
+    X[1, 2] = -math.inf        # the sum is -inf and it is read: row 1 is loose
+    info = {}
+    ref = fz.reference({"y": y, "s": fz.reduce("sum", x)}, {"x": X}, track=True, info=info)
+    assert info["loose"].tolist() == [False, True, False]
+    # the sum alone is an output, not read further: not loose
+    info2 = {}
+    fz.reference({"s": fz.reduce("sum", x)}, {"x": X}, track=True, info=info2)
+    assert not info2["loose"].any()
+    v64, b = ref["y"]
+    wrong = v64.clone().float()
+    wrong[1] = math.nan
+    inf_rows = torch.tensor([False, True, False])[:, None]
+    assert fz.check_output(wrong, v64, v64.float(), b, torch.float32, inf_rows, info["loose"][:, None]).ok
+    # the same NaN on a row that is not loose is wrong (the checker can fail)
+    wrong2 = v64.clone().float()
+    wrong2[0] = math.nan
+    assert not fz.check_output(wrong2, v64, v64.float(), b, torch.float32, inf_rows, info["loose"][:, None]).ok
+    # a loose row without an infinite input (a sum that overflowed) is still checked
+    assert not fz.check_output(wrong, v64, v64.float(), b, torch.float32, torch.zeros(3, 1, dtype=torch.bool),
+                               info["loose"][:, None]).ok
