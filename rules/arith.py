@@ -20,6 +20,8 @@ THEORY = Theory("arith", __doc__, [
     rw("div-one", a / ONE, a),
     rw("sub-self", a - a, ZERO,
        float_unsafe="inf - inf is NaN in floating point (a fully masked row: -inf - -inf)"),
+    rw("sub-add-cancel", (a + b) - (c + b), a - c,
+       float_unsafe="inf - inf is NaN in floating point: with b = -inf the left side is NaN"),
     rw("neg-neg", -(-a), a),
     rw("neg-sub", -(a - b), b - a),
     rw("sub-neg", a - (-b), a + b),

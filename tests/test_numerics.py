@@ -101,6 +101,24 @@ def test_logsumexp_of_centred_values_near_1e4():
         close(o, ref, rtol=1e-4, atol=2e-2)   # float32 holds 1e4 to about 1e-3
 
 
+def test_logsumexp_shifted_by_a_row_constant_keeps_the_exact_zero_at_its_max():
+    """max_j(a + b) = max_j(a) + b turned `t - max_j t` (t = a + b) into `a + b - max_j a - b`:
+    with a ~ 1e11 the float32 sum a + b loses b, the argmax no longer gives exp(0) = 1 and
+    logsumexp came out -inf (fuzz seed 510). `(a + b) - (c + b) = a - c` cancels the shift."""
+    g = torch.Generator().manual_seed(7)
+    x = af.tensor("x", "r j")
+    t = x ** 3 + af.min(x + 0.01 * af.index("j"), "j")
+    m = af.max(t, "j")
+    prog = af.program("nm_lse_cubed", out=m + af.log(af.sum(af.exp(t - m), "j")))
+    X = torch.randn(3, 33, generator=g) * 3000
+    Xd = X.double()
+    T = Xd ** 3 + (Xd + 0.01 * torch.arange(33, dtype=torch.float64)).amin(-1, keepdim=True)
+    ref = torch.logsumexp(T, -1)
+    for o in run_all(af.compile(prog), {"x": X}).values():
+        assert torch.isfinite(o).all()
+        close(o, ref, rtol=1e-5, atol=0)
+
+
 def test_simulation_rejects_an_overflowing_form():
     """The adversarial float32 check itself: a rolling update that overflows is flagged."""
     from acefuse.extract import simulate
