@@ -25,7 +25,12 @@ is summed over the missing axes (that is where dW/db become reductions over rows
 the indicator ``body == m``; ties share it equally (``adj / count``, torch.amax's
 convention). ``maximum``/``minimum`` give half to each side on a tie. ``where(c, a, b)``
 sends the adjoint to a under c and to b elsewhere; comparisons, logic, ``index`` and
-``size`` have none; ``abs`` uses sign(0) = 0. A gather ``take(x, t, j)`` becomes the
+``size`` have none, and neither have the piecewise-constant operators (floor, ceil, round,
+integer casts, integer arithmetic: gradient 0, torch's convention); ``abs`` uses
+sign(0) = 0. ``erf``, ``sigmoid``, ``softplus``, ``log1p`` and ``expm1`` have their
+derivatives (``2/sqrt(pi) exp(-a^2)``, ``s (1 - s)``, ``sigmoid(a)``, ``1 / (1 + a)``,
+``exp(a)``). An output that only indexes an axis of its input (``x * (index(j) % 2 == 0)``)
+gets that axis's length from the input. A gather ``take(x, t, j)`` becomes the
 scatter ``where(index(j) == t, adjoint, 0)``, so it stays in the language.
 
 Saved values: every forward reduction the backward needs whose result does not range
@@ -35,33 +40,11 @@ mean and variance) is written by the augmented forward and read by the backward 
 recomputed. A forward *output* the backward reads back keeps its own name
 (``saved_kind[name] == "output"``: attention's ``o``), since the forward writes it anyway.
 
-Normal form against the saved values (``_Normal``; the FlashAttention-2 backward comes
-out of it, from plain attention, with nothing that names attention). Two places use it:
-
-1. The adjoint of a max (or min) is put in normal form; when it is identically 0 the
-   max's tie-routing branch is dropped. Softmax-shaped programs do not depend on the
-   shift by their max, and the normal form proves it: with ``p = exp(s - m)``,
-   ``l = sum_j p`` and ``o = sum_j(p * v) / l``, the adjoint of ``m`` is
-   ``-sum_j(p * (sum_e(g * v) * r(l) - sum_e(g * S * r(l)^2)))`` (``S = sum_j(p * v)``,
-   ``r`` the safe reciprocal). Linearity splits it; in the first sum, ``sum_j`` is swapped
-   with ``sum_e`` and the invariant ``g * r(l)`` factored out, which leaves
-   ``sum_j(p * v)``, recognised as the saved ``S``; in the second, the invariant
-   ``sum_e(...)`` is factored out and ``sum_j(p)`` is the saved ``l``; then
-   ``r(l)^2 * l = r(l)`` and the two monomials cancel.
-2. Each innermost reduction of a gradient (a contraction: its body holds no reduction)
-   is put in normal form and the forward outputs are recognised in it:
-   ``sum_e(g * S * r(l) * r(l))`` becomes ``r(l) * sum_e(g * o)``, since ``S * r(l)`` is
-   the output ``o = S / l``, which the forward has written. That is FlashAttention-2's
-   ``D_i = sum_j P_ij dP_ij = sum_e dO_ie O_ie``: a sum over the head dim instead of over
-   the keys, so ``dS = P * (dP - D)`` and dQ (a sum over keys) and dK, dV (sums over
-   queries) have no cascade, and the backward saves only the max, the sum and ``o``.
-   The form is adopted only where it does less work per element than the derivation's.
-
-The normal form's laws (linearity, factoring an invariant, Fubini for two sums whose
-bodies commute, ``r(x)^a * x^b = r(x)^(a-b)`` for ``a > b >= 1``) are exact over the
-reals; reading ``o`` for ``S * r(l)`` is exact wherever the forward's ``o`` is finite.
-Polynomials past ``_Normal.LIMIT`` monomials are left as derived. Saved max/min values must be finite: a fully masked row's ``-inf`` is
-passed as 0 (the forward's own convention; ``BackwardKernel`` does it).
+The normal form against the saved values (``acefuse.backward_normal``; the FlashAttention-2
+backward comes out of it, from plain attention, with nothing that names attention) drops the
+adjoint of a max the program is invariant to, and reads ``sum_e(grad_o * o)`` for FlashAttention-2's
+``D_i``. Saved max/min values must be finite: a fully masked row's ``-inf`` is passed as 0
+(the forward's own convention; ``BackwardKernel`` does it).
 
 Numerics conventions (matching the forward's): where a divisor or a log argument
 computed from a reduction is 0 (a fully masked row), the adjoint through it is 0, so a
@@ -71,375 +54,24 @@ compared with ``index(j)`` in the backward, which reads them as float32 (exact b
 """
 from __future__ import annotations
 
-from acefuse.lang import Program, Expr, LanguageError
-from acefuse.rewrite.terms import Term, pretty
-from acefuse.rewrite.encode import _Axes
+import math
 
-RED = ("Sum", "RMax", "RMin")
+from acefuse.lang import Program, Expr, LanguageError
+from acefuse.rewrite.terms import Term, pretty, INT_OPS, CAST_LIMITS
+from acefuse.rewrite.encode import _Axes
+from acefuse.backward_normal import (RED, ZERO, ONE, _val, num, neg, add, sub, mul, div, where, rsum, _has_red,
+                                     _cmp, _Normal, _TooBig, _inner_work, saved_equations, read_saved)
+
+# no adjoint flows through these: constants, comparisons and logic, and the piecewise-constant
+# integer-valued operators (rounding, integer casts, integer arithmetic), whose derivative is 0
+# wherever it exists (torch's convention for floor/ceil/round)
 NO_ADJOINT = ("Num", "Size", "Idx", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe",
-              "LAnd", "LOr", "LNot")
+              "LAnd", "LOr", "LNot", "Floor", "Ceil", "Round") + INT_OPS
 _PREFIX = {"RMax": "m", "Sum": "s", "RMin": "mn"}   # saved names; "v" for other values
 
 
 class BackwardError(LanguageError):
     """The program cannot be differentiated as asked; the message names the term and the fix."""
-
-
-# ---- smart constructors: fold x*1, x+0, 0*x (a structurally zero adjoint), --x ------------------
-ZERO, ONE = Term("Num", (0.0,)), Term("Num", (1.0,))
-
-
-def _val(t):
-    return t.args[0] if t.op == "Num" and not isinstance(t.args[0], Term) else None
-
-
-def num(v):
-    return Term("Num", (float(v),))
-
-
-def neg(a):
-    v = _val(a)
-    if v is not None:
-        return num(-v)
-    if a.op == "Neg":
-        return a.args[0]
-    return Term("Neg", (a,))
-
-
-def add(a, b):
-    va, vb = _val(a), _val(b)
-    if va == 0:
-        return b
-    if vb == 0:
-        return a
-    if va is not None and vb is not None:
-        return num(va + vb)
-    if b.op == "Neg":
-        return sub(a, b.args[0])
-    if a.op == "Neg":
-        return sub(b, a.args[0])
-    if a == b:
-        return mul(num(2.0), a)
-    return Term("Add", (a, b))
-
-
-def sub(a, b):
-    if _val(b) == 0:
-        return a
-    if _val(a) == 0:
-        return neg(b)
-    if b.op == "Neg":
-        return add(a, b.args[0])
-    return Term("Sub", (a, b))
-
-
-def mul(a, b):
-    va, vb = _val(a), _val(b)
-    if va == 0 or vb == 0:
-        return ZERO
-    if va == 1:
-        return b
-    if vb == 1:
-        return a
-    if va is not None and vb is not None:
-        return num(va * vb)
-    if va == -1:
-        return neg(b)
-    if vb == -1:
-        return neg(a)
-    if a.op == "Neg":
-        return neg(mul(a.args[0], b))
-    if b.op == "Neg":
-        return neg(mul(a, b.args[0]))
-    return Term("Mul", (a, b))
-
-
-def div(a, b):
-    if _val(a) == 0:
-        return ZERO
-    if _val(b) == 1:
-        return a
-    if a.op == "Neg":
-        return neg(div(a.args[0], b))
-    return Term("Div", (a, b))
-
-
-def where(c, a, b):
-    if a == b:
-        return a
-    return Term("Where", (c, a, b))
-
-
-def rsum(axis, t):
-    if _val(t) == 0:
-        return ZERO
-    if t.op == "Neg":
-        return neg(rsum(axis, t.args[0]))
-    return Term("Sum", (Term("Ax", (axis,)), t))
-
-
-def _has_red(t: Term, axis: str) -> bool:
-    return any(s.op in RED and s.args[0].op == "Ax" and s.args[0].args[0] == axis for s in t.walk())
-
-
-def _cmp(op, a, b):
-    return Term(op, (a, b))
-
-
-# ---- normal form of backward terms against the saved values ---------------------------------------
-class _Normal:
-    """Sums of products over named axes, in a normal form that reads saved values.
-
-    A polynomial is ``{monomial: coefficient}``; a monomial is a sorted tuple of
-    ``(atom, exponent)``; an atom is any term that is not ``+ - * neg`` or a constant. A
-    reduction ``sum_a(body)`` is normalised monomial by monomial with these laws, each
-    general algebra over the reals (nothing here knows a workload):
-
-    - linearity: ``sum_a(f + g) = sum_a(f) + sum_a(g)``, ``sum_a(c * f) = c * sum_a(f)``;
-    - factor an invariant: ``sum_a(k * f) = k * sum_a(f)`` when ``k`` does not range over
-      ``a``; ``sum_a(k) = k * size(a)``;
-    - swap sums (Fubini): ``sum_a(f * sum_e(g)) = sum_e(sum_a(f * g))`` when ``f`` does not
-      range over ``e``, taken only when the new inner ``sum_a`` becomes a saved value (the
-      extraction criterion: read what the forward already wrote instead of reducing again);
-    - recognise a saved value: a reduction equal (in this normal form) to the backward's
-      recomputation of a saved forward reduction is that saved input;
-    - the safe reciprocal ``r(x) = where(x == 0, 0, 1 / x)``: ``r(x)^a * x^b = r(x)^(a-b)``
-      for ``a > b >= 1`` (both sides are 0 where ``x`` is 0);
-    - recognise a forward output ``o = a / b`` (``b`` a reduction): the factors ``P(a) * r(P(b))``
-      of a monomial, or of a sum's body plus invariant factors next to the sum, read ``o``
-      (exact wherever the forward output is finite).
-    """
-
-    def __init__(self, d: "_Deriv"):
-        self.d = d
-        self.memo: dict = {}
-        self._cands = None
-        self._outs = None
-
-    # -- polynomials ----------------------------------------------------------------------------
-    @staticmethod
-    def key(t: Term) -> str:
-        return t.sexpr()
-
-    def mono(self, factors: dict) -> tuple:
-        return tuple(sorted(((a, e) for a, e in factors.items() if e), key=lambda x: self.key(x[0])))
-
-    LIMIT = 256   # monomials per polynomial; beyond it the normal form is not attempted
-
-    @staticmethod
-    def padd(p: dict, q: dict, c: float = 1.0) -> dict:
-        out = dict(p)
-        for m, v in q.items():
-            out[m] = out.get(m, 0.0) + c * v
-            if out[m] == 0:
-                del out[m]
-        if len(out) > _Normal.LIMIT:
-            raise _TooBig()
-        return out
-
-    def pmul(self, p: dict, q: dict) -> dict:
-        out: dict = {}
-        for m1, c1 in p.items():
-            for m2, c2 in q.items():
-                f = dict(m1)
-                for a, e in m2:
-                    f[a] = f.get(a, 0) + e
-                m = self.canon(f)
-                out = self.padd(out, {m: c1 * c2})
-        return out
-
-    def canon(self, f: dict) -> tuple:
-        """The safe-reciprocal law on a monomial's factors."""
-        f = dict(f)
-        for a in list(f):
-            x = _recip_of(a)
-            if x is not None and x in f and a in f and f[a] > f[x] >= 1:
-                f[a] -= f[x]
-                del f[x]
-        return self.mono(f)
-
-    def atom(self, t: Term) -> dict:
-        return {self.mono({t: 1}): 1.0}
-
-    # -- terms -> polynomials -----------------------------------------------------------------
-    def poly(self, t: Term) -> dict:
-        if t in self.memo:
-            return self.memo[t]
-        op = t.op
-        v = _val(t)
-        if v is not None:
-            r = {(): v} if v != 0 else {}
-        elif op == "Add":
-            r = self.padd(self.poly(t.args[0]), self.poly(t.args[1]))
-        elif op == "Sub":
-            r = self.padd(self.poly(t.args[0]), self.poly(t.args[1]), -1.0)
-        elif op == "Neg":
-            r = self.padd({}, self.poly(t.args[0]), -1.0)
-        elif op == "Mul":
-            r = self.pmul(self.poly(t.args[0]), self.poly(t.args[1]))
-        elif op == "Sum" and t.args[0].op == "Ax":
-            r = self.psum(t.args[0].args[0], self.poly(t.args[1]))
-        else:
-            r = self.atom(t)
-        self.memo[t] = r
-        return r
-
-    def psum(self, ax: str, body: dict) -> dict:
-        axes_of = self.d.axes_of
-        out: dict = {}
-        for m, c in body.items():
-            inv = {a: e for a, e in m if ax not in axes_of(a)}
-            var = {a: e for a, e in m if ax in axes_of(a)}
-            if not var:
-                inv[Term("Size", (ax,))] = inv.get(Term("Size", (ax,)), 0) + 1
-                out = self.padd(out, {self.canon(inv): c})
-                continue
-            res = self.swap(ax, var)
-            if res is None:
-                st = Term("Sum", (Term("Ax", (ax,)), self.term({self.mono(var): 1.0})))
-                res = self.recognise(st)
-            out = self.padd(out, self.pmul({self.canon(inv): c}, res))
-        return out
-
-    def swap(self, ax: str, var: dict):
-        """``sum_ax(f * sum_e(g))`` as ``sum_e(sum_ax(f * g))`` when the inner sum is saved."""
-        axes_of = self.d.axes_of
-        for a, e in var.items():
-            if e != 1 or a.op != "Sum" or a.args[0].op != "Ax" or a.args[0].args[0] == ax:
-                continue
-            ea = a.args[0].args[0]
-            rest = {b: k for b, k in var.items() if b != a}
-            if any(ea in axes_of(b) for b in rest):
-                continue
-            inner = self.psum(ax, self.pmul({self.mono(rest): 1.0}, self.poly(a.args[1])))
-            if any(_has_red(self.term({m: 1.0}), ax) for m in inner):
-                continue
-            return self.psum(ea, inner)
-        return None
-
-    def candidates(self) -> dict:
-        """Normal form of the backward's recomputation of each savable forward sum -> the sum."""
-        if self._cands is None:
-            self._cands = {}
-            d = self.d
-            seen = set()
-            for e in d.prog.outputs.values():
-                for t in e.term.walk():
-                    if t in seen or t.op != "Sum" or t.args[0].op != "Ax" or not d.savable(t):
-                        continue
-                    seen.add(t)
-                    raw = Term("Sum", (t.args[0], d.P(t.args[1])))
-                    p = self.poly(raw)
-                    if len(p) == 1 and list(p.values())[0] == 1.0:
-                        (m,) = p
-                        if len(m) == 1 and m[0][1] == 1:
-                            self._cands.setdefault(m[0][0], t)
-            self.memo.clear()   # normal forms computed while the table was incomplete
-        return self._cands
-
-    def recognise(self, st: Term) -> dict:
-        t = self.candidates().get(st)
-        if t is None:
-            return self.atom(st)
-        return self.atom(self.d.P(t))
-
-    # -- forward outputs ------------------------------------------------------------------------
-    def outputs(self) -> list:
-        """(output name, factors of P(a) * r(P(b))) for outputs ``a / b`` that may be saved."""
-        if self._outs is None:
-            d = self.d
-            self._outs = []
-            for k, e in d.prog.outputs.items():
-                t = e.term
-                if t.op != "Div" or not d.from_red(t.args[1]) or d.fused is None or d.fused in e.axes:
-                    continue
-                if k in d.prog.tensors:
-                    continue
-                pa = self.poly(d.P(t.args[0]))
-                if len(pa) != 1 or list(pa.values())[0] != 1.0:
-                    continue
-                (m,) = pa
-                f = dict(m)
-                rb = d.safe_recip(t.args[1])
-                f[rb] = f.get(rb, 0) + 1
-                self._outs.append((k, f, e.axes))
-        return self._outs
-
-    def with_outputs(self, p: dict) -> dict:
-        out: dict = {}
-        for m, c in p.items():
-            out = self.padd(out, {self.read_outputs(dict(m)): c})
-        return out
-
-    def read_outputs(self, f: dict) -> tuple:
-        axes_of = self.d.axes_of
-        for a in list(f):   # inside a sum: its body plus factors invariant along its axis
-            if a.op == "Sum" and a.args[0].op == "Ax" and f.get(a) == 1:
-                ax = a.args[0].args[0]
-                body = self.poly(a.args[1])
-                if len(body) != 1:
-                    continue
-                (bm, bc), = body.items()
-                bf = dict(bm)
-                outside = {b: e for b, e in f.items() if b != a and ax not in axes_of(b)}
-                for k, pat, axes in self.outputs():
-                    need = {b: e - bf.get(b, 0) for b, e in pat.items() if e > bf.get(b, 0)}
-                    if all(outside.get(b, 0) >= e for b, e in need.items()):
-                        for b, e in need.items():
-                            bf[b] = bf.get(b, 0) + e
-                            f[b] -= e
-                        for b, e in pat.items():
-                            bf[b] -= e
-                        bf[self.d.output_input(k, axes)] = 1
-                        del f[a]
-                        new = Term("Sum", (a.args[0], self.term({self.mono(bf): bc})))
-                        f[new] = f.get(new, 0) + 1
-                        break
-        for k, pat, axes in self.outputs():
-            while all(f.get(b, 0) >= e for b, e in pat.items()):
-                for b, e in pat.items():
-                    f[b] -= e
-                o = self.d.output_input(k, axes)
-                f[o] = f.get(o, 0) + 1
-        return self.canon(f)
-
-    # -- polynomials -> terms -------------------------------------------------------------------
-    def term(self, p: dict) -> Term:
-        out = ZERO
-        for m, c in sorted(p.items(), key=lambda x: [self.key(a) + str(e) for a, e in x[0]]):
-            t = None
-            for a, e in m:
-                for _ in range(e):
-                    t = a if t is None else mul(t, a)
-            t = num(abs(c)) if t is None else mul(num(abs(c)), t)
-            out = add(out, t) if c > 0 else sub(out, t)
-        return out
-
-
-class _TooBig(Exception):
-    """A normal form past ``_Normal.LIMIT`` monomials: the caller keeps the term as it is."""
-
-
-def _recip_of(t: Term):
-    """``x`` when ``t`` is the safe reciprocal ``where(x == 0, 0, 1 / x)``."""
-    if (t.op == "Where" and t.args[0].op == "CmpEq" and _val(t.args[0].args[1]) == 0
-            and _val(t.args[1]) == 0 and t.args[2].op == "Div" and _val(t.args[2].args[0]) == 1
-            and t.args[2].args[1] == t.args[0].args[0]):
-        return t.args[0].args[0]
-    return None
-
-
-def _size(t: Term) -> int:
-    return 1 + sum(_size(c) for c in t.children)
-
-
-def _inner_work(t: Term) -> int:
-    """Nodes evaluated per element of some reduction (work inside reduction bodies)."""
-    n = 0
-    for s in t.walk():
-        if s.op in RED:
-            n += _size(s.args[1])
-    return n
 
 
 # ---- the backward program -------------------------------------------------------------------------
@@ -496,6 +128,8 @@ class _Deriv:
         self.idx_inputs = index_inputs(prog)
         self.saved_outputs: dict = {}   # forward outputs the backward reads (name -> axes)
         self.normal = _Normal(self)
+        self._egraph = None        # the e-graph contractions are normalised in (simplify_output)
+        self._contractions: dict = {}   # contraction -> its form (shared by the gradients)
 
     def output_input(self, k: str, axes) -> Term:
         """The forward output ``k`` read as a saved value (same name, written by the forward)."""
@@ -513,19 +147,23 @@ class _Deriv:
 
     def simplify_output(self, t: Term) -> Term:
         """Each innermost reduction (a sum whose body holds no reduction: a contraction such as
-        ``sum_e(grad_o * saved_s2 * r(l) * r(l))``) in normal form against the saved values and
-        outputs (-> ``r(l) * sum_e(grad_o * o)``), when that does less work per element."""
-        memo: dict = {}
+        ``sum_e(grad_o * saved_s2 * r(l) * r(l))``) in the normal form the rewrite system finds
+        against the saved values and forward outputs (-> ``sum_e(grad_o * o) * r(l)``;
+        ``read_saved``), when that does less work per element."""
+        from acefuse.rules import REGISTRY
+        from acefuse.rewrite.schedules import NORMALIZE
+        from acefuse.rewrite.egraph import EGraph
+        eqs = saved_equations(self)
+        if self._egraph is None:   # one e-graph with the rules loaded; each contraction in its own scope
+            self._egraph = EGraph([r for r in REGISTRY.values() if r.theory in NORMALIZE.theories()])
+        memo = self._contractions
 
         def go(u: Term) -> Term:
             if u in memo:
                 return memo[u]
             if u.op == "Sum" and u.args[0].op == "Ax" and not any(s.op in RED for s in u.args[1].walk()):
-                try:
-                    nf = self.normal.term(self.normal.with_outputs(self.normal.poly(u)))
-                except (_TooBig, RecursionError):
-                    nf = u
-                r = nf if nf != u and _inner_work(nf) < _inner_work(u) else u
+                nf = read_saved(self, u, eqs, None, self._egraph)
+                r = nf if nf is not None and _inner_work(nf) < _inner_work(u) else u
             elif u.children:
                 r = Term(u.op, tuple(go(a) if isinstance(a, Term) else a for a in u.args))
             else:
@@ -641,7 +279,7 @@ class _Deriv:
                 r = t.args[0] not in self.idx_inputs
             elif t.op == "Take":
                 r = t.args[0] not in self.idx_inputs
-            elif t.op in NO_ADJOINT:
+            elif _no_adjoint(t):
                 r = False
             else:
                 r = any(self.live(c) for c in self._operands(t))
@@ -653,7 +291,7 @@ class _Deriv:
             return [Term("In", (t.args[0],))]
         if t.op in RED:
             return [t.args[1]]
-        if t.op in NO_ADJOINT:
+        if _no_adjoint(t):
             return []
         return list(t.children)
 
@@ -711,7 +349,7 @@ class _Deriv:
         (a thunk, so that forward values are only asked for where an adjoint flows)."""
         op, P = t.op, self.P
         args = t.args
-        if op in NO_ADJOINT:
+        if _no_adjoint(t):
             return []
         if op == "Add":
             return [(args[0], lambda: g), (args[1], lambda: g)]
@@ -742,6 +380,19 @@ class _Deriv:
             return [(args[0], dabs)]
         if op == "Tanh":
             return [(args[0], lambda: mul(g, sub(ONE, mul(P(t), P(t)))))]
+        if op == "Erf":   # 2 / sqrt(pi) * exp(-a^2)
+            return [(args[0], lambda: mul(mul(num(2.0 / math.sqrt(math.pi)), g),
+                                          Term("Exp", (neg(mul(P(args[0]), P(args[0]))),))))]
+        if op == "Sigmoid":   # s * (1 - s)
+            return [(args[0], lambda: mul(g, mul(P(t), sub(ONE, P(t)))))]
+        if op == "Softplus":   # sigmoid(a)
+            return [(args[0], lambda: mul(g, Term("Sigmoid", (P(args[0]),))))]
+        if op == "Log1p":   # 1 / (1 + a)
+            return [(args[0], lambda: div(g, add(ONE, P(args[0]))))]
+        if op == "Expm1":   # exp(a)
+            return [(args[0], lambda: mul(g, Term("Exp", (P(args[0]),))))]
+        if op == "Cast":   # a float cast (an integer cast has no adjoint: _no_adjoint)
+            return [(args[0], lambda: g)]
         if op in ("Max2", "Min2"):
             wins = "CmpGt" if op == "Max2" else "CmpLt"
 
@@ -774,6 +425,10 @@ class _Deriv:
             return [(args[1], dext)]
         raise BackwardError(f"program {self.prog.name!r}: no derivative for operator {op!r} in "
                             f"`{pretty(t)}`; rewrite the program with the operators af documents")
+
+
+def _no_adjoint(t: Term) -> bool:
+    return t.op in NO_ADJOINT or (t.op == "Cast" and t.args[1] in CAST_LIMITS)
 
 
 def backward(prog) -> BackwardProgram:
@@ -813,7 +468,7 @@ def backward(prog) -> BackwardProgram:
             continue
         if _val(g) is not None:   # a constant gradient: give it the input's axes
             g = mul(g, where(_cmp("CmpGe", Term("Idx", (axes[0],)), ZERO), ONE, ZERO))
-        outputs[gname] = _expr(d, d.simplify_output(g))
+        outputs[gname] = _expr(d, d.simplify_output(g), name)
         grads[name] = gname
     if not outputs:
         raise BackwardError(f"program {prog.name!r}: no float input reaches an output, so every gradient "
@@ -839,9 +494,16 @@ def backward(prog) -> BackwardProgram:
     return bwd
 
 
-def _expr(d: _Deriv, t: Term) -> Expr:
+def _expr(d: _Deriv, t: Term, own: str) -> Expr:
+    """The gradient ``t`` of input ``own`` as an output. The tensors it reads give its axes'
+    lengths; an axis it only indexes (``x * (index(j) % 2 == 0)`` differentiates to
+    ``grad_y * (index(j) % 2 == 0)``) takes its length from ``own``, whose shape the
+    gradient has."""
     used = {s.args[0] for s in t.walk() if s.op == "In"} | {s.args[0] for s in t.walk() if s.op == "Take"}
-    return Expr(t, d.ordered(d.axes_of(t)), {n: d.tensors[n] for n in d.tensors if n in used})
+    axes = d.ordered(d.axes_of(t))
+    if not set(axes) <= {a for n in used for a in d.tensors[n]}:
+        used.add(own)
+    return Expr(t, axes, {n: d.tensors[n] for n in d.tensors if n in used})
 
 
 def _tensor_order(prog, idx_inputs, saved, cot) -> list:

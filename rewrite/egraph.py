@@ -98,6 +98,13 @@ class EGraph:
         except Exception as exc:  # egglog raises EggSmolError; keep its text, add ours
             raise RewriteError(f"egglog rejected a generated program: {exc}\n--- program ---\n{text[:2000]}") from None
 
+    def push(self):
+        """Save the e-graph's state; ``pop()`` returns to it (a scope for per-term equations)."""
+        self._run("(push)")
+
+    def pop(self):
+        self._run("(pop)")
+
     def union(self, a: Term, b: Term):
         self._run(f"(union {a.sexpr()} {b.sexpr()})")
 

@@ -191,6 +191,32 @@ def test_flash_attention_2_structure_is_derived(name):
     assert f.fusible and f.hbm_passes and "sum_e(grad_o * o)" in f.explain()
 
 
+def test_d_i_is_found_by_the_rewrite_system():
+    """``D_i``: the derivation gives the contraction ``sum_e(grad_o * S * r(l) * r(l))``
+    (``S = sum_j(p * v)`` saved, ``r`` the safe reciprocal); the e-graph, with the proved
+    library rules and this program's equation ``o = S * r(l)``, extracts
+    ``sum_e(grad_o * o) * r(l)``. Without the equation, or without the rules, it does not."""
+    from acefuse.backward import _Deriv
+    from acefuse.backward_normal import saved_equations, read_saved
+    from acefuse.rewrite.terms import Term
+    from acefuse.rules import REGISTRY
+    d = _Deriv(A.attention)
+    eqs = saved_equations(d)
+    (o_def,) = [t for key, _, t, _ in eqs if key == ("output", "o")]
+    s_, r = o_def.args   # P(S) (the saved S) and r(l)
+    assert s_.op == "In" and r.op == "Where"
+    d.tensors["grad_o"] = ("b", "h", "i", "e")
+    g = Term("In", ("grad_o",))
+    u = Term("Sum", (Term("Ax", ("e",)), Term("Mul", (Term("Mul", (Term("Mul", (g, s_)), r)), r))))
+    got = read_saved(d, u, eqs, list(REGISTRY.values()))
+    o = Term("In", ("o",))
+    assert got == Term("Mul", (Term("Sum", (Term("Ax", ("e",)), Term("Mul", (g, o)))), r)), got
+    assert d.saved_outputs == {"o": ("b", "h", "i", "e")}   # o is read back from the forward
+    no_eq = read_saved(d, u, [e for e in eqs if e[0] != ("output", "o")], list(REGISTRY.values()))
+    assert no_eq is not None and not _reads(no_eq, "o") and _reads(no_eq, s_.args[0])
+    assert not _reads(read_saved(d, u, eqs, []), "o")   # no rules: the equation alone is not enough
+
+
 # ---- (3) the stages compiled (Triton's interpreter on the CPU) and (4) autograd through af.compile ----
 TOL = {torch.float32: (2e-5, 2e-4), torch.float16: (4e-3, 2e-2)}
 _KERNELS: dict = {}
