@@ -263,11 +263,21 @@ def compile_program(prog, axis=None, rules=(), allow_unproved=False, fusion=None
     from acefuse.codegen import row, contraction
     fused = fusion or fuse(prog, axis=axis, rules=rules, allow_unproved=allow_unproved)
     f = certified_or_unfused(fused, allow_uncertified=allow_uncertified)
-    if f is not fused and contraction.is_contraction(f) and len(f.passes) > 1:
-        raise FuseError(f"program {prog.name!r}: the fusion over {f.axis!r} is not certified ({f.reason}), "
-                        f"and the contraction family has no unfused kernel ({len(f.passes)} passes); pass "
-                        "allow_uncertified=True to compile the uncertified fusion anyway (not recommended), "
-                        "and please report the program")
+    if contraction.is_contraction(f) and len(f.passes) > 1:
+        # the contraction template is one pass: one kernel per pass, states handed on as
+        # tensors (codegen/chain.py); the unfused fallback of an uncertified fusion lands here
+        from acefuse.codegen.chain import compile_chain
+        from acefuse.codegen.emit import CodegenError
+        try:
+            return compile_chain(f, allow_unproved=allow_unproved, allow_uncertified=allow_uncertified,
+                                 unfused_fallback=f is not fused)
+        except CodegenError as exc:
+            why = (f"the fusion over {f.axis!r} is not certified ({f.reason}), and its unfused kernel"
+                   if f is not fused else f"the fusion over {f.axis!r} needs {len(f.passes)} passes, and it")
+            out = ("pass allow_uncertified=True to compile the uncertified fusion anyway (not recommended), "
+                   "and " if f is not fused else "")
+            raise FuseError(f"program {prog.name!r}: {why} cannot be generated as a chain of one-pass "
+                            f"kernels ({exc}); {out}please report the program") from exc
     family = contraction if contraction.is_contraction(f) else row
     src = family.generate(f)
     h = cache_key(f, family.__name__.rsplit(".", 1)[-1], allow_unproved=allow_unproved,

@@ -6,12 +6,16 @@ normal form, a wrong encoded output) is refused: af.compile warns once, naming t
 program, the state and the step, and compiles the unfused kernel, which matches an
 independent float64 reference. ``allow_uncertified=True`` compiles the wrong fusion,
 loudly (and the kernel is then demonstrably wrong: the certificate is what stops it).
+Attention-shaped (contraction) programs fall back the same way: their unfused kernel is a
+chain of one-pass kernels (codegen/chain.py), each pass's states handed on as tensors.
 """
+import math
 import sys
 import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import acefuse as af
 from acefuse.fuse import unfused
@@ -235,16 +239,143 @@ def test_certified_program_compiles_fused_without_warning():
     assert max_rel_err(k, prog, seed=17, schedule="loop", block_j=8) < 1e-4
 
 
-def test_uncertified_contraction_is_a_clear_error(monkeypatch):
-    q, kk, v = af.tensor("q", "h i d"), af.tensor("k", "h j d"), af.tensor("v", "h j e")
-    s = af.sum(q * kk, "d")
+# ---- contraction programs: the unfused kernel is a chain of one-pass kernels ----------------------
+qa, ka, va = af.tensor("q", "b h i e"), af.tensor("k", "b h j e"), af.tensor("v", "b h j d")
+ia, ja = af.index("i"), af.index("j")
+SCALE = 0.25
+MASKS = {"global": None, "causal": lambda i, j: j <= i, "masked_rows": lambda i, j: j < i - 5}
+TILES = dict(block_i=16, block_j=16)   # N = 40: 3 query tiles x 3 key tiles; split: 2 key chunks
+
+
+def attention(name, mask):
+    s = af.sum(qa * ka, "e") * SCALE
+    if MASKS[mask] is not None:
+        s = af.where(MASKS[mask](ia, ja), s, af.NEG_INF)
     m = af.max(s, "j")
     p = af.exp(s - m)
-    prog = af.program("attn_gate", o=af.sum(p * v, "j") / af.sum(p, "j"))
+    l = af.sum(p, "j")
+    return af.program(name, o=af.sum(p * va, "j") / l, lse=m + af.log(l))
+
+
+def attention_inputs(seed, dtype=torch.float32, n=40):
+    g = torch.Generator().manual_seed(seed)
+    return {t: (torch.randn(1, 2, n, 16, generator=g) * 2).to(dtype) for t in "qkv"}
+
+
+def attention_reference(mask, q, k, v):
+    """softmax(q k^T * scale + mask) v and its logsumexp in float64; a fully masked row gives
+    o = 0 and lse = -inf (README, numerics)."""
+    s = torch.einsum("bhie,bhje->bhij", q.double(), k.double()) * SCALE
+    if MASKS[mask] is not None:
+        i, j = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+        s = s.masked_fill(~MASKS[mask](i, j), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    seen = torch.isfinite(lse)[..., None]
+    p = torch.where(seen, torch.exp(s - torch.where(seen, lse[..., None], 0.0)), 0.0)
+    return {"o": p @ v.double(), "lse": lse}
+
+
+def attention_error(out, ref) -> float:
+    """Largest error relative to max(|ref|, 1) over every output; inf when a NaN appears or an
+    infinity (a masked row's lse) is not exactly where the reference has one."""
+    err = 0.0
+    for name, r in ref.items():
+        g = out[name].double()
+        if torch.isnan(g).any() or not torch.equal(torch.isinf(g), torch.isinf(r)) or \
+                not torch.equal(g[torch.isinf(g)], r[torch.isinf(r)]):
+            return math.inf
+        fin = torch.isfinite(r)
+        err = max(err, float(((g - r).abs()[fin] / r.abs()[fin].clamp(min=1.0)).max()))
+    return err
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_uncertified_attention_falls_back_to_a_chain_of_one_pass_kernels(monkeypatch, mask):
+    prog = attention(f"attn_gate_{mask}", mask)
+    hits = inject_forms(monkeypatch, "rolling", drop_exp_correction)
+    k = compile_refused(prog, "s", "rolling")
+    assert {h[0] for h in hits} >= {"s", "s2"}
+    assert [[s.name for s in p.states] for p in k.fusion.passes] == [["m"], ["s", "s2"]]
+    assert len(k.links) == 2 and k.fusible is False    # one kernel per pass, m handed on as a tensor
+    inputs = attention_inputs(seed=21 + len(mask))
+    ref = attention_reference(mask, **inputs)
+    for sched in ("loop", "split"):
+        out = k(**inputs, schedule=sched, **TILES)
+        assert out["o"].dtype == torch.float32 and out["lse"].shape == (1, 2, 40)
+        assert attention_error(out, ref) < 1e-4, sched
+    if mask == "masked_rows":   # rows i <= 5 see no key
+        assert torch.all(out["o"][:, :, :6] == 0) and torch.all(out["lse"][:, :, :6] == -math.inf)
+    if mask == "causal":        # the state handed on stays float32: a bf16 chain is as accurate as one kernel
+        bf = {t: x.bfloat16() for t, x in inputs.items()}
+        out = k(**bf, schedule="loop", **TILES)
+        assert out["o"].dtype == torch.bfloat16
+        assert attention_error(out, attention_reference(mask, **bf)) < 3e-2
+
+
+def test_allow_uncertified_attention_compiles_the_wrong_fusion(monkeypatch):
+    prog = attention("attn_gate_optout", "causal")
+    inject_forms(monkeypatch, "rolling", drop_exp_correction)
+    with pytest.warns(UncertifiedFusionWarning, match="USING AN UNCERTIFIED FUSION"):
+        k = af.compile(prog, allow_uncertified=True)
+    assert len(k.fusion.passes) == 1 and not k.fusion.certificate.ok and not hasattr(k.kernel, "links")
+    # the certificate was right: over several key tiles the injected update is wrong
+    inputs = attention_inputs(seed=31)
+    assert attention_error(k(**inputs, schedule="loop", **TILES), attention_reference("causal", **inputs)) > 1e-2
+
+
+def test_a_chain_that_cannot_be_generated_is_a_clear_error(monkeypatch):
+    import acefuse.codegen.chain as chain
+    from acefuse.codegen.emit import CodegenError
+
+    def refuse(f, **kw):
+        raise CodegenError("(injected) no link kernel")
+    monkeypatch.setattr(chain, "compile_chain", refuse)
+    prog = attention("attn_gate_nochain", "global")
     inject_forms(monkeypatch, "rolling", drop_exp_correction)
     with pytest.warns(UncertifiedFusionWarning):
-        with pytest.raises(af.FuseError, match="attn_gate.*no unfused kernel.*allow_uncertified=True"):
+        with pytest.raises(af.FuseError, match="attn_gate_nochain.*not certified.*injected.*allow_uncertified=True"):
             af.compile(prog)
+
+
+def test_three_pass_chain_hands_on_a_reference_value():
+    # o = sum_j(exp(s - lse) v) reads lse = m + log(l) (a reference value) in a third pass;
+    # fully masked rows read the handed-on lse = -inf as the shift 0 there, as in one kernel
+    s = af.where(MASKS["masked_rows"](ia, ja), af.sum(qa * ka, "e") * SCALE, af.NEG_INF)
+    m = af.max(s, "j")
+    lse = m + af.log(af.sum(af.exp(s - m), "j"))
+    prog = af.program("attn_chain3", o=af.sum(af.exp(s - lse) * va, "j"), lse=lse)
+    u = unfused(prog, reason="test")
+    assert u.certificate.ok and len(u.passes) == 3
+    k = af.compile(prog, fusion=u)
+    assert [sorted(so.values()) for _, _, so in k.links] == [["m"], ["r", "s"], []]
+    assert sorted(k.links[2][1]) == ["m", "r", "s"]
+    inputs = attention_inputs(seed=41, n=37)
+    ref = attention_reference("masked_rows", **inputs)
+    for sched in ("loop", "split"):
+        assert attention_error(k(*inputs.values(), schedule=sched, **TILES), ref) < 1e-4, sched
+    with pytest.raises(TypeError, match="attn_chain3.*no input.*'w'"):
+        k(**inputs, w=inputs["q"])
+
+
+def test_a_fused_multi_pass_contraction_runs_as_a_chain():
+    # the mean absolute deviation of the scores needs a second pass after their mean; the
+    # fused first pass (online softmax, corrections and all) and the second run as two kernels,
+    # the value accumulator (a state over d) handed on to the last link
+    s = af.sum(qa * ka, "e") * SCALE
+    m = af.max(s, "j")
+    p = af.exp(s - m)
+    mad = af.sum(af.abs(s - af.sum(s, "j") / af.size("j")), "j")
+    prog = af.program("attn_gate_mad", o=af.sum(p * va, "j") / af.sum(p, "j"), mad=mad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncertifiedFusionWarning)
+        k = af.compile(prog)
+    assert k.fusion.certificate.ok and len(k.fusion.passes) == 2 and len(k.links) == 2
+    assert "exp(m_A - m_AB)" in pretty(k.fusion.passes[0].rolling["s"])
+    inputs = attention_inputs(seed=51)
+    sc = torch.einsum("bhie,bhje->bhij", inputs["q"].double(), inputs["k"].double()) * SCALE
+    ref = {"o": torch.softmax(sc, -1) @ inputs["v"].double(), "mad": (sc - sc.mean(-1, keepdim=True)).abs().sum(-1)}
+    for sched in ("loop", "split"):
+        assert attention_error(k(**inputs, schedule=sched, **TILES), ref) < 1e-4, sched
 
 
 # ---- the unfused kernel -------------------------------------------------------------------------
