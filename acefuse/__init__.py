@@ -15,7 +15,7 @@ from acefuse.fuse import Fusion, FuseError, unfused
 from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError
 from acefuse.rules.base import rw, infer, tvars, bvars, inv, nonzero, pos, le, ub, Rule
-from acefuse.frontend import from_torch, backend, UnsupportedOpError
+from acefuse.frontend import from_torch, backend, Backend, Report, UnsupportedOpError
 
 from acefuse.rewrite import terms as rewrite_terms  # the term constructors, for writing rules
 

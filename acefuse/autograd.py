@@ -16,15 +16,115 @@
   rows) is compiled over the first axis of ``stage_axes`` that compiles. A backward with
   ``create_graph=True`` (double backward) raises ``NotDifferentiableError``: the backward
   kernels are not differentiable themselves.
+- Saved values (a row's max, sum, mean, rsqrt of its variance) are written in float32
+  whatever the inputs' type (float64 for float64 inputs), so a float16/bfloat16 backward
+  recomputes ``exp(x - m) / l`` from unrounded ``m`` and ``l`` (the launchers' ``out_dtypes``
+  option; a kernel without it, a staged kernel, gives them in the input's type, widened).
+  A saved forward *output* that does not range over a reduced axis (attention's ``o``, read
+  back for ``sum_e(grad_o * o)``) is kept in float32 too, and handed to the caller rounded.
+- No gradient is ever dropped: when ``af.backward`` cannot differentiate the program or its
+  kernels do not compile (on the first call that needs them), the forward still runs the
+  acefuse kernel and the backward is torch autograd of the program's torch evaluation
+  (acefuse.autograd_ref: float32, float64 for float64 inputs); when a backward kernel fails
+  at ``.backward()`` time, that call and every later one take the same path. Either way one
+  ``GradientFallbackWarning`` per kernel names the program and why.
 
 The torch frontend (``af.backend``, ``af.compile(fn, *inputs)``) runs each region whose
 inputs require grad through a ``DifferentiableKernel`` (acefuse/frontend/runtime.py).
 """
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import torch
 
-RUN_KW = ("schedule", "block_j", "block_r", "nsplit", "num_warps")
+from acefuse.frontend.runtime import AcefuseFallbackWarning
+
+RUN_KW = ("schedule", "block_i", "block_j", "block_r", "nsplit", "num_warps", "num_stages")
+
+
+class GradientFallbackWarning(AcefuseFallbackWarning):
+    """A program's gradient is computed by torch autograd of the program (acefuse.autograd_ref)
+    because its derived backward could not be built or failed; the message says why."""
+
+
+def wide_dtype(dtype) -> torch.dtype:
+    """The type saved values are kept in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def takes_out_dtypes(kernel) -> bool:
+    """The kernel's launcher can write chosen outputs in another type (``out_dtypes=``)."""
+    run = getattr(getattr(kernel, "module", None), "run", None)
+    try:
+        return run is not None and "out_dtypes" in inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def wide_saved(prog, bwd) -> list:
+    """The saved values kept in float32: every one that does not range over an axis the
+    program reduces (a row's max, sum, mean; attention's output ``o``, read back for
+    ``sum_e(grad_o * o)``), i.e. all but saved outputs as large as the input."""
+    reduced = set(prog.reduced_axes())
+    return [n for n, axes in bwd.saved.items()
+            if bwd.saved_kind.get(n) != "output" or not reduced & set(axes)]
+
+
+def unit_cotangent_program(bwd):
+    """(program, "") computing the forward's output and, per float input, its gradient for a
+    unit cotangent (``unit_grad_<input>``) in one forward kernel; (None, why not) when that
+    does not give the gradient. Reverse mode makes every gradient linear in the cotangent; when
+    the program has one output ranging over no reduced axis (a loss per row) and no reduction
+    over one of the output's axes encloses the cotangent, it factors out:
+    ``grad_x = grad_out * unit_grad_x`` (broadcast along x's other axes). The unit gradient
+    reads the forward's reductions where the backward reads saved values, so the forward's
+    fusion computes it as an epilogue (cross-entropy's softmax minus one-hot, derived)."""
+    from acefuse.lang import Expr, Program
+    from acefuse.rewrite.terms import Term
+    prog = bwd.forward
+    if len(prog.outputs) != 1:
+        return None, "several outputs (one unit gradient per output and input)"
+    (oname, oexpr), = prog.outputs.items()
+    oaxes, cot = set(oexpr.axes), f"grad_{oname}"
+    if oaxes & set(prog.reduced_axes()):
+        return None, f"output {oname!r} ranges over a reduced axis (its gradient is as large as the input)"
+    subst = {n: (prog.outputs[n] if bwd.saved_kind.get(n) == "output" else bwd.augmented.outputs[n]).term
+             for n in bwd.saved}
+    for n, kind in bwd.saved_kind.items():   # BackwardKernel's convention: an infinite saved max/min reads 0
+        if kind in ("max", "min"):
+            inf = Term("Num", (float("-inf") if kind == "max" else float("inf"),))
+            subst[n] = Term("Where", (Term("CmpEq", (subst[n], inf)), Term("Num", (0.0,)), subst[n]))
+    subst[cot] = Term("Num", (1.0,))
+    memo: dict = {}
+
+    def sub(t):
+        if t not in memo:
+            if t.op == "In" and t.args[0] in subst:
+                memo[t] = subst[t.args[0]]
+            elif t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax" and t.args[0].args[0] in oaxes \
+                    and any(u.op == "In" and u.args[0] == cot for u in t.args[1].walk()):
+                raise ValueError(f"the cotangent {cot} is reduced over {t.args[0].args[0]!r}")
+            else:
+                memo[t] = Term(t.op, tuple(sub(a) if isinstance(a, Term) else a for a in t.args)) \
+                    if t.children else t
+        return memo[t]
+
+    outs = {oname: oexpr}
+    for name, g in bwd.grads.items():
+        e = bwd.outputs[g]
+        if not oaxes <= set(e.axes):
+            return None, f"{g} does not range over the output's axes (a sum of cotangents over them)"
+        try:
+            outs[f"unit_{g}"] = Expr(sub(e.term), e.axes, dict(prog.tensors))
+        except ValueError as exc:
+            return None, str(exc)
+    return Program(f"{prog.name}_unit", outs), ""
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _as_dict(out, names):
@@ -88,7 +188,7 @@ class BackwardKernel:
         out = {}
         for stage, k in zip(bwd.stages, self.kernels):
             kin = {n: inputs[n] for n in stage.tensors}
-            res = _as_dict(k(**kin, **run_kw), list(stage.outputs))
+            res = _as_dict(_run_stage(k, kin, run_kw), list(stage.outputs))
             out.update({n: v for n, v in res.items() if n in bwd.outputs})
         grads = {}
         for name, gname in bwd.grads.items():
@@ -103,6 +203,18 @@ class BackwardKernel:
 
     def __repr__(self):
         return f"<acefuse backward kernel {self.program.name!r}: {len(self.kernels)} stage(s)>"
+
+
+def _run_stage(k, kin, run_kw):
+    """One stage (or unit-gradient kernel) with the caller's launch options; a kernel that has
+    no such schedule (a sum kernel runs 'loop' only; a multi-pass kernel has no 'split') runs
+    with its own schedule instead."""
+    try:
+        return k(**kin, **run_kw)
+    except ValueError as e:
+        if "schedule" not in run_kw or "schedule" not in str(e):
+            raise
+    return k(**kin, **{o: v for o, v in run_kw.items() if o not in ("schedule", "nsplit")})
 
 
 def stage_axes(stage) -> list:
@@ -163,12 +275,34 @@ class _Function(torch.autograd.Function):
     def forward(ctx, dk, run_kw, names, *tensors):
         inputs = dict(zip(names, tensors))
         aug, bwd = dk._grad_kernels()
-        out = _as_dict(aug(**inputs, **run_kw), list(bwd.augmented.outputs))
-        saved = [out[n] for n in bwd.saved]
+        keys = list(dk.prog.outputs)
+        unit = dk._unit_kernel() if bwd is not None and dk.grad_in_forward else None
+        if unit is not None:                 # the gradient for a unit cotangent, computed now
+            try:
+                out = _as_dict(_run_stage(unit, inputs, run_kw), list(unit.program.outputs))
+                saved = [out[f"unit_{g}"] for g in bwd.grads.values()]
+            except Exception as e:  # noqa: BLE001 - the derived backward kernels still run
+                dk._unit, dk.unit_reason, unit = False, f"its kernel failed ({_first_line(e)})", None
+        ctx.unit = unit is not None
+        ctx.derived = bwd is not None and unit is None     # the derived backward kernels' saved values
+        if bwd is None:                      # the backward is torch's: the plain forward kernel
+            out, saved = _as_dict(dk.kernel(**inputs, **run_kw), keys), []
+        elif unit is None:
+            kw = dict(run_kw)
+            floats = [t for t in tensors if t.dtype.is_floating_point]
+            odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
+            wide = wide_dtype(odt)
+            values = wide_saved(dk.prog, bwd)
+            if values and takes_out_dtypes(aug):
+                kw["out_dtypes"] = {n: wide for n in values}
+            out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
+            saved = [out[n].to(wide) if n in values else out[n] for n in bwd.saved]
+            out = {k: (v.to(odt) if k in values else v) for k, v in out.items()}   # the caller's type
         ctx.dk, ctx.run_kw, ctx.names = dk, run_kw, names
-        ctx.out_meta = [(out[k].shape, out[k].dtype, out[k].device) for k in dk.prog.outputs]
+        ctx.set_materialize_grads(False)     # an unused output's cotangent is None, not zeros
+        ctx.out_meta = [(out[k].shape, out[k].dtype, out[k].device) for k in keys]
         ctx.save_for_backward(*tensors, *saved)
-        return tuple(out[k] for k in dk.prog.outputs)
+        return tuple(out[k] for k in keys)
 
     @staticmethod
     def backward(ctx, *cots):
@@ -180,37 +314,65 @@ class _Function(torch.autograd.Function):
                 "through acefuse kernels are not supported: the backward kernels' results would have no "
                 "grad_fn. Run this part in torch (outside af.compile / the acefuse backend) for "
                 "double backward.")
-        _, bwd = dk._grad_kernels()
-        vals = ctx.saved_tensors
         n = len(ctx.names)
-        inputs = dict(zip(ctx.names, vals[:n]))
-        inputs.update(zip(bwd.saved, vals[n:]))
-        for k, g, (shape, dtype, dev) in zip(dk.prog.outputs, cots, ctx.out_meta):
-            inputs[f"grad_{k}"] = torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.to(dtype)
         if not any(ctx.needs_input_grad[3 + i] for i in range(n)):
             return (None, None, None) + (None,) * n
-        grads = dk._bwd_kernel(**{k: inputs[k] for k in bwd.tensors}, **ctx.run_kw)
+        vals = ctx.saved_tensors
+        inputs = dict(zip(ctx.names, vals[:n]))
+        want = [name for i, name in enumerate(ctx.names)
+                if ctx.needs_input_grad[3 + i] and vals[i].dtype.is_floating_point]
+        grads = None
+        if ctx.unit:                         # grad_x = grad_out * unit_grad_x
+            (oname, oexpr), = dk.prog.outputs.items()
+            g = cots[0]
+            grads = {}
+            for x, (name, gname) in zip(vals[n:], dk._bwd.grads.items()):
+                axes = dk._bwd.outputs[gname].axes
+                full = dk._bwd.input_axes[name]
+                unit = _to_axes(x.to(wide_dtype(x.dtype)), axes, full, list(inputs[name].shape))
+                grads[gname] = (torch.zeros_like(unit) if g is None else
+                                unit * _to_axes(g.to(unit.dtype), oexpr.axes, full, list(unit.shape)))
+        elif ctx.derived and dk._torch_reason is None:
+            bwd = dk._bwd
+            kin = dict(inputs)
+            kin.update(zip(bwd.saved, vals[n:]))
+            for k, g, (shape, dtype, dev) in zip(dk.prog.outputs, cots, ctx.out_meta):
+                kin[f"grad_{k}"] = torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.to(dtype)
+            try:
+                grads = dk._bwd_kernel(**{k: kin[k] for k in bwd.tensors}, **ctx.run_kw)
+            except Exception as e:  # noqa: BLE001 - a failing backward kernel must not lose the gradient
+                dk._fall_back(f"its backward kernel failed at .backward() ({_first_line(e)})")
+        if grads is None:
+            grads = dk._torch_grads(inputs, dict(zip(dk.prog.outputs, cots)), want)
         res = []
-        for i, name in enumerate(ctx.names):
-            x = vals[i]
-            if not ctx.needs_input_grad[3 + i] or not x.dtype.is_floating_point or f"grad_{name}" not in grads:
-                res.append(None)
-            else:
-                res.append(grads[f"grad_{name}"].to(x.dtype))
+        for name, x in zip(ctx.names, vals[:n]):
+            g = grads.get(f"grad_{name}") if name in want else None
+            res.append(None if g is None else g.to(x.dtype))
         return (None, None, None) + tuple(res)
 
 
 class DifferentiableKernel:
     """``af.compile(prog)``: the forward kernel; differentiable when an input requires grad."""
 
+    _OWN = ("kernel", "prog", "_kw", "_aug", "_bwd", "_bwd_kernel", "_torch_reason", "_warned", "_unit",
+            "unit_reason", "grad_in_forward")
+
     def __init__(self, prog, kernel, compile_kw):
         self.prog = prog
         self.kernel = kernel
         self._kw = compile_kw
         self._aug = self._bwd = self._bwd_kernel = None
+        self._torch_reason = None   # why the gradient is torch's (None: acefuse's backward kernels)
+        self._warned = False
+        # opt-in: the forward also writes the gradient for a unit cotangent (unit_cotangent_program);
+        # the backward is one multiply. Off by default: it moves more bytes than the derived
+        # backward (the forward writes the unit gradient, the backward reads it back)
+        self.grad_in_forward = False
+        self._unit = None           # its kernel; False when the program does not allow it
+        self.unit_reason = None     # why not
 
     def __getattr__(self, name):   # source, fusion, path, module, fusible ... of the forward kernel
-        if name in ("kernel", "prog", "_kw", "_aug", "_bwd", "_bwd_kernel"):
+        if name in self._OWN:
             raise AttributeError(name)
         return getattr(self.kernel, name)
 
@@ -221,15 +383,70 @@ class DifferentiableKernel:
             self._bwd = backward(self.prog)
         return self._bwd
 
+    @property
+    def grad_fallback(self):
+        """Why gradients come from torch autograd of the program (None when acefuse's
+        backward kernels compute them)."""
+        return self._torch_reason
+
+    def _fall_back(self, why: str) -> None:
+        """From now on the backward is torch's; warn once, naming the program and why."""
+        self._torch_reason = why
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"acefuse: program {self.prog.name!r}: gradients are computed by torch autograd of "
+                          f"the program (its forward still runs the acefuse kernel): {why}",
+                          GradientFallbackWarning, stacklevel=4)
+
     def _grad_kernels(self):
-        if self._aug is None:
-            from acefuse.codegen.compile import compile_program
-            bwd = self.backward_program
-            kw = {k: v for k, v in self._kw.items() if k != "axis"}
-            self._bwd_kernel = compile_backward(bwd, **kw)
-            self._aug = self.kernel if bwd.augmented is self.prog else compile_program(
-                bwd.augmented, axis=self._kw.get("axis"), **kw)
+        """(augmented forward kernel, backward program), compiled on first use; (the plain
+        kernel, None) when the backward is torch's."""
+        if self._aug is None and self._torch_reason is None:
+            try:
+                from acefuse.codegen.compile import compile_program
+                bwd = self.backward_program
+                kw = {k: v for k, v in self._kw.items() if k != "axis"}
+                bk = compile_backward(bwd, **kw)
+                self._aug = self.kernel if bwd.augmented is self.prog else compile_program(
+                    bwd.augmented, axis=self._kw.get("axis"), **kw)
+                self._bwd_kernel = bk
+            except Exception as e:  # noqa: BLE001 - the forward runs; the gradient is torch's
+                self._fall_back(f"no backward kernels ({_first_line(e)})")
+        if self._torch_reason is not None:
+            return self.kernel, None
         return self._aug, self._bwd
+
+    def _unit_kernel(self):
+        """The kernel of ``unit_cotangent_program`` (compiled on first use), or None."""
+        if self._unit is None:
+            self._unit = False
+            prog, why = unit_cotangent_program(self._bwd)
+            if prog is not None:
+                try:
+                    from acefuse.codegen.compile import compile_program
+                    self._unit = compile_program(prog, axis=self._kw.get("axis"),
+                                                 **{k: v for k, v in self._kw.items() if k != "axis"})
+                except Exception as e:  # noqa: BLE001 - the derived backward kernels still run
+                    why = f"its kernel does not compile ({_first_line(e)})"
+            self.unit_reason = why or None
+        return self._unit or None
+
+    def _torch_grads(self, inputs: dict, cots: dict, want: list) -> dict:
+        """{grad_<name>: gradient} for the inputs ``want``: torch autograd of the program's
+        torch evaluation (float32; float64 for float64 inputs), cotangents ``cots`` by output
+        (None: zero)."""
+        from acefuse.autograd_ref import evaluate
+        floats = [t for t in inputs.values() if t.dtype.is_floating_point]
+        cd = wide_dtype(floats[0].dtype if floats else torch.float32)
+        with torch.enable_grad():
+            leaves = {k: (t.detach().to(cd).requires_grad_(k in want) if t.dtype.is_floating_point else t)
+                      for k, t in inputs.items()}
+            outs = evaluate(self.prog, leaves, cd)
+            pairs = [(outs[k], g) for k, g in cots.items() if g is not None and outs[k].requires_grad]
+            wrt = [leaves[k] for k in want]
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(cd) for _, g in pairs],
+                                      allow_unused=True) if pairs and wrt else [None] * len(wrt)
+        return {f"grad_{k}": torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(want, got)}
 
     def __call__(self, *args, **inputs):
         names = list(self.prog.tensors)

@@ -5,7 +5,9 @@ cross-entropy). Its norm, softmax and loss regions run as differentiable acefuse
 parameter's gradient is compared with float64 eager autograd of the same model, on
 fresh random inputs, with explicit tolerances. Float32 kernels on the CPU (Triton's
 interpreter), tiny sizes. The comparison itself is tested: a deliberately broken
-backward kernel must fail it."""
+backward kernel must fail it. When acefuse's backward cannot be built or fails at
+``.backward()``, the gradient is torch autograd of the program (acefuse.autograd_ref),
+with one warning: never lost (the last tests)."""
 import math
 import sys
 import warnings
@@ -307,3 +309,184 @@ def test_parameters_unfrozen_after_compiling_get_the_differentiable_kernel():
     (ref(x.double()) * cot.double()).sum().backward()
     for n, p in ln.named_parameters():
         torch.testing.assert_close(p.grad.double(), dict(ref.named_parameters())[n].grad, rtol=RTOL, atol=ATOL)
+
+
+# ---- no gradient is lost when acefuse's backward fails (acefuse.autograd's torch fallback) ----------
+def _masked_norm_program():
+    """A layernorm-like program whose rows may be fully masked: the shift by the max of a
+    masked row reads as 0, a 0/0 from a reduction as 0 (README "Numerics")."""
+    x, w, b = af.tensor("x", "r j"), af.tensor("w", "j"), af.tensor("b", "j")
+    m = af.max(x, "j")
+    e = af.exp(x - m)
+    mu = af.mean(x, "j")
+    return af.program("fb_norm", y=e / af.sum(e, "j") * w + b,
+                      z=(x - mu) * af.rsqrt(af.mean((x - mu) ** 2, "j") + 1e-5) * w)
+
+
+@pytest.fixture(scope="module")
+def fb_kernels():
+    """The program, its forward kernel and its compiled backward (shared; each test builds
+    its own DifferentiableKernel from them, as the frontend does)."""
+    from acefuse.autograd import compile_backward
+    from acefuse.codegen.compile import compile_program
+    prog = _masked_norm_program()
+    bwd = af.backward(prog)
+    return prog, compile_program(prog), compile_program(bwd.augmented), bwd, compile_backward(bwd)
+
+
+def _fb_data(seed, masked_rows=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 19, generator=g) * 2
+    if masked_rows:
+        x[1] = -math.inf             # a fully masked row: y = b there (z is NaN, as in torch)
+        x[3, ::2] = -math.inf        # a partly masked row
+    w = torch.rand(19, generator=g) + 0.5
+    b = torch.randn(19, generator=g)
+    cots = {"y": torch.randn(5, 19, generator=g), "z": torch.randn(5, 19, generator=g)}
+    return {"x": x, "w": w, "b": b}, cots
+
+
+def _fb_reference(inputs, cots, outs=("y", "z")):
+    """float64 torch, written independently: y = softmax(x) * w + b (a fully masked row's
+    softmax is 0, its gradient 0), z = layernorm(x) * w."""
+    xd, wd, bd = (inputs[k].double().requires_grad_() for k in "xwb")
+    full = torch.isneginf(xd).all(-1, keepdim=True)
+    p = torch.where(full, 0.0, torch.softmax(torch.where(full, 0.0, xd), -1))
+    z = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-5) * wd
+    res = {"y": p * wd + bd, "z": z}
+    loss = sum((res[k] * cots[k].double()).nan_to_num(0.0).sum() if k == "z" else (res[k] * cots[k].double()).sum()
+               for k in outs)
+    return res, dict(zip("xwb", torch.autograd.grad(loss, [xd, wd, bd], allow_unused=True)))
+
+
+def _fb_step(dk, inputs, cots, outs=("y", "z")):
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    res = dk(**leaves)
+    loss = sum((res[k] * cots[k]).nan_to_num(0.0).sum() if k == "z" else (res[k] * cots[k]).sum() for k in outs)
+    return res, dict(zip("xwb", torch.autograd.grad(loss, [leaves[k] for k in "xwb"], allow_unused=True)))
+
+
+def _fb_check(dk, seed, masked_rows=True):
+    inputs, cots = _fb_data(seed, masked_rows)
+    outs = ("y",) if masked_rows else ("y", "z")     # (z of a fully masked row is NaN, as in torch)
+    res, got = _fb_step(dk, inputs, cots, outs)
+    ref, want = _fb_reference(inputs, cots, outs)
+    torch.testing.assert_close(res["y"].double(), ref["y"].detach(), rtol=RTOL, atol=ATOL)
+    for k in "xwb":
+        assert got[k] is not None and torch.isfinite(got[k]).all(), (k, got[k])
+        torch.testing.assert_close(got[k].double(), want[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {k}: {m}")
+    if masked_rows:
+        assert (got["x"][1] == 0).all()              # a fully masked row gets gradient 0
+
+
+def _grad_warnings(rec):
+    from acefuse.autograd import GradientFallbackWarning
+    return [str(r.message) for r in rec if issubclass(r.category, GradientFallbackWarning)]
+
+
+@pytest.mark.parametrize("error", ["CodegenError", "FuseError", "KernelError"])
+def test_backward_kernel_failing_at_backward_falls_back_to_torch(fb_kernels, monkeypatch, error):
+    """A derived backward kernel that fails when ``.backward()`` runs it (a Triton compile
+    error on first launch, a CodegenError, a FuseError): one warning naming the program and
+    the error; the gradient of this call and later ones is torch autograd of the program,
+    float64-exact, 0 in a fully masked row; the forward kept running acefuse's kernel."""
+    from acefuse.autograd import DifferentiableKernel
+    from acefuse.codegen.compile import KernelError
+    from acefuse.codegen.emit import CodegenError
+    prog, kernel, aug, bwd, bk = fb_kernels
+    dk = DifferentiableKernel(prog, kernel, {})
+    dk._aug, dk._bwd, dk._bwd_kernel = aug, bwd, bk
+    _fb_check(dk, 20, masked_rows=False)              # the derived kernels work
+    assert dk.grad_fallback is None
+    make = {"CodegenError": lambda: CodegenError("no template for `x` (test)"),
+            "FuseError": lambda: af.FuseError("not fusible (test)"),
+            "KernelError": lambda: KernelError(bk.kernels[0], RuntimeError("triton: out of resources (test)"))}
+
+    def fail(self, *args, **kw):
+        raise make[error]()
+    monkeypatch.setattr(BackwardKernel, "__call__", fail)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for seed in (21, 22):
+            _fb_check(dk, seed)
+    msgs = _grad_warnings(rec)
+    assert len(msgs) == 1 and "'fb_norm'" in msgs[0] and error in msgs[0] and "(test)" in msgs[0], msgs
+    assert error in dk.grad_fallback
+
+
+@pytest.mark.parametrize("where", ["derive", "compile"])
+def test_backward_not_derivable_or_not_compilable_runs_forward_kernel_and_torch_backward(
+        fb_kernels, monkeypatch, where):
+    """``af.backward`` refuses the program, or its backward kernels do not compile: the
+    forward still runs the acefuse kernel (counted), the gradient is torch autograd of the
+    program (float64-exact), with one warning naming the program and why."""
+    import acefuse.autograd as aga
+    from acefuse.autograd import DifferentiableKernel
+    from acefuse.codegen.emit import CodegenError
+    prog, kernel, *_ = fb_kernels
+    if where == "derive":
+        def refuse(p):
+            raise af.BackwardError(f"program {p.name!r}: no derivative (test)")
+        monkeypatch.setattr(sys.modules["acefuse.backward"], "backward", refuse)
+    else:
+        def refuse(bwd, **kw):
+            raise CodegenError(f"program {bwd.name!r}: no kernel (test)")
+        monkeypatch.setattr(aga, "compile_backward", refuse)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return kernel(*args, **kw)
+    dk = DifferentiableKernel(prog, counted, {})
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for seed in (30, 31):
+            _fb_check(dk, seed)
+        _fb_check(dk, 32, masked_rows=False)
+    msgs = _grad_warnings(rec)
+    assert len(msgs) == 1 and "'fb_norm'" in msgs[0] and "(test)" in msgs[0], msgs
+    assert ("BackwardError" if where == "derive" else "CodegenError") in msgs[0]
+    assert len(calls) == 3
+
+
+def test_torch_fallback_gradient_is_checked(fb_kernels, monkeypatch):
+    """The fallback's check can fail: a torch evaluation that computes a wrong value (exp
+    replaced by exp(1.01 * x)) gives gradients the float64 comparison rejects."""
+    import acefuse.autograd_ref as ref
+    from acefuse.autograd import DifferentiableKernel
+    prog, kernel, *_ = fb_kernels
+    monkeypatch.setattr(sys.modules["acefuse.backward"], "backward",
+                        lambda p: (_ for _ in ()).throw(af.BackwardError("no derivative (test)")))
+    monkeypatch.setitem(ref._UNARY, "Exp", lambda a: torch.exp(a * 1.01))
+    dk = DifferentiableKernel(prog, kernel, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AssertionError):
+            _fb_check(dk, 33, masked_rows=False)
+
+
+def test_region_backward_failing_at_run_time_falls_back(monkeypatch, fresh_kernels):
+    """Through the frontend (af.compile(fn, ...)): a backward kernel failing at .backward()
+    gives eager's gradients and one warning; the forward stays acefuse's."""
+    from acefuse.codegen.emit import CodegenError
+    g = torch.Generator().manual_seed(40)
+    x = torch.randn(4, 13, generator=g).requires_grad_()
+    w = (torch.rand(13, generator=g) + 0.5).requires_grad_()
+    b = torch.randn(13, generator=g).requires_grad_()
+    cot = torch.randn(4, 13, generator=g)
+
+    def fail(self, *args, **kw):
+        raise CodegenError("no kernel (test)")
+    monkeypatch.setattr(BackwardKernel, "__call__", fail)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        cf = af.compile(_norm, x, w, b)
+        for _ in range(2):
+            got = torch.autograd.grad((cf(x, w, b) * cot).sum(), [x, w, b])
+    msgs = [str(r.message) for r in rec if issubclass(r.category, AcefuseFallbackWarning)]
+    assert len(msgs) == 1 and "CodegenError: no kernel (test)" in msgs[0], msgs
+    assert [r.calls["grad"] for r in cf.regions] == [2]
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad((_norm(xd, wd, bd) * cot.double()).sum(), [xd, wd, bd])
+    for name, a, r in zip("xwb", got, ref):
+        torch.testing.assert_close(a.double(), r, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")

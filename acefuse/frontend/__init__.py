@@ -18,7 +18,8 @@ except Exception:  # pragma: no cover
 
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
 from acefuse.frontend.importer import from_torch, from_torch_imported, Imported
-from acefuse.frontend.runtime import compile_fn, backend, CompiledFunction, stats, clear_cache
+from acefuse.frontend.runtime import compile_fn, backend, Backend, CompiledFunction, stats, clear_cache
+from acefuse.frontend.report import Report
 
-__all__ = ["from_torch", "from_torch_imported", "Imported", "compile_fn", "backend", "CompiledFunction",
+__all__ = ["from_torch", "from_torch_imported", "Imported", "compile_fn", "backend", "Backend", "Report", "CompiledFunction",
            "UnsupportedOpError", "FrontendError", "stats", "clear_cache"]

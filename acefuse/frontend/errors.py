@@ -14,6 +14,7 @@ class UnsupportedOpError(FrontendError):
 
     def __init__(self, op: str, line: str, detail: str = ""):
         self.op, self.line, self.detail = op, line, detail
+        self.node = None   # the FX node, when the error comes from lowering one
         where = f" at {line}" if line else ""
         why = f": {detail}" if detail else ""
         super().__init__(

@@ -1,13 +1,13 @@
-"""Tracing a torch function into an FX graph, and propagating shapes through it.
+"""Capturing a torch function as an FX graph, and propagating shapes through it.
 
-Why torch.fx (symbolic tracing) rather than torch.export: acefuse lowers *torch-level*
-calls (``torch.softmax``, ``F.layer_norm``, ``Tensor.view``), which is exactly what both
-``torch.fx.symbolic_trace`` and TorchDynamo (``torch.compile``) hand to a backend, so one
-op table serves ``af.from_torch``, ``af.compile`` and ``af.backend``. torch.export lowers
-to ATen (``aten._softmax``, ``aten.native_layer_norm``, decomposed views), a second op
-vocabulary; it also takes seconds per call where symbolic tracing takes milliseconds.
-The cost of symbolic tracing is that Python control flow on tensor *values* cannot be
-traced; such functions can still go through ``torch.compile(backend=af.backend)``.
+``af.compile(fn, *examples)`` captures through Dynamo (``capture``: ``torch._dynamo.export``
+with static shapes, torch-level ops, once per call signature), so it accepts what
+``torch.compile`` accepts: sizes used as Python ints, buffers sliced by a size, branches on
+dtypes. Dynamo and ``torch.fx.symbolic_trace`` hand over the same *torch-level* vocabulary
+(``torch.softmax``, ``F.layer_norm``, ``Tensor.view``), so one op table serves
+``af.from_torch`` (fx: a whole function as one program, traced through ``nn.LayerNorm``),
+``af.compile`` and ``af.backend``. ``torch.export`` proper lowers to ATen (a second op
+vocabulary) and is not used.
 """
 from __future__ import annotations
 
@@ -69,6 +69,38 @@ def trace(fn) -> torch.fx.GraphModule:
     return gm
 
 
+def capture(fn, args) -> torch.fx.GraphModule:
+    """A torch-level FX graph of ``fn`` on these arguments, captured by Dynamo (the machinery
+    behind torch.compile) with static shapes: sizes are Python ints, a branch on a dtype or a
+    size is taken, ``self.bias[:, :, :T, :T]`` and ``torch.ones(T, T)`` are plain ops. Its
+    ``forward`` takes ``fn``'s arguments. Raises ``FrontendError`` saying what to do when
+    Dynamo needs a graph break (Python control flow on tensor values, unsupported calls)."""
+    import warnings
+    import torch._dynamo as dynamo
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = dynamo.export(fn, aten_graph=False, assume_static_by_default=True,
+                                _log_export_usage=False)(*args)
+    except Exception as e:  # noqa: BLE001 - every capture failure gets the same advice
+        from acefuse.frontend.errors import FrontendError
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise FrontendError(
+            f"{name}: Dynamo could not capture it as one graph ({type(e).__name__}: {first}). af.compile "
+            "needs the whole function in one graph; torch.compile(fn, backend=af.backend) splits it at "
+            "graph breaks (Python control flow on tensor values, calls Dynamo cannot trace) and "
+            "acefuse takes what it recognises in each piece") from e
+    gm = res.graph_module
+    gm._af_name = name
+    return gm
+
+
+def flat_args(gm, args) -> list:
+    """The graph's placeholder values for a call with ``args`` (a Dynamo graph flattens them)."""
+    return list(gm.graph._codegen.process_inputs(*args))
+
+
 def source_line(node) -> str:
     """``file.py:12: code`` for the node's last user frame, or '' when unknown."""
     st = node.meta.get("stack_trace") or getattr(node, "stack_trace", None) or ""
@@ -81,6 +113,9 @@ def source_line(node) -> str:
                 lno = s.split("line ")[1].split(",")[0]
             except IndexError:
                 return s
+            if (fname.startswith(_TORCH_DIR) or fname.startswith(_HERE)) and \
+                    any(t.strip().startswith('File "') for t in lines[:i]):
+                continue   # a frame inside torch (F.rms_norm calls torch.rms_norm): the caller's line
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{os.path.basename(fname)}:{lno}: {code}"
     return ""
@@ -123,9 +158,9 @@ def propagate(gm: torch.fx.GraphModule, args) -> None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            _Prop(gm).run(*fargs)
+            _Prop(gm).run(*flat_args(gm, fargs))
         return
     except Exception:  # data-dependent ops: fall back to one real execution
         pass
     with torch.no_grad():
-        _Prop(gm).run(*args)
+        _Prop(gm).run(*flat_args(gm, args))

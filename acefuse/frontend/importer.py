@@ -11,7 +11,7 @@ import acefuse.lang as L
 from acefuse.frontend import ir
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
 from acefuse.frontend.graph import op_name, propagate, source_line, trace
-from acefuse.frontend.lower import TV, Ctx, S, lower_node
+from acefuse.frontend.lower import TV, Ctx, lower_node
 
 _IDENT = re.compile(r"[^A-Za-z0-9_]")
 
@@ -37,6 +37,9 @@ def apply_chain(t: torch.Tensor, chain) -> torch.Tensor:
             t = t.repeat_interleave(step[1], dim=step[2])
         elif k == "to":
             t = t.to(step[1])
+        elif k == "index":
+            from acefuse.frontend.lower_layout import index_of
+            t = t[index_of(step[1])]
         else:
             raise FrontendError(f"internal: unknown view step {step}")
     return t
@@ -49,6 +52,13 @@ class InputSpec:
     def __init__(self, name, src, chain, role, extra):
         self.name, self.src, self.chain, self.role, self.extra = name, src, chain, role, extra
 
+    def step_dtype(self, dtype):
+        """The dtype of the input after its view chain (a recorded cast changes it)."""
+        for step in self.chain:
+            if step[0] == "to":
+                dtype = step[1]
+        return dtype
+
     def make(self, t: torch.Tensor, fdtype) -> torch.Tensor:
         t = apply_chain(t, self.chain)
         t = t[tuple(0 if s == 1 else slice(None) for s in t.shape)] if 1 in t.shape else t
@@ -58,7 +68,7 @@ class InputSpec:
             return t if t.dtype in (torch.int32, torch.int64) else t.long()
         if self.extra and self.extra[0] == "ne":
             return (t != self.extra[1]).to(fdtype)
-        if not t.dtype.is_floating_point or t.dtype == torch.float64 and fdtype != torch.float64:
+        if t.dtype != fdtype:   # (a narrower float input is widened exactly, as torch promotes it)
             t = t.to(fdtype)
         return t
 
@@ -66,9 +76,10 @@ class InputSpec:
 class OutputSpec:
     """A program output and how to put it back in torch layout."""
 
-    def __init__(self, name, node, dim_names, shape, dtype, expr_axes):
+    def __init__(self, name, node, dim_names, shape, dtype, expr_axes, stride=None):
         self.name, self.node = name, node
         self.dim_names, self.shape, self.dtype, self.expr_axes = dim_names, shape, dtype, expr_axes
+        self.stride = stride      # torch's strides for this value (None: any layout)
 
     def to_torch(self, t: torch.Tensor) -> torch.Tensor:
         present = [n for n in self.dim_names if n is not None and n in self.expr_axes]
@@ -79,7 +90,29 @@ class OutputSpec:
         t = t.reshape(view)
         if list(view) != list(self.shape):
             t = t.expand(self.shape).contiguous()
-        return t.to(self.dtype) if t.dtype != self.dtype else t
+        t = t.to(self.dtype) if t.dtype != self.dtype else t
+        if self.stride is not None and tuple(t.stride()) != self.stride and t.numel() > 1:
+            # the layout torch gives (x.transpose(1, 2).contiguous() is contiguous: a later
+            # .view() relies on it), not the kernel's axis order
+            out = torch.empty_strided(self.shape, self.stride, dtype=t.dtype, device=t.device)
+            t = out.copy_(t)
+        return t
+
+
+def _dense_stride(m):
+    """torch's strides for an output when they describe a dense layout (else None)."""
+    if not isinstance(m, torch.Tensor) or m.dim() == 0:
+        return None
+    try:
+        st = tuple(int(x) for x in m.stride())
+    except Exception:  # noqa: BLE001 - a value without strides
+        return None
+    expect = 1
+    for i in sorted((i for i in range(m.dim()) if m.shape[i] != 1), key=lambda i: st[i]):
+        if st[i] != expect:
+            return None
+        expect *= int(m.shape[i])
+    return st
 
 
 class Imported:
@@ -100,14 +133,23 @@ class Imported:
         return out
 
     def compute_dtype(self, values: dict):
-        for o in self.outputs:
-            if o.dtype.is_floating_point:
-                return o.dtype
+        """The dtype the kernel reads and writes: the widest float type among the outputs and
+        the float inputs (float32 when float16 meets bfloat16). Kernels compute in float32 and
+        round each output once; torch's type promotion would widen every narrower input to
+        this type, so widening them first is exact (``F.softmax(x16, -1, dtype=torch.float32)``
+        reads x in float32 and writes float32, as eager does)."""
+        fl = [o.dtype for o in self.outputs if o.dtype.is_floating_point]
         for s in self.inputs:
             t = values[s.src]
-            if t.dtype.is_floating_point:
-                return t.dtype
-        return torch.float32
+            if s.role == "float" and not (s.extra and s.extra[0] == "ne") and isinstance(t, torch.Tensor) \
+                    and t.dtype.is_floating_point:
+                fl.append(s.step_dtype(t.dtype))
+        fl = set(fl)
+        if not fl:
+            return torch.float32
+        if {torch.float16, torch.bfloat16} <= fl:   # neither holds the other
+            fl.add(torch.float32)
+        return max(fl, key=lambda d: torch.finfo(d).bits)
 
     def program_inputs(self, values: dict) -> dict:
         """Program inputs by name, from the torch values of the source nodes."""
@@ -170,7 +212,7 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
         e = em(n)
         exprs[oname] = e
         ospecs.append(OutputSpec(oname, node, [names[d.find()] if d is not None else None for d in v.dims],
-                                 tuple(v.shape), v.meta.dtype, list(e.axes)))
+                                 tuple(v.shape), v.meta.dtype, list(e.axes), _dense_stride(v.meta)))
     try:
         prog = L.program(_ident(name), **exprs)
     except L.LanguageError as e:

@@ -63,7 +63,8 @@ class N:
     num (value)              a float constant
     size (Axis)              the length of an axis
     idx (Axis)               the index along an axis
-    un (fn, x)               exp log sqrt rsqrt abs tanh neg lnot
+    un (fn, x)               exp log sqrt rsqrt abs tanh neg lnot erf sigmoid softplus log1p
+                             expm1 floor ceil round int32 int64 (a cast to that type)
     bin (op, a, b)           add sub mul div max2 min2 lt le gt ge eq ne land lor
     where (c, a, b)          a where c holds, else b
     pow (x, p)               x ** p, p a Python number
@@ -97,7 +98,10 @@ def red(kind, ax, x) -> N:
 
 
 _UN = {"exp": L.exp, "log": L.log, "sqrt": L.sqrt, "rsqrt": L.rsqrt, "abs": L.abs, "tanh": L.tanh,
-       "neg": lambda x: -x, "lnot": lambda x: x.eq(0.0)}   # not: == 0 (also on a float mask)
+       "neg": lambda x: -x, "lnot": lambda x: x.eq(0.0),   # not: == 0 (also on a float mask)
+       "erf": L.erf, "sigmoid": L.sigmoid, "softplus": L.softplus, "log1p": L.log1p, "expm1": L.expm1,
+       "floor": L.floor, "ceil": L.ceil, "round": L.round,
+       "int32": lambda x: L.cast(x, "int32"), "int64": lambda x: L.cast(x, "int64")}
 _BIN = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
         "div": lambda a, b: a / b, "max2": L.maximum, "min2": L.minimum,
         "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
@@ -170,7 +174,15 @@ class Emitter:
         if op == "un":
             return _UN[a[0]](self(a[1]))
         if op == "bin":
-            return _BIN[a[0]](self(a[1]), self(a[2]))
+            x, y = self(a[1]), self(a[2])
+            if a[0] in ("land", "lor"):   # a mask read from memory is a number: make it boolean
+                x, y = (v.ne(0.0) if m.op in ("in", "num") else v for v, m in ((x, a[1]), (y, a[2])))
+                if not x.axes or not y.axes:
+                    # with a value over no axis (a 0-d mask): a select, as the kernels' `&` and `|`
+                    # take only blocks (Triton's interpreter refuses a scalar operand)
+                    y01 = L.where(y, 1.0, 0.0)
+                    return (L.where(x, y01, 0.0) if a[0] == "land" else L.where(x, 1.0, y01)).ne(0.0)
+            return _BIN[a[0]](x, y)
         if op == "where":
             c, x, y = (self(v) for v in a)
             if a[0].op == "in":  # a mask read from memory: make the condition boolean

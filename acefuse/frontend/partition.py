@@ -74,7 +74,10 @@ def _allowed(n, region_of, find, exclude):
         return False
     if k == "static":
         # only a getitem of a tuple produced inside a region (split pieces)
-        return name_of(n) == "getitem" and n.args[0] in region_of and isinstance(n.meta.get("af_val"), torch.Tensor)
+        # a getitem of a tuple produced inside a region (split pieces), or basic indexing of
+        # a tensor (on an input: a view the runtime replays; else the import refuses it)
+        return name_of(n) == "getitem" and isinstance(n.meta.get("af_val"), torch.Tensor) and \
+            (n.args[0] in region_of or isinstance(n.args[0].meta.get("af_val"), torch.Tensor))
     v = n.meta.get("af_val")
     if not isinstance(v, torch.Tensor) and not (isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)):
         return False
@@ -182,6 +185,7 @@ def rebuild(gm: torch.fx.GraphModule, regions: list) -> torch.fx.GraphModule:
         return regions[u[1]][2].sources
 
     g = torch.fx.Graph()
+    g._codegen = gm.graph._codegen   # (a Dynamo export's graph flattens its arguments)
     env: dict = {}
     root: dict = {}
     pending = list(units)

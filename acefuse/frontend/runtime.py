@@ -1,9 +1,11 @@
-"""Drop-in callables backed by acefuse kernels: ``compile_fn`` and the torch.compile ``backend``.
+"""Drop-in callables backed by acefuse kernels: ``compile_fn`` and the torch.compile ``Backend``.
 
 A compiled function specialises on the call's *shape signature* (shapes, dtypes,
-devices, non-tensor arguments): the graph is re-imported for each new signature (cheap:
-milliseconds), and each region's program is looked up by ``Program.key()`` in the
-kernel cache, in memory and on disk, so a new shape with the same program reuses the
+devices, non-tensor arguments): ``compile_fn`` captures the function through Dynamo for
+each new signature (``graph.capture``), the graph is partitioned and re-imported (an op
+acefuse cannot import splits its region: ``split_unsupported``), and each region's
+program is looked up by ``Program.key()`` in the kernel cache (acefuse.frontend.kernels),
+in memory and on disk, so a new shape with the same program reuses the
 kernel. The generated module itself chooses its schedule from the sizes (one tile,
 rolling loop, split), so whether the fused axis fits one tile needs no new kernel.
 
@@ -25,171 +27,24 @@ the reductions around them are retried, as for inference. Grad mode and
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import warnings
-from pathlib import Path
 
 import torch
 import torch.fx
 
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
-from acefuse.frontend.graph import propagate, source_line, trace
+from acefuse.frontend.graph import capture, propagate, source_line, trace
 from acefuse.frontend.importer import import_nodes
 from acefuse.frontend.lower import kind_of, name_of
 from acefuse.frontend.partition import find_regions, rebuild, region_outputs, split_composites
+from acefuse.frontend.report import Report, graph_entries, is_reduction_like
+from acefuse.frontend.kernels import (GradKernelError, clear_cache, get_grad_kernel, get_kernel,  # noqa: F401
+                                      stats)
 
 
 class AcefuseFallbackWarning(UserWarning):
     """A recognised region runs in torch instead of an acefuse kernel (the message says why)."""
-
-
-class GradKernelError(FrontendError):
-    """A region needs gradients and acefuse has no backward kernel for it (says why)."""
-
-    def __init__(self, why: str):
-        self.why = why
-        super().__init__(f"its inputs require grad and acefuse has no backward kernel for it ({why}); "
-                         "torch computes this region and its gradients (under torch.no_grad() the "
-                         "kernel runs)")
-
-
-stats = {"specializations": 0, "kernel_memory_hits": 0, "kernel_disk_hits": 0, "kernel_compiles": 0,
-         "fallbacks": 0, "grad_kernel_compiles": 0}
-_KERNELS: dict = {}
-_FAILED: dict = {}
-_GRAD: dict = {}
-
-
-def clear_cache(memory_only: bool = True):
-    """Forget compiled kernels in memory (the on-disk cache stays unless memory_only=False)."""
-    _KERNELS.clear()
-    _FAILED.clear()
-    _GRAD.clear()
-    if not memory_only:
-        d = _index_dir()
-        for p in d.glob("*.json"):
-            p.unlink()
-
-
-def _code_version() -> str:
-    """A hash of the code that decides what a program compiles to (rules, extraction, codegen)."""
-    from acefuse.codegen.compile import code_version
-    return code_version()
-
-
-def _index_dir() -> Path:
-    from acefuse.codegen.compile import cache_dir
-    d = cache_dir().parent / "frontend"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-class _Loaded:
-    """A generated module loaded from the disk cache (no fusion run)."""
-
-    def __init__(self, module, path, program=None):
-        self.module, self.path, self.program = module, path, program
-
-    def __call__(self, **inputs):
-        from acefuse.codegen import compile as cc
-        names = cc.requires_grad_inputs((), inputs)
-        if names:     # like a compiled Kernel: never a result without grad_fn
-            return cc.grad_hook(self, names, (), inputs)
-        return cc.run_module(self.module, (), inputs)
-
-
-def _cache_warn(msg):
-    from acefuse.codegen.compile import CacheWarning
-    warnings.warn(f"acefuse: {msg}", CacheWarning, stacklevel=3)
-
-
-def _load_indexed(idx: Path, program=None):
-    """The kernel an index entry points to, or None (absent). A corrupt entry, or one whose
-    kernel file is missing or changed, is removed with a warning (the caller regenerates)."""
-    if not idx.exists():
-        return None
-    try:
-        meta = json.loads(idx.read_bytes())
-        path = Path(meta["path"])
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise ValueError(f"kernel file {path} does not match its recorded hash (truncated or overwritten)")
-        from acefuse.codegen.compile import load_module
-        return _Loaded(load_module(path, meta["module"]), path, program)
-    except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
-        _cache_warn(f"kernel cache index {idx.name} is unusable ({type(e).__name__}: {e}); "
-                    "removed, the kernel is regenerated")
-        try:
-            idx.unlink()
-        except OSError:
-            pass
-        return None
-
-
-def get_kernel(prog, axis=None):
-    """The kernel of a program: memory, then the on-disk index, then af.compile."""
-    key = f"{prog.name}_{prog.key()}{'_' + axis if axis else ''}_{_code_version()}"
-    if key in _KERNELS:
-        stats["kernel_memory_hits"] += 1
-        return _KERNELS[key]
-    if key in _FAILED:
-        raise _FAILED[key]
-    idx = _index_dir() / f"{key}.json"
-    k = _load_indexed(idx, prog)
-    if k is not None:
-        stats["kernel_disk_hits"] += 1
-        _KERNELS[key] = k
-        return k
-    from acefuse.codegen.compile import compile_program
-    try:
-        k = compile_program(prog, axis=axis)
-    except Exception as e:
-        _FAILED[key] = e
-        raise
-    stats["kernel_compiles"] += 1
-    from acefuse.codegen.compile import write_atomic
-    mod = getattr(getattr(k, "module", None), "__name__", f"acefuse_gen_{prog.name}")
-    if getattr(k, "path", None) is not None:   # (a staged kernel is two files: not indexed)
-        sha = hashlib.sha256(Path(k.path).read_bytes()).hexdigest()
-        write_atomic(idx, json.dumps({"path": str(k.path), "module": mod, "sha256": sha,
-                                      "program": repr(prog)}).encode())
-    _KERNELS[key] = k
-    return k
-
-
-def get_grad_kernel(prog, kernel):
-    """The differentiable kernel of a region's program (acefuse.autograd), its augmented
-    forward and backward kernels compiled; GradKernelError (naming the program and why)
-    when ``af.backward`` or a backward kernel fails. Cached in memory by program."""
-    key = f"{prog.name}_{prog.key()}_{_code_version()}"
-    hit = _GRAD.get(key)
-    if isinstance(hit, Exception):
-        raise hit
-    if hit is not None and hit.kernel is kernel:
-        return hit
-    from acefuse.autograd import DifferentiableKernel, BackwardKernel, compile_stage
-    from acefuse.backward import backward
-    dk = DifferentiableKernel(prog, kernel, {})
-    if hit is not None:            # same program, kernel reloaded: reuse the compiled backward
-        dk._aug = kernel if hit._aug is hit.kernel else hit._aug
-        dk._bwd, dk._bwd_kernel = hit._bwd, hit._bwd_kernel
-    else:
-        try:
-            # each stage through get_kernel: cached in memory and on disk like forward kernels
-            bwd = backward(prog)
-            bk = BackwardKernel(bwd, [compile_stage(s, get_kernel) for s in bwd.stages])
-            dk._aug = kernel if bwd.augmented is prog else get_kernel(bwd.augmented)
-            dk._bwd, dk._bwd_kernel = bwd, bk
-        except Exception as e:  # noqa: BLE001 - reported as the region's reason to run in torch
-            first = (str(e).strip().splitlines() or [""])[0]
-            err = GradKernelError(f"{type(e).__name__}: {first}")
-            _GRAD[key] = err
-            raise err from e
-        stats["grad_kernel_compiles"] += 1
-    _GRAD[key] = dk
-    return dk
 
 
 class CompiledRegion(torch.nn.Module):
@@ -203,6 +58,7 @@ class CompiledRegion(torch.nn.Module):
         self.program = imp.program
         self.fallback = fallback      # the region's own torch ops, same inputs and outputs
         self.grad_error = None
+        self.kernel_error = None
         self.calls = {"kernel": 0, "grad": 0, "torch": 0}
 
     def _torch(self, srcs):
@@ -237,7 +93,7 @@ class CompiledRegion(torch.nn.Module):
             outs = self.kernel(**self.imp.program_inputs(values))
         except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
             _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
-            self.kernel = None
+            self.kernel, self.kernel_error = None, f"{type(e).__name__}: {_first(e)}"
             return self._torch(srcs)
         self.calls["kernel"] += 1
         return tuple(self.imp.torch_outputs(outs))
@@ -284,65 +140,174 @@ def _warn(nodes, why, seen=None):
 
 
 def specialize(gm: torch.fx.GraphModule, args, name="fn"):
-    """Partition ``gm`` for these concrete arguments and compile each region."""
+    """Partition ``gm`` for these concrete arguments and compile each region. The result
+    carries ``af_regions`` (the compiled regions) and ``af_report`` (report entries)."""
     stats["specializations"] += 1
-    gm = torch.fx.GraphModule(gm, gm.graph.__deepcopy__() if hasattr(gm.graph, "__deepcopy__") else gm.graph)
+    gm = _copy_gm(gm)
     gm._af_name = name
     propagate(gm, args)
     split_composites(gm)
     propagate(gm, args)
-    exclude: set = set()
+    reasons: dict = {}        # node -> why torch computes it (for the report)
     warned: set = set()
-    for attempt in range(3):
+    exclude = split_unsupported(gm, set(), reasons, warned)
+    operands_cut: set = set()
+    warned_contr: set = set()
+    for attempt in range(4):
         compiled, failed_contraction = [], False
         for i, nodes in enumerate(find_regions(gm, frozenset(exclude))):
             outs = region_outputs(gm, nodes)
-            while len(outs) > 1:
-                # one output per kernel: an intermediate that torch also needs goes to torch,
-                # with its in-region ancestors (an ancestor-closed cut keeps the region convex)
-                cut, stack = set(), [outs[0]]
-                while stack:
-                    c = stack.pop()
-                    if c not in cut:
-                        cut.add(c)
-                        stack += [p for p in c.all_input_nodes if p in nodes]
-                nodes = [n for n in nodes if n not in cut]
-                outs = region_outputs(gm, nodes) if any(kind_of(n) == "reduce" or kind_of(n) == "contraction"
-                                                        for n in nodes) else []
             if not outs:
+                _left(reasons, nodes, "its result is not used")
                 continue
             rname = f"{name}_{_region_name(nodes)}"
             try:
-                imp = import_nodes(nodes, outs, rname)
-                bad = _reject_dtype(imp)
-                if bad:
-                    raise FrontendError(bad)
-                k = get_kernel(imp.program)
-                dk = None
-                if _needs_grad(s.meta.get("af_val") for s in imp.sources):
-                    dk = get_grad_kernel(imp.program, k)
+                try:
+                    res = _compile_region(nodes, outs, rname)
+                except GradKernelError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - several outputs: retry with the last one
+                    if len(outs) < 2 or [n for n in nodes if kind_of(n) == "contraction"]:
+                        raise
+                    nodes, cut = _cut_to_last_output(gm, nodes)
+                    res = _compile_region(nodes, region_outputs(gm, nodes), rname)
+                    _left(reasons, cut, "the kernel of its region with all outputs failed "
+                                        f"({_first(e)}); the region was cut to its last output")
             except Exception as e:  # noqa: BLE001 - any failure means: this region runs in torch
                 contr = [n for n in nodes if kind_of(n) == "contraction"]
                 grad = isinstance(e, GradKernelError)
-                if contr and (grad or not isinstance(e, FrontendError)) and attempt < 2:
+                computed = _computed_operands(contr, nodes) if not grad else []
+                if computed and not set(contr) <= operands_cut and attempt < 3:
+                    # operands computed inside the region (RoPE before attention): torch computes
+                    # them first and the contraction reads them as inputs
+                    operands_cut |= set(contr)
+                    exclude |= set(computed)
+                    failed_contraction = True
+                    continue
+                if contr and (grad or not isinstance(e, FrontendError)) and attempt < 3:
                     # no kernel (or, in training, no backward kernel) for the contractions:
                     # keep them in torch and fuse what remains around them (softmax between matmuls)
                     exclude |= set(contr)
                     failed_contraction = True
-                    if attempt == 0:
-                        _warn(contr, (f"no backward kernel for its contractions ({e.why}); in training the "
-                                      if grad else f"no kernel family for contractions yet ({e}); ")
-                              + "matmuls stay in torch, the reductions around them go to acefuse", warned)
+                    why = (f"no backward kernel for its contractions ({e.why}); in training the "
+                           if grad else f"{_contraction_why(contr)} ({_first(e)}); ")
+                    _left(reasons, contr, why.rstrip("; ").replace("; in training the", ""))
+                    if not set(contr) <= warned_contr:    # once per contraction
+                        warned_contr |= set(contr)
+                        _warn(contr, why + "matmuls stay in torch, the reductions around them go to acefuse",
+                              warned)
                     continue
-                if attempt == 2 or not failed_contraction:
+                _left(reasons, nodes, _first(e))
+                if attempt == 3 or not failed_contraction:
                     _warn(nodes, e, warned)
                 continue
+            imp, k, dk = res
             compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp), dk), imp))
         if not failed_contraction:
             break
     new = rebuild(gm, compiled)
     new.af_regions = [m for _, m, _ in compiled]
+    in_region = {n: m for _, m, imp in compiled for n in imp.nodes}
+    new.af_report = graph_entries(gm, in_region, reasons, name)
     return new
+
+
+def _computed_operands(contr, nodes) -> list:
+    """The nodes inside the region that compute an operand of a contraction (through views)."""
+    region, out = set(nodes), []
+    for c in contr:
+        ops = list(c.args[:3]) + [c.kwargs[k] for k in ("query", "key", "value", "input", "other")
+                                  if k in c.kwargs]
+        for a in ops:
+            while isinstance(a, torch.fx.Node) and a in region and kind_of(a) in ("layout", "cast") and a.args:
+                a = a.args[0]
+            if isinstance(a, torch.fx.Node) and a in region and kind_of(a) not in ("layout", "cast", "static"):
+                out.append(a)
+    return out
+
+
+def _contraction_why(contr) -> str:
+    """Why a region's contractions have no kernel, in the terms of the missing feature."""
+    for n in contr:
+        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+        mv = mask.meta.get("af_val") if isinstance(mask, torch.fx.Node) else None
+        if isinstance(mv, torch.Tensor) and mv.dim() >= 2 and mv.shape[-1] > 1 and mv.shape[-2] > 1:
+            return ("attention with a mask over query and key positions (i, j): the contraction "
+                    "kernel family reads no tensor over both axes yet (the language issue)")
+    return "no kernel family for these contractions yet"
+
+
+def _first(e) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+def _left(reasons: dict, nodes, why: str):
+    for n in nodes:
+        reasons.setdefault(n, why)
+
+
+def _copy_gm(gm):
+    with warnings.catch_warnings():   # (copying a Dynamo graph's pytree spec warns in torch 2.13)
+        warnings.simplefilter("ignore", FutureWarning)
+        g = gm.graph.__deepcopy__() if hasattr(gm.graph, "__deepcopy__") else gm.graph
+    return torch.fx.GraphModule(gm, g)
+
+
+def split_unsupported(gm, exclude: set, reasons: dict, warned=None) -> set:
+    """Leave to torch each op inside a region that acefuse cannot import (an unsupported use
+    of a supported op: exact slicing of a computed value, a narrowing cast...), so that the
+    region splits around it instead of running in torch as a whole. Returns ``exclude``."""
+    for _ in range(256):
+        changed = False
+        for nodes in find_regions(gm, frozenset(exclude)):
+            outs = region_outputs(gm, nodes)
+            if not outs:
+                continue
+            try:
+                import_nodes(nodes, outs, "probe")
+            except UnsupportedOpError as e:
+                bad = getattr(e, "node", None)
+                if bad is not None and bad in nodes and bad not in exclude:
+                    exclude.add(bad)
+                    reasons.setdefault(bad, f"acefuse cannot import it ({e.detail or 'no lowering'})")
+                    if is_reduction_like(bad):   # a reduction lost to torch: say so once
+                        _warn([bad], f"acefuse cannot import it ({e.detail or 'no lowering'})", warned)
+                    changed = True
+            except Exception:  # noqa: BLE001 - reported when the region is compiled
+                pass
+        if not changed:
+            return exclude
+    return exclude
+
+
+def _compile_region(nodes, outs, rname):
+    imp = import_nodes(nodes, outs, rname)
+    bad = _reject_dtype(imp)
+    if bad:
+        raise FrontendError(bad)
+    k = get_kernel(imp.program)
+    dk = None
+    if _needs_grad(s.meta.get("af_val") for s in imp.sources):
+        dk = get_grad_kernel(imp.program, k)
+    return imp, k, dk
+
+
+def _cut_to_last_output(gm, nodes):
+    """The region without the ancestors (inside it) of every output but the last one: an
+    ancestor-closed cut keeps the region convex. Returns (kept nodes, cut nodes)."""
+    outs = region_outputs(gm, nodes)
+    cut: set = set()
+    while len(outs) > 1:
+        stack = [outs[0]]
+        while stack:
+            c = stack.pop()
+            if c not in cut:
+                cut.add(c)
+                stack += [p for p in c.all_input_nodes if p in nodes]
+        nodes = [n for n in nodes if n not in cut]
+        outs = region_outputs(gm, nodes)
+    return nodes, [n for n in cut]
 
 
 def _torch_region(gm, imp) -> torch.fx.GraphModule:
@@ -382,21 +347,27 @@ class CompiledFunction:
     Call it like the original; ``.graphs`` maps each shape signature seen to its
     partitioned GraphModule (``print(f.graph_for(*args).code)`` shows the regions)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None):
         self.gm, self.name, self.signature = gm, name, signature
+        self.fn = fn              # captured by Dynamo per call signature (af.compile)
         self.graphs: dict = {}
 
     def graph_for(self, *args):
         sig = _signature(args)
         g = self.graphs.get(sig)
         if g is None:
-            g = specialize(self.gm, args, self.name)
+            gm = self.gm if self.fn is None else _capture(self.fn, args)
+            g = specialize(gm, args, self.name)
             self.graphs[sig] = g
         return g
 
     @property
     def regions(self):
         return [r for g in self.graphs.values() for r in g.af_regions]
+
+    def report(self) -> Report:
+        """What acefuse took from this function's graphs and what it left to torch (why, where)."""
+        return Report([e for g in self.graphs.values() for e in g.af_report])
 
     def __call__(self, *args, **kwargs):
         if self.signature is not None:
@@ -413,17 +384,28 @@ class CompiledFunction:
         return f"<acefuse compiled {self.name!r}: {len(self.graphs)} specialization(s)>"
 
 
+def _capture(fn, args) -> torch.fx.GraphModule:
+    """Dynamo's graph of ``fn`` for these arguments; torch.fx symbolic tracing when Dynamo
+    cannot make one graph (it then raises Dynamo's error, which says what to do)."""
+    try:
+        return capture(fn, args)
+    except FrontendError as e:
+        try:
+            return trace(fn)
+        except FrontendError:
+            raise e from None
+
+
 def compile_fn(fn, *example_inputs):
     """``af.compile(fn, *example_inputs)``: a callable with ``fn``'s signature and outputs,
     in which each recognised region runs as an acefuse kernel (specialised and compiled
     now for the example inputs; other shapes are specialised on first use)."""
-    gm = trace(fn)
     name = getattr(fn, "__name__", type(fn).__name__)
     try:
         sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
     except (TypeError, ValueError):
         sig = None
-    cf = CompiledFunction(gm, name, sig)
+    cf = CompiledFunction(None, name, sig, fn=fn)
     if example_inputs:
         cf.graph_for(*example_inputs)
     try:
@@ -434,10 +416,32 @@ def compile_fn(fn, *example_inputs):
     return cf
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs):
-    """A ``torch.compile`` backend: ``torch.compile(model, backend=af.backend)``.
+class Backend:
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=af.Backend())``.
 
     acefuse takes the FX subgraphs it recognises (softmax, log_softmax, logsumexp,
-    layer_norm, rms_norm, cross_entropy and the elementwise code around them); the
-    rest of the graph runs as eager torch ops. Specialised per shape signature."""
-    return CompiledFunction(gm, "dynamo")
+    layer_norm, rms_norm, cross_entropy, attention and the elementwise code around them);
+    the rest of the graph runs as eager torch ops. Specialised per shape signature.
+    ``report()`` lists what it took and what it left to torch, over every graph it was
+    handed (``af.backend`` is a default instance shared by all its users)."""
+
+    def __init__(self):
+        self.functions: list = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        cf = CompiledFunction(gm, "dynamo")
+        self.functions.append(cf)
+        return cf
+
+    def report(self) -> Report:
+        return Report([e for cf in self.functions for g in cf.graphs.values() for e in g.af_report])
+
+    def reset(self):
+        """Forget the graphs handed so far (the report starts empty)."""
+        self.functions.clear()
+
+    def __repr__(self):
+        return f"<acefuse Backend: {len(self.functions)} graph(s)>"
+
+
+backend = Backend()
