@@ -404,6 +404,22 @@ def _cascades(prog, axis) -> bool:
     return False
 
 
+def _outer_reduced_axes(prog) -> list:
+    """The axes of the outermost reductions of the outputs (not those nested inside them)."""
+    out = []
+
+    def walk(t):
+        if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
+            if t.args[0].args[0] not in out:
+                out.append(t.args[0].args[0])
+            return
+        for c in t.children:
+            walk(c)
+    for e in prog.outputs.values():
+        walk(e.term)
+    return out
+
+
 def _pick_axis(prog, axis):
     red = prog.reduced_axes()
     if axis is None:
@@ -415,6 +431,9 @@ def _pick_axis(prog, axis):
         cascaded = [a for a in red if _cascades(prog, a)]
         if len(cascaded) == 1:
             return cascaded[0]
+        outer = _outer_reduced_axes(prog)
+        if not cascaded and len(outer) == 1:   # sum_j(f(sum_e(q * k)) * v): the outer axis
+            return outer[0]
         raise FuseError(f"program {prog.name!r} reduces over several axes {red}; "
                         f"pick the one to fuse with axis=...")
     if axis not in prog.axes:

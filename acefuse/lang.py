@@ -28,6 +28,11 @@ integer arithmetic becomes a float (exact below 2**24 in float32 outputs). On re
 use ``floor(a / b)`` or round first: ``x // 2`` on a float tensor is refused. ``&``, ``|``
 and ``~`` stay logical on booleans (comparisons) and on real values.
 
+Lookups: ``x.at(a=idx)`` (``take``) reads input ``x`` at a computed position along its axis
+``a``: ``doc.at(n=index("i")).eq(doc.at(n=index("j")))`` is a document mask. Tensors an
+index is read from (page tables) are int32/int64 inputs; integer or bool inputs outside
+the dot products (document ids, masks) are read as float32.
+
 Casts: ``cast(x, "int32" | "int64")`` truncates toward zero (as ``x.to(torch.int32)``)
 and gives NaN where ``x`` is NaN, infinite or outside the type; the result is an integer
 expression. Input tensors are read as floats, so an integer-valued input is exact up to
@@ -117,6 +122,18 @@ class Expr:
         if all(is_integer(e.term) and e.term.op not in BOOLEAN for e in (a, b)):
             return _intop(bitwise, a, b)
         return _combine(logical, a, b)
+
+    def at(self, **where):
+        """A lookup: this input tensor read at computed positions along one of its axes,
+        ``doc.at(n=af.index("i"))`` (``af.take(doc, af.index("i"), "n")``): document ids at the
+        query and at the key, ``doc.at(n=i).eq(doc.at(n=j))``; a page table's entry for a key,
+        ``pages.at(p=j // PAGE)``. The index is an integer expression or built from integer
+        tensors (int32/int64 inputs) and lookups of them."""
+        if len(where) != 1:
+            raise LanguageError(f"`{self}`.at(...): give exactly one axis=index, e.g. .at(n=af.index('i')); "
+                                f"got {sorted(where) or 'none'}")
+        (axis, idx), = where.items()
+        return take(self, idx, axis)
 
     def eq(self, o):
         """Elementwise ``==`` (Python's ``==`` keeps its usual meaning on expressions)."""
@@ -420,7 +437,11 @@ def mean(x, axis):
 
 
 def take(t: Expr, idx, axis: str) -> Expr:
-    """Gather: ``t`` with ``axis`` replaced by the index ``idx`` (e.g. ``x[r, target[r]]``)."""
+    """Gather: ``t`` with ``axis`` replaced by the index ``idx`` (e.g. ``x[r, target[r]]``);
+    ``t.at(axis=idx)`` is the same. In attention-shaped programs ``idx`` may range over the
+    query or key axes, or both (``doc.at(n=index("i"))``, ``t5.at(u=bucket)`` with ``bucket``
+    an int tensor over queries and keys, ``kc.at(n=pages.at(p=j // P) * P + j % P)``); a
+    position outside the axis reads NaN."""
     if not (isinstance(t, Expr) and t.term.op == "In"):
         raise LanguageError("take: the first argument must be an input tensor (af.tensor)")
     idx = _lift(idx)
