@@ -35,6 +35,7 @@ inputs require grad through a ``DifferentiableKernel`` (acefuse/frontend/runtime
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import torch
@@ -174,8 +175,7 @@ class BackwardKernel:
         inputs = dict(inputs)
         for n, kind in bwd.saved_kind.items():
             if kind in ("max", "min"):   # the forward's convention: a fully masked row's max reads as 0
-                v = inputs[n]
-                inputs[n] = torch.where(torch.isinf(v), torch.zeros_like(v), v)
+                inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, posinf=0.0, neginf=0.0)
         for n in bwd.index_inputs:
             if n in inputs:
                 inputs[n] = inputs[n].to(torch.float32)
@@ -292,8 +292,8 @@ class _Function(torch.autograd.Function):
             floats = [t for t in tensors if t.dtype.is_floating_point]
             odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
             wide = wide_dtype(odt)
-            values = wide_saved(dk.prog, bwd)
-            if values and takes_out_dtypes(aug):
+            values, direct = dk.wide_values(aug, bwd)
+            if values and direct:
                 kw["out_dtypes"] = {n: wide for n in values}
             out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
             saved = [out[n].to(wide) if n in values else out[n] for n in bwd.saved]
@@ -355,7 +355,7 @@ class DifferentiableKernel:
     """``af.compile(prog)``: the forward kernel; differentiable when an input requires grad."""
 
     _OWN = ("kernel", "prog", "_kw", "_aug", "_bwd", "_bwd_kernel", "_torch_reason", "_warned", "_unit",
-            "unit_reason", "grad_in_forward")
+            "unit_reason", "grad_in_forward", "_wide")
 
     def __init__(self, prog, kernel, compile_kw):
         self.prog = prog
@@ -370,6 +370,14 @@ class DifferentiableKernel:
         self.grad_in_forward = False
         self._unit = None           # its kernel; False when the program does not allow it
         self.unit_reason = None     # why not
+        self._wide = None           # (saved values kept wide, the launcher takes out_dtypes): per kernel
+
+    def wide_values(self, aug, bwd):
+        """The saved values kept in float32 and whether ``aug`` writes them so directly;
+        computed once (a walk of the program and a signature lookup: not per call)."""
+        if self._wide is None or self._wide[0] is not aug:
+            self._wide = (aug, wide_saved(self.prog, bwd), takes_out_dtypes(aug))
+        return self._wide[1], self._wide[2]
 
     def __getattr__(self, name):   # source, fusion, path, module, fusible ... of the forward kernel
         if name in self._OWN:
