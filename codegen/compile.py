@@ -317,7 +317,10 @@ class StagedKernel:
                 raise TypeError(f"program {self.program.name!r}: input {name!r} given both by "
                                 "position and by name")
             inputs[name] = a
-        first = self.stage1(**{k: v for k, v in inputs.items() if k in self.stage1.program.tensors})
+        # launch options (schedule, block_j, ...) are stage 1's: the fused kernel; stage 2 (a
+        # reduction over another axis of its per-row values) picks its own
+        opts = {k: v for k, v in inputs.items() if k not in names}
+        first = self.stage1(**{k: v for k, v in inputs.items() if k in self.stage1.program.tensors}, **opts)
         first = first if isinstance(first, dict) else {next(iter(self.stage1.program.outputs)): first}
         second_in = {k: v for k, v in inputs.items() if k in self.stage2.program.tensors}
         second_in.update({h: first[h] for h in self.hidden})

@@ -98,3 +98,18 @@ def test_layernorm_carries_welford_state_and_reads_once_when_the_row_fits():
     got = kernel("layernorm")(x=x, w=w, b=b, schedule="single")
     ref = ref_layernorm(x.double(), w.double(), b.double())
     assert (got.double() - ref).abs().max() < 2e-3
+
+
+def test_staged_kernel_takes_launch_options():
+    """mean_r(cross_entropy_r) is two kernels (the fused per-row loss, then the mean over
+    rows): launch options reach the fused one, so schedule='loop'/'split' with small tiles
+    really runs those schedules (an unknown schedule is refused, not silently ignored)."""
+    k = af.compile(EX["cross_entropy_mean"])
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 70, generator=g) * 3
+    t = torch.randint(0, 70, (6,), generator=g)
+    ref = F.cross_entropy(x.double(), t)
+    for kw in (dict(schedule="loop", block_j=16), dict(schedule="split", block_j=16, nsplit=3)):
+        assert abs(float(k(x=x, t=t, **kw)) - float(ref)) <= 1e-5 * abs(float(ref))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        k(x=x, t=t, schedule="bogus")
