@@ -227,14 +227,10 @@ def _computed_operands(contr, nodes) -> list:
 
 
 def _contraction_why(contr) -> str:
-    """Why a region's contractions have no kernel, in the terms of the missing feature."""
-    for n in contr:
-        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
-        mv = mask.meta.get("af_val") if isinstance(mask, torch.fx.Node) else None
-        if isinstance(mv, torch.Tensor) and mv.dim() >= 2 and mv.shape[-1] > 1 and mv.shape[-2] > 1:
-            return ("attention with a mask over query and key positions (i, j): the contraction "
-                    "kernel family reads no tensor over both axes yet (the language issue)")
-    return "no kernel family for these contractions yet"
+    """Why a region's contractions have no kernel, naming them (the error that stopped the
+    region follows in parentheses)."""
+    ops = sorted({(n.target.__name__ if callable(n.target) else str(n.target)) for n in contr})
+    return f"no kernel for {', '.join(ops)}"
 
 
 def _first(e) -> str:
