@@ -256,6 +256,9 @@ class _Ctx:
         self.memo: dict = {}
         # [R or 1, 1]: rows where a sum that is not finite is read by another expression
         self.loose = torch.zeros((1, 1), dtype=torch.bool)
+        # [R or 1, 1]: rows where a where() selects an infinite constant (a -inf mask): the
+        # program brings in an infinity itself, which counts like an infinite input
+        self.inf_sel = torch.zeros((1, 1), dtype=torch.bool)
 
 
 def _clean(a, v):
@@ -355,6 +358,9 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
         l, r, p, q = vals
         c = {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge}[n.arg](l, r)
         v = torch.where(c, p, q)
+        for kid, sel in ((n.kids[2], c), (n.kids[3], ~c)):
+            if kid.op == "const" and math.isinf(kid.arg):
+                ctx.inf_sel = ctx.inf_sel | (sel & torch.ones_like(v, dtype=torch.bool)).any(dim=1, keepdim=True)
         a = None
         if tr:
             a = torch.where(c, mags[2], mags[3])
@@ -380,7 +386,9 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
 def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, info=None):
     """{output: (value, error bound)} of the program pair's outputs on ``inputs``.
     ``info`` (a dict), if given, receives ``loose``: [R] bool, the rows where a sum over
-    ``j`` that is +-inf or NaN is read by a further expression (see ``check_output``)."""
+    ``j`` that is +-inf or NaN is read by a further expression (see ``check_output``), and
+    ``inf_sel``: the rows where a ``where`` selects an infinite constant (a -inf mask),
+    which count like rows whose inputs hold an infinity."""
     with torch.no_grad():
         ctx = _Ctx(inputs, dtype, track)
         res = {}
@@ -397,6 +405,7 @@ def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, inf
         if info is not None:
             R = max(t.shape[0] if t.dim() == 2 else 1 for t in ctx.inputs.values())
             info["loose"] = ctx.loose[:, 0].expand(R).clone()
+            info["inf_sel"] = ctx.inf_sel[:, 0].expand(R).clone()
         return res
 
 

@@ -262,3 +262,21 @@ def test_loose_rows_only_where_an_infinite_sum_is_read_further():
     # a loose row without an infinite input (a sum that overflowed) is still checked
     assert not fz.check_output(wrong, v64, v64.float(), b, torch.float32, torch.zeros(3, 1, dtype=torch.bool),
                                info["loose"][:, None]).ok
+
+
+def test_a_minus_inf_mask_counts_as_an_infinite_input():
+    """where(index(j) < 0, x, -inf) brings -inf into every element of the row: the row is
+    treated like one whose inputs hold an infinity (fuzz seed 701, program 103: the variance
+    of x + c + lse(masked row) is NaN as written, +inf fused). Rows the mask does not reach
+    stay strict."""
+    x = fz.inp("x", "rj")
+    j = fz.index_j()
+    ninf = fz.const(-math.inf)
+    ninf.lo = ninf.hi = -math.inf
+    all_masked = fz.where("<", j, fz.const(0.0), x, ninf)
+    none_masked = fz.where("<", j, fz.const(1e9), x, ninf)
+    X = torch.randn(2, 9, dtype=torch.float64)
+    for node, expect in ((all_masked, [True, True]), (none_masked, [False, False])):
+        info = {}
+        fz.reference({"m": fz.reduce("max", node)}, {"x": X}, track=True, info=info)
+        assert info["inf_sel"].tolist() == expect
