@@ -390,6 +390,21 @@ def _on_device(inputs: dict) -> dict:
     return inputs if DEVICE == "cpu" else {n: t.to(DEVICE) for n, t in inputs.items()}
 
 
+def make_cases(prng, prof, i, used_w, device="cpu") -> list:
+    """The make_inputs keyword dicts program ``i`` is run on (drawn from its own rng)."""
+    cases = []
+    for c in range(prof["n_inputs"]):
+        kind = KINDS[(i + c) % len(KINDS)] if c < 2 else prng.choice(KINDS)
+        case = dict(kind=kind, R=prng.randint(1, 5), J=prng.choice([1, 7, 16, 17, 33, 50, 64, 100, 130]),
+                    dtype=_choose(prng, prof["dtypes"]), seed=prng.randrange(2 ** 31), w_axes=used_w)
+        if device == "cpu" and kind == "subnormal" and case["dtype"] == "bfloat16":
+            # Triton's interpreter (3.9) widens a bfloat16 subnormal wrongly (-2.76e-40 loads
+            # as -5.88e-39): on the CPU that case would test the interpreter, not acefuse
+            case["dtype"] = "float32"
+        cases.append(case)
+    return cases
+
+
 def run(n_programs: int | None = None, seed: int = 0, profile: str = "short", minutes: float | None = None,
         log=None, depth=None, device: str = "cpu") -> Result:
     """Fuzz ``n_programs`` random programs (or for ``minutes``); returns a Result. ``device="cuda"``
@@ -418,16 +433,7 @@ def run(n_programs: int | None = None, seed: int = 0, profile: str = "short", mi
         if not outputs:
             continue
         used_w = w_axes if any(_uses(n, "w") for n in outputs.values()) else None
-        cases = []
-        for c in range(prof["n_inputs"]):
-            kind = KINDS[(i + c) % len(KINDS)] if c < 2 else prng.choice(KINDS)
-            case = dict(kind=kind, R=prng.randint(1, 5), J=prng.choice([1, 7, 16, 17, 33, 50, 64, 100, 130]),
-                        dtype=_choose(prng, prof["dtypes"]), seed=prng.randrange(2 ** 31), w_axes=used_w)
-            if device == "cpu" and kind == "subnormal" and case["dtype"] == "bfloat16":
-                # Triton's interpreter (3.9) widens a bfloat16 subnormal wrongly (-2.76e-40 loads
-                # as -5.88e-39): on the CPU that case would test the interpreter, not acefuse
-                case["dtype"] = "float32"
-            cases.append(case)
+        cases = make_cases(prng, prof, i, used_w, device)
         log(f"[{i}] seed {pseed} ({time.time() - t0:.0f}s): {', '.join(f'{k}: {v.shape}' for k, v in outputs.items())}")
         run_program(outputs, used_w, cases, res, log=log, name=f"fz{i}")
         i += 1
