@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import random
 import signal
 import sys
