@@ -280,3 +280,17 @@ def test_a_minus_inf_mask_counts_as_an_infinite_input():
         info = {}
         fz.reference({"m": fz.reduce("max", node)}, {"x": X}, track=True, info=info)
         assert info["inf_sel"].tolist() == expect
+
+
+def test_an_infinity_only_rounding_decides_is_free_on_rows_holding_an_infinity():
+    """(x + w) * sum_j(w - mean_j w) with x = -inf: the float64 reference is +inf and the
+    float32 one -inf (the sign of rounding noise, fuzz seed 702 program 1024); the fused
+    form folds the sum to 0. Any value is accepted there, only on rows holding an infinity."""
+    ref64 = torch.tensor([math.inf, math.inf], dtype=torch.float64)
+    ref32 = torch.tensor([-math.inf, math.inf])
+    got = torch.tensor([0.0, 0.0])
+    b = torch.zeros(2, dtype=torch.float64)
+    v = fz.check_output(got, ref64, ref32, b, torch.float32, torch.tensor([True, True]))
+    assert not v.ok   # row 1: both references agree on +inf, so 0 is wrong
+    assert fz.check_output(got[:1], ref64[:1], ref32[:1], b[:1], torch.float32, torch.tensor([True])).ok
+    assert not fz.check_output(got[:1], ref64[:1], ref32[:1], b[:1], torch.float32, torch.tensor([False])).ok
