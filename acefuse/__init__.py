@@ -10,7 +10,7 @@
 from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs, tanh, maximum,
                           minimum, where, sum, max, min, mean, take, program, Program, Expr,
                           LanguageError, NEG_INF, erf, sigmoid, softplus, log1p, expm1, floor, ceil,
-                          round, cast)
+                          round, cast, clamp)
 from acefuse.fuse import Fusion, FuseError, unfused
 from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError
@@ -38,6 +38,9 @@ def compile(prog, *example_inputs, axis=None, **kw):  # noqa: A001 - mirrors tor
     if not isinstance(prog, Program):
         from acefuse.frontend import compile_fn
         return compile_fn(prog, *example_inputs)
+    if kw.get("process_group") is not None or kw.get("sharded_axis") is not None:   # acefuse/distributed.py
+        from acefuse.distributed import compile_sharded
+        return compile_sharded(prog, axis=axis, **kw)
     from acefuse.codegen.compile import compile_program
     from acefuse.autograd import DifferentiableKernel
     return DifferentiableKernel(prog, compile_program(prog, axis=axis, **kw), dict(kw, axis=axis))

@@ -206,6 +206,9 @@ class ChainKernel:
         return self.fusion.fusible
 
     def __call__(self, *args, **inputs):
+        if "process_group" in inputs or "sharded_axis" in inputs:   # sharded across ranks: acefuse/distributed.py
+            from acefuse.distributed import call_sharded
+            return call_sharded(self, args, inputs)
         from acefuse.codegen import compile as cc
         req = cc.requires_grad_inputs(args, inputs, list(self.program.tensors))
         if req:

@@ -209,6 +209,9 @@ class Kernel:
         self.module = module
 
     def __call__(self, *args, **inputs):
+        if "process_group" in inputs or "sharded_axis" in inputs:   # sharded across ranks: acefuse/distributed.py
+            from acefuse.distributed import call_sharded
+            return call_sharded(self, args, inputs)
         names = requires_grad_inputs(args, inputs, getattr(self.module, "TENSORS", self.program.tensors))
         if names:
             return grad_hook(self, names, args, inputs)
@@ -304,6 +307,9 @@ class StagedKernel:
         return self.stage1.fusible
 
     def __call__(self, *args, **inputs):
+        if "process_group" in inputs or "sharded_axis" in inputs:   # sharded across ranks: acefuse/distributed.py
+            from acefuse.distributed import call_sharded
+            return call_sharded(self, args, inputs)
         names = list(self.stage1.program.tensors)
         names += [t for t in self.stage2.program.tensors if t not in names and t not in self.hidden]
         unknown = [k for k, v in inputs.items() if k not in names and not isinstance(v, (int, str, type(None)))]
