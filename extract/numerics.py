@@ -18,7 +18,8 @@ error*, the bits lost to cancellation are
 averaged over rows and elements. An operand is *error-free* when its class can
 be formed without rounding: a constant, a leaf (an input element, a per-row
 value, a count), or a max / min / negation / absolute value of error-free
-operands (max and min return one of their operands exactly, so ``m_A - m_AB``
+operands, or a ``where`` choosing between error-free operands (max, min and a select
+return one of their operands exactly, so ``m_A - m_AB``
 in softmax amplifies no earlier error). Every other class (an accumulated sum,
 a mean, a product) carries the rounding error of its computation, and
 cancellation turns that small relative error into a large one.
@@ -143,6 +144,8 @@ class Stress:
                     op = n["op"]
                     if op in ("Num", "Par", "Elm", "Cnt"):
                         ok = True
+                    elif op == "Where":   # a select returns one of its value operands exactly
+                        ok = all(ex.cls(c) in self.exact for c in n["children"][1:])
                     elif op in _EXACT_OPS:
                         ok = all(ex.cls(c) in self.exact or not ex._is_term(c)
                                  or ex.nodes[c]["op"] in ("BA", "BB", "BU", "BJ") for c in n["children"])

@@ -7,9 +7,10 @@ the program as written cannot (``sum_B(exp(x - s_AB)) * exp(s_AB - m_AB)`` for a
 shift ``s`` much larger than the max). So every extracted pass is *run*, as the kernel
 runs it, on adversarial rows:
 
-- leaves are sampled independently per row from adversarial regimes (unit normal,
+- leaves are sampled per row from adversarial regimes (unit normal,
   spread 30 and 1e4, offset 1e4, logits near -100, exact zeros, leading fully masked
-  (-inf) tiles and middle ones), per-row parameters from ``{U(0.5, 2), N(0, 1), 1e4}``;
+  (-inf) tiles and middle ones), one regime shared by all leaves on half of the rows
+  and one per leaf on the other half; per-row parameters from ``{U(0.5, 2), N(0, 1), 1e4}``;
 - the states are folded tile by tile with the ``init`` and ``rolling`` forms, and
   tile partials are folded with the ``merge`` forms, in float32, with the kernels'
   numerics conventions (codegen/emit.py: an empty max bounds a shift as 0; ``0/0``
@@ -185,8 +186,13 @@ def _samples(enc, seed):
     n = sum(TILES)
     elm = {}
     par = {}
+    # the first half of the rows share one regime across all leaves, every regime on three
+    # rows (leaves are often one input under different elementwise functions: a `where`
+    # choosing between two of them must still see an offset row); the second half draws a
+    # regime per leaf
+    shared = np.concatenate([rng.permutation(np.arange(ROWS // 2) % 8), np.zeros(ROWS - ROWS // 2, int)])
     for name in sorted(enc.leaves):
-        regimes = rng.integers(0, 8, size=ROWS)
+        regimes = np.where(np.arange(ROWS) < ROWS // 2, shared, rng.integers(0, 8, size=ROWS))
         v = rng.standard_normal((ROWS, n))
         for r in range(ROWS):
             g = regimes[r]
