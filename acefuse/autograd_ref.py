@@ -146,10 +146,9 @@ def evaluate(prog, inputs: dict, dtype=torch.float32) -> dict:
             return ((arrs[0] != 0) | (arrs[1] != 0)).to(dtype)
         if op == "LNot":
             return (arrs[0] == 0).to(dtype)
-        if op == "Cast":
-            from acefuse.rewrite.terms import CAST_LIMITS
-            lim, tr = CAST_LIMITS[t.args[1]], torch.trunc(arrs[0].detach())
-            return torch.where((tr >= -lim) & (tr < lim), tr, const(float("nan")))
+        if op == "Cast":   # the reference's semantics (float formats, int8 saturation, NaN outside int32/64)
+            from acefuse.reference import cast_torch
+            return cast_torch(arrs[0], t.args[1])
         if op in _INTS:   # exact int64 arithmetic: the reference's own helper (no gradient)
             import numpy as np
             shape = torch.broadcast_shapes(*(a.shape for a in arrs))

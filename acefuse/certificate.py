@@ -41,7 +41,7 @@ AB = U(A, B)
 _STRUCTURAL = {"Erf", "Sigmoid", "Softplus", "Log1p", "Expm1", "Floor", "Ceil", "Round", "FloorDiv", "Mod",
                "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr", "Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh",
                "Max2", "Min2", "Pow", "Where", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe",
-               "LAnd", "LOr", "LNot"}
+               "LAnd", "LOr", "LNot", "Cast"}
 _MEMO: dict = {}
 _MEMO_SIZE = 512
 _WARNED: set = set()

@@ -36,7 +36,18 @@ the dot products (document ids, masks) are read as float32.
 Casts: ``cast(x, "int32" | "int64")`` truncates toward zero (as ``x.to(torch.int32)``)
 and gives NaN where ``x`` is NaN, infinite or outside the type; the result is an integer
 expression. Input tensors are read as floats, so an integer-valued input is exact up to
-2**24.
+2**24. ``cast(x, "int8")`` truncates toward zero and *saturates* to -128..127 (NaN stays
+NaN; an int8 output stores it as 0). ``cast(x, "float8_e4m3fn" | "float8_e5m2" | "float16" |
+"bfloat16")`` rounds to the nearest value of the format, ties to even, bit-exact with torch's
+``.to()``: past the largest finite value float8_e5m2/float16/bfloat16 give +-inf and
+float8_e4m3fn (no infinity) saturates to +-448; NaN stays NaN. An output whose outermost
+operator is a cast to one of these five types is stored in that dtype (``q`` of a per-token
+float8 quantization is a ``torch.float8_e4m3fn`` tensor). ``clamp(x, lo, hi)`` is
+``minimum(maximum(x, lo), hi)`` (NaN propagates, as torch.clamp). Gradients (af.backward):
+a float cast passes the gradient straight through; round, floor, ceil and integer casts have
+zero gradient; clamp's is that of maximum/minimum (1 inside, 0 outside, 1/2 at a tie).
+Float8 inputs (``torch.float8_e4m3fn``/``float8_e5m2``) are accepted by row-family kernels
+and decoded exactly (NaN included).
 """
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ import builtins
 import math
 import re
 
-from acefuse.rewrite.terms import Term, pretty, is_integer, BOOLEAN, CAST_LIMITS
+from acefuse.rewrite.terms import Term, pretty, is_integer, BOOLEAN, CAST_LIMITS, SATURATING, FLOAT_CASTS
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = _AXIS
@@ -372,26 +383,63 @@ def round(x):  # noqa: A001 - mirrors torch.round
 
 
 def cast(x, dtype="int32"):
-    """``x`` converted to an integer type, ``"int32"`` or ``"int64"``: truncated toward zero
-    (as ``x.to(torch.int32)`` and C casts). The result is an integer expression; where
-    ``x`` is NaN, infinite or outside the type's range the result is NaN (never a
-    wrapped value). Values stay numbers in acefuse: an output is still a float."""
-    if dtype not in CAST_LIMITS:
+    """``x`` converted to ``dtype``:
+
+    - ``"int32"``, ``"int64"``: truncated toward zero (as ``x.to(torch.int32)``); NaN where
+      ``x`` is NaN, infinite or outside the type (never a wrapped value);
+    - ``"int8"``: truncated toward zero, then saturated to -128..127 (NaN stays NaN);
+    - ``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"float16"``, ``"bfloat16"``: rounded to the
+      nearest value of the format, ties to even, with its subnormals, bit-exact with torch's
+      ``.to()``; past the largest finite value +-inf, except float8_e4m3fn, which has no
+      infinity and saturates to +-448 (as torch); NaN stays NaN.
+
+    Values stay numbers inside a program (``cast(x / s, "float8_e4m3fn") * s`` dequantizes);
+    an output whose outermost operator is a cast to int8, a float8 type, float16 or bfloat16
+    is stored in that dtype.
+
+        >>> cast(465.0, "float8_e4m3fn"), cast(1e6, "float8_e4m3fn"), cast(-300.7, "int8")
+        (Expr(448.0 | axes ()), Expr(448.0 | axes ()), Expr(-128.0 | axes ()))
+    """
+    if dtype not in CAST_LIMITS and dtype not in FLOAT_CASTS:
         raise LanguageError(f"cast(`{_lift(x)}`, {dtype!r}): the integer type must be one of "
-                            f"{sorted(CAST_LIMITS)}")
+                            f"{sorted(CAST_LIMITS)}, or the float format one of {sorted(FLOAT_CASTS)}")
     x = _lift(x)
     if x.term.op == "Num":
-        v, lim = x.term.args[0], CAST_LIMITS[dtype]
-        t = float(math.trunc(v)) if math.isfinite(v) else math.nan
-        return _lift(t if -lim <= t < lim else math.nan)
+        from acefuse.reference import _cast
+        return _lift(float(_cast(x.term.args[0], dtype)))
     return Expr(Term("Cast", (x.term, dtype)), x.axes, x.tensors)
 
 
+def clamp(x, lo=None, hi=None):
+    """``x`` limited to ``[lo, hi]``: ``minimum(maximum(x, lo), hi)``, as ``torch.clamp``
+    (NaN propagates; where ``lo > hi`` the result is ``hi``). Either bound may be omitted,
+    and a bound may be an expression (``clamp(x, -m, m)``).
+
+        >>> clamp(7.5, -1, 2)
+        Expr(2.0 | axes ())
+    """
+    if lo is None and hi is None:
+        raise LanguageError(f"clamp(`{_lift(x)}`): give at least one bound, lo or hi")
+    out = _lift(x)
+    for bound, fn, pick in ((lo, maximum, builtins.max), (hi, minimum, builtins.min)):
+        if bound is None:
+            continue
+        bound = _lift(bound)
+        if out.term.op == "Num" and bound.term.op == "Num":   # constants: the value
+            u, v = out.term.args[0], bound.term.args[0]
+            out = _lift(math.nan if math.isnan(u) or math.isnan(v) else pick(u, v))
+        else:
+            out = fn(out, bound)
+    return out
+
+
 def maximum(a, b):
+    """Elementwise maximum (NaN propagates, as torch.maximum)."""
     return _combine("Max2", _lift(a), _lift(b))
 
 
 def minimum(a, b):
+    """Elementwise minimum (NaN propagates, as torch.minimum)."""
     return _combine("Min2", _lift(a), _lift(b))
 
 

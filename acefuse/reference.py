@@ -100,7 +100,13 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
     arrays = {}
     for name, axes in prog.tensors.items():
         x = inputs[name]
-        x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+        if hasattr(x, "detach"):
+            x = x.detach().cpu()
+            if x.dtype.is_floating_point and x.dtype.itemsize == 1:
+                x = x.double()   # float8: numpy has no such type (the values are exact in float64)
+            x = x.numpy()
+        else:
+            x = np.asarray(x)
         arrays[name] = x
         for a, n in zip(axes, x.shape):
             sizes[a] = n
@@ -245,10 +251,50 @@ _INTS = ("FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")
 
 
 def _cast(a, dtype):
-    from acefuse.rewrite.terms import CAST_LIMITS
-    lim = CAST_LIMITS[dtype]
+    """``cast(a, dtype)`` on float64 arrays (rewrite/terms.py, the Cast operator): a float
+    format rounds (``round_format``); int8 truncates toward zero and saturates; int32/int64
+    truncate toward zero and give NaN outside the type."""
+    from acefuse.rewrite.terms import CAST_LIMITS, SATURATING, FLOAT_CASTS
+    if dtype in FLOAT_CASTS:
+        return round_format(a, dtype)
     t = np.trunc(a)
+    if dtype in SATURATING:
+        lo, hi = SATURATING[dtype]
+        return np.clip(t, lo, hi)   # NaN stays NaN
+    lim = CAST_LIMITS[dtype]
     return np.where((t >= -lim) & (t < lim), t, np.nan)
+
+
+def round_format(a, dtype):
+    """``a`` (float64) rounded to the float format ``dtype`` (``FLOAT_CASTS``): to nearest,
+    ties to even, with the format's subnormals; past the largest finite value +-inf, or +-448
+    for float8_e4m3fn (saturation, as torch's ``.to(torch.float8_e4m3fn)``); NaN stays NaN
+    and the sign of zero is kept. Bit-exact with torch's cast of a float32 tensor
+    (tests/test_quant.py checks millions of random float32 bit patterns)."""
+    from acefuse.rewrite.terms import FLOAT_CASTS
+    p, emin, top, over = FLOAT_CASTS[dtype]
+    a = np.asarray(a, dtype=np.float64)
+    mag = np.abs(a)
+    with np.errstate(all="ignore"):
+        _, e = np.frexp(mag)                              # mag = m * 2**e, m in [0.5, 1)
+        q = np.ldexp(1.0, np.maximum(e - 1, emin) - p)    # the format's spacing at mag
+        r = np.round(mag / q) * q                         # exact scaling; np.round ties to even
+        r = np.where(np.isinf(mag), np.inf, r)
+        r = np.where(r > top, top if over == "sat" else np.inf, r)
+        return np.copysign(r, a)
+
+
+def cast_torch(a, dtype):
+    """``cast(a, dtype)`` on a torch tensor (autograd_ref's evaluation), with the gradient
+    conventions of acefuse/backward.py: a float cast passes the gradient straight through,
+    an integer cast has none."""
+    import torch
+    from acefuse.rewrite.terms import FLOAT_CASTS
+    v = torch.from_numpy(np.ascontiguousarray(_cast(a.detach().double().cpu().numpy(), dtype)))
+    v = v.to(device=a.device, dtype=a.dtype)
+    if dtype in FLOAT_CASTS:
+        return a + (v - a.detach())   # straight-through
+    return v
 
 
 def _int_op(op, arrs):

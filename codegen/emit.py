@@ -18,7 +18,7 @@ Numerics conventions (documented in README.md). IEEE semantics everywhere, excep
 """
 from __future__ import annotations
 
-from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN, CAST_LIMITS
+from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN, CAST_LIMITS, SATURATING, FLOAT_CASTS
 
 _BIN = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
 _CMP = {"CmpLt": "<", "CmpLe": "<=", "CmpGt": ">", "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!="}
@@ -261,13 +261,50 @@ class Emitter:
             f = b(f"tl.floor({a})")
             d = b(f"{a} - {f}")
             h = b(f"{f} * 0.5")
-            return self.bind(f"tl.where(({d} > 0.5) | (({d} == 0.5) & (tl.floor({h}) != {h})), {f} + 1.0, {f})", sa)
+            r = b(f"tl.where(({d} > 0.5) | (({d} == 0.5) & (tl.floor({h}) != {h})), {f} + 1.0, {f})")
+            return self.bind(f"tl.where({r} == 0.0, {a} * 0.0, {r})", sa)   # -0.3 rounds to -0.0, as torch
+        if op == "Cast" and t.args[1] in FLOAT_CASTS:
+            return self._float_cast(a, sa, arg, t.args[1])
+        if op == "Cast" and t.args[1] in SATURATING:
+            lo, hi = SATURATING[t.args[1]]
+            self.comment(f"cast({pretty(arg)}, {t.args[1]!r}): truncate toward zero, saturate to "
+                         f"{lo:g}..{hi:g}; NaN stays NaN")
+            tr = b(f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))")
+            return self.bind(f"tl.where({tr} != {tr}, {tr}, tl.minimum(tl.maximum({tr}, {lo!r}), {hi!r}))", sa)
         if op == "Cast":
             lim = CAST_LIMITS[t.args[1]]
             self.comment(f"cast({pretty(arg)}, {t.args[1]!r}): truncate toward zero; NaN outside the type")
             tr = b(f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))")
             return self.bind(f"tl.where(({tr} >= {-lim!r}) & ({tr} < {lim!r}), {tr}, float('nan'))", sa)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}`")
+
+    def _float_cast(self, a, sa, arg, dtype):
+        """``a`` rounded to a float format in float32 arithmetic, exactly (bit-exact with torch's
+        ``.to()``; rewrite/terms.py FLOAT_CASTS). Conversion instructions are not used: Triton's
+        interpreter truncates (bfloat16) or wraps (float8) and GPUs saturate differently, so the
+        rounding is emulated: scale by a power of two so that the format's spacing at |a| is 1,
+        round to nearest even with the 1.5 * 2**23 constant (exact for values below 2**22), scale
+        back; bfloat16 (float32's exponent range) rounds the bits instead. The sign is copied
+        bitwise (-0.0 and negative values that round to zero keep it)."""
+        if dtype == "float32":
+            return a, sa   # kernels compute in float32: the value is already rounded
+        p, emin, top, over = FLOAT_CASTS[dtype]
+        b = lambda e, h="u": self._once(e, sa, h)   # noqa: E731
+        self.comment(f"cast({pretty(arg)}, {dtype!r}): round to nearest even into the format; past "
+                     f"{top:g}: {'saturate' if over == 'sat' else 'inf'}; NaN stays NaN")
+        bits = b(f"({a}).to(tl.int32, bitcast=True)", "cb")
+        mb = b(f"{bits} & 2147483647", "cb")
+        if dtype == "bfloat16":
+            rb = b(f"({mb} + 32767 + (({mb} >> 16) & 1)) & -65536", "cb")
+            r = b(f"tl.where({mb} > 2139095040, {mb}, {rb})", "cb")   # NaN keeps its bits
+        else:
+            ex = b(f"tl.maximum(({mb} >> 23) - 127, {emin})", "cb")
+            n = b(f"({mb}).to(tl.float32, bitcast=True) * (({p + 127} - {ex}) << 23).to(tl.float32, bitcast=True)")
+            rn = b(f"({n} + 12582912.0) - 12582912.0")
+            r = b(f"{rn} * (({ex} + {127 - p}) << 23).to(tl.float32, bitcast=True)")
+            big = repr(top) if over == "sat" else "float('inf')"
+            r = b(f"tl.where({r} > {top!r}, {big}, {r}).to(tl.int32, bitcast=True)", "cb")
+        return self.bind(f"({r} | ({bits} & -2147483648)).to(tl.float32, bitcast=True)", sa)
 
     def _once(self, expr, shape, hint):
         """A temporary for ``expr``, shared by every use in this region (a guard or a

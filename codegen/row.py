@@ -64,6 +64,50 @@ def _div0(a, b):
 
 
 @triton.jit
+def _widen(v):
+    # a loaded value as float32; float8 is decoded from its bits (exact, NaN included:
+    # Triton's interpreter reads the e4m3fn NaN byte as 480)
+    if v.dtype == tl.float8e4nv:
+        b = v.to(tl.uint8, bitcast=True).to(tl.int32)
+        e = (b >> 3) & 15
+        m = b & 7
+        r = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+        r = tl.where((b & 127) == 127, float("nan"), r)
+        return tl.where(b >= 128, -r, r)
+    elif v.dtype == tl.float8e5:
+        b = v.to(tl.uint8, bitcast=True).to(tl.int32)
+        e = (b >> 2) & 31
+        m = b & 3
+        r = tl.where(e == 0, m.to(tl.float32) * 1.52587890625e-05, (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True))
+        r = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), r)
+        return tl.where(b >= 128, -r, r)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _enc_e4m3(r):
+    # the float8_e4m3fn byte of r, a value of the format held in float32 (after the cast's rounding)
+    b = r.to(tl.int32, bitcast=True)
+    m = b & 2147483647
+    e = (m >> 23) - 120
+    byte = tl.where(e >= 1, (e << 3) | ((m >> 20) & 7), (m.to(tl.float32, bitcast=True) * 512.0).to(tl.int32))
+    byte = tl.where(m > 2139095040, 127, byte)
+    return (byte | ((b >> 24) & 128)).to(tl.uint8)
+
+
+@triton.jit
+def _enc_e5m2(r):
+    # the float8_e5m2 byte of r, a value of the format held in float32 (after the cast's rounding)
+    b = r.to(tl.int32, bitcast=True)
+    m = b & 2147483647
+    e = (m >> 23) - 112
+    byte = tl.where(e >= 1, (e << 2) | ((m >> 21) & 3), (m.to(tl.float32, bitcast=True) * 65536.0).to(tl.int32))
+    byte = tl.where(m >= 2139095040, tl.where(m == 2139095040, 124, 127), byte)
+    return (byte | ((b >> 24) & 128)).to(tl.uint8)
+
+
+@triton.jit
 def _tanh(a):
     # |a| < 0.3: odd Taylor series to a^11 (relative error < 1e-9; no cancellation);
     # otherwise (1 - e) / (1 + e) with e = exp(-2|a|) <= 0.55 (at most one bit cancels)
@@ -171,7 +215,7 @@ class Context:
             mask = "rmask" if g.row_axes_of(name) else None
             shape = "row" if g.row_axes_of(name) else "scalar"
         m = f", mask={mask}, other=0.0" if mask else ""
-        return em.bind(f"tl.load({ptr}{m}).to(tl.float32)", shape, "ld_")
+        return em.bind(f"_widen(tl.load({ptr}{m}))", shape, "ld_")
 
     def take(self, t: Term, em):
         g = self.g
@@ -304,7 +348,7 @@ class RowGen:
             # an output over no row axis is written by row 0 (rows * 0 keeps the pointer a block)
             off = f" + off_{o}" if [a for a in self.out_axes[o] if a != self.axis] else " + rows * 0"
             v = e if sh == "row" else f"({e}) + tl.zeros([BLOCK_R], tl.float32)"
-            em.line(f"tl.store({o}_ptr{off}, ({v}).to({o}_ptr.dtype.element_ty), mask=rmask)")
+            em.line(f"tl.store({o}_ptr{off}, {self.stored(o, v)}, mask=rmask)")
         L.extend(em.lines)
         em.lines.clear()
 
@@ -316,9 +360,27 @@ class RowGen:
             off = f"off_{o}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
             em.line(f"tl.store({o}_ptr + {off}cols[None, :] * s_{o}_{self.axis}, "
-                    f"({v}).to({o}_ptr.dtype.element_ty), mask=tmask)")
+                    f"{self.stored(o, v)}, mask=tmask)")
         L.extend(em.lines)
         em.lines.clear()
+
+    def store_dtypes(self):
+        return store_dtypes({k: v.term for k, v in self.f.program.outputs.items()})
+
+    def stored(self, o, v):
+        """The value written to output ``o``: in its storage dtype (``store_dtypes``); a float8
+        output is written as its bytes (through a uint8 view: no conversion instruction), an
+        int8 output stores NaN as 0."""
+        dt = self.store_dtypes().get(o)
+        if dt == "float8_e4m3fn":
+            return f"_enc_e4m3({v})"
+        if dt == "float8_e5m2":
+            return f"_enc_e5m2({v})"
+        if dt == "bfloat16":   # the bits (the interpreter's conversion loses subnormals)
+            return f"(({v}).to(tl.int32, bitcast=True) >> 16).to(tl.int16)"
+        if dt == "int8":
+            return f"tl.where(({v}) == ({v}), {v}, 0.0).to({o}_ptr.dtype.element_ty)"
+        return f"({v}).to({o}_ptr.dtype.element_ty)"
 
     # -- kernels -------------------------------------------------------------------------------
     def kernel_single(self):
@@ -453,6 +515,8 @@ class RowGen:
             f"ROW_AXES = {self.row_axes!r}",
             f"SPLIT = {split!r}",
             f"STATES = {names!r}",
+            f"STORE_DTYPES = {self.store_dtypes()!r}   # outputs kept in the type they are cast to",
+            "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
             "",
             "",
@@ -516,20 +580,24 @@ class RowGen:
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",
             "    returns the output tensor, or a dict of them when the program has several.\"\"\"",
             "    inputs, sizes, ref, dev = _prepare(args, inputs)",
-            "    odt = ref.dtype if ref.dtype.is_floating_point else torch.float32",
+            "    odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32",
             "    n_j = sizes[AXIS]",
             "    n_rows = 1",
             "    for a in ROW_AXES:",
             "        n_rows *= sizes[a]",
             "    # out_dtypes: {output: dtype} written in another type (autograd's float32 saved values)",
-            "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev, dtype=(out_dtypes or {}).get(o, odt))",
+            "    sdt = {o: getattr(torch, d) for o, d in STORE_DTYPES.items()}",
+            "    # an output cast to a storage type is written in it (then converted if out_dtypes asks)",
+            "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev,",
+            "                           dtype=sdt[o] if o in sdt else (out_dtypes or {}).get(o, odt))",
             "            for o, ax in OUTPUTS.items()}",
             "    argv = []",
             "    for t, axes in TENSORS.items():",
             "        argv.append(inputs[t])",
             "        argv.extend(inputs[t].stride())",
             "    for o, axes in OUTPUTS.items():",
-            "        argv.append(outs[o])",
+            "        argv.append(outs[o].view(torch.uint8) if outs[o].dtype in FLOAT8_OK else",
+            "                    outs[o].view(torch.int16) if o in sdt and outs[o].dtype == torch.bfloat16 else outs[o])",
             "        argv.extend(outs[o].stride())",
             "    argv.extend(sizes[a] for a in ROW_AXES)",
             "    argv.extend([n_rows, n_j])",
@@ -579,6 +647,9 @@ class RowGen:
             f"            {self.name}_epilogue[(rb, ns)](*argv, *wf, chunk, BLOCK_R=br, BLOCK_J=bj, num_warps=nw, **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop' or 'split'\")",
+            "    for o in sdt:",
+            "        if (out_dtypes or {}).get(o, sdt[o]) != sdt[o]:",
+            "            outs[o] = outs[o].to(out_dtypes[o])",
             "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
         ]
         return "\n".join(lines)
@@ -618,6 +689,8 @@ PREPARE = '''def _prepare(args, inputs, allow_empty=False):
             if a.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"input {{t!r}} of program {name!r} is used as an index and must be "
                                 f"int32/int64, got {{a.dtype}}")
+        elif a.dtype in globals().get("FLOAT8_OK", ()):
+            pass   # a float8 input of a row-family kernel (decoded exactly in the kernel)
         elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"input {{t!r}} of program {name!r} must be float32, float16 or bfloat16, "
                             f"got {{a.dtype}}")
@@ -640,14 +713,15 @@ def empty_outputs(*args, **inputs):
     inputs = {{k: v for k, v in inputs.items() if k in TENSORS or isinstance(v, torch.Tensor)}}  # drop launch options
     inputs, sizes, ref, dev = _prepare(args, inputs, allow_empty=True)
     empty = [a for a, n in sizes.items() if n == 0]
-    odt = ref.dtype if ref.dtype.is_floating_point else torch.float32
+    odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32
+    sdt = {{o: getattr(torch, d) for o, d in globals().get("STORE_DTYPES", {{}}).items()}}
     outs = {{}}
     for o, ax in OUTPUTS.items():
         if not any(a in empty for a in ax):
             raise ValueError(f"program {name!r}: axis {{empty}} is empty, and output {{o!r}} (axes "
                              f"{{' '.join(ax) or 'none'}}) reduces over it; a reduction over no elements has "
                              "no value here. Give every reduced axis at least one element.")
-        outs[o] = torch.empty([sizes[a] for a in ax], device=dev, dtype=odt)
+        outs[o] = torch.empty([sizes[a] for a in ax], device=dev, dtype=sdt.get(o, odt))
     return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs
 '''
 
@@ -665,6 +739,14 @@ def _single_canon(t: Term, axis: str) -> Term:
         return t
     return Term(t.op, tuple(a if (not isinstance(a, Term) or a.op in ("BB", "BA", "BU", "BJ", "Ax"))
                             else _single_canon(a, axis) for a in t.args))
+
+
+def store_dtypes(outputs) -> dict:
+    """{output: dtype name} for outputs whose outermost operator is a cast to a storage type
+    (int8, a float8 type, float16, bfloat16): they are written in that type."""
+    from acefuse.rewrite.terms import FLOAT_CASTS, SATURATING
+    return {o: t.args[1] for o, t in outputs.items()
+            if t.op == "Cast" and (t.args[1] in FLOAT_CASTS or t.args[1] in SATURATING)}
 
 
 def _as_row(e, shape):

@@ -220,6 +220,8 @@ class _Generic:
             return sp.Add(*(self.count(a) for a in block_atoms(t.args[0])))
         if op in ("Sum", "RMax", "RMin"):
             return self.reduce(op, block_atoms(t.args[0]), self.ev(t.args[1]))
+        if op == "Cast":   # an uninterpreted function per target type (sound: equal arguments, equal results)
+            return sp.Function("cast_" + t.args[1], real=True)(self.ev(t.args[0]))
         fn = _SYM_OPS.get(op)
         if fn is None:
             if op == "?":

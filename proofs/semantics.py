@@ -121,6 +121,31 @@ def int_value(op: str, a: int, b: int = 0):
             "BitOr": lambda: a | b, "BitXor": lambda: a ^ b, "Shr": lambda: a >> b}[op]()
 
 
+def cast_float(a, dtype, floor, ldexp, frexp, inf):
+    """``a`` rounded to the float format ``dtype`` (rewrite/terms.py FLOAT_CASTS): to nearest,
+    ties to even, with subnormals; saturating or infinite past the largest finite value.
+    Generic in the number system (mpmath here; acefuse.reference.round_format on arrays)."""
+    from acefuse.rewrite.terms import FLOAT_CASTS
+    p, emin, top, over = FLOAT_CASTS[dtype]
+    if a != a:
+        return a
+    mag = -a if a < 0 else a
+    if mag == inf:
+        r = inf
+    elif mag == 0:
+        return a
+    else:
+        _, e = frexp(mag)
+        q = ldexp(1, max(int(e) - 1, emin) - p)
+        n = mag / q
+        f = floor(n)
+        d = n - f
+        r = (f + 1 if d > 0.5 or (d == 0.5 and int(f) % 2) else f) * q
+    if r > top:
+        r = top if over == "sat" else inf
+    return -r if a < 0 else r
+
+
 _UNINTERPRETED = {}
 
 
@@ -268,8 +293,13 @@ class MpBackend:
         return f + 1 if d > 0.5 or (d == 0.5 and int(f) % 2) else f
 
     def cast(self, a, dtype):
-        from acefuse.rewrite.terms import CAST_LIMITS
+        from acefuse.rewrite.terms import CAST_LIMITS, SATURATING, FLOAT_CASTS
+        if dtype in FLOAT_CASTS:
+            return cast_float(a, dtype, mpmath.floor, mpmath.ldexp, mpmath.frexp, mpmath.inf)
         t = mpmath.floor(a) if a >= 0 else mpmath.ceil(a)
+        if dtype in SATURATING:
+            lo, hi = SATURATING[dtype]
+            return min(max(t, mpmath.mpf(lo)), mpmath.mpf(hi))
         if not -CAST_LIMITS[dtype] <= t < CAST_LIMITS[dtype]:
             raise Undefined(f"cast({mpmath.nstr(a, 6)}, {dtype!r}) is outside the type")
         return t
@@ -316,9 +346,8 @@ class FloatBackend:
     def softplus(self, a): return np.logaddexp(np.float64(0.0), a)
 
     def cast(self, a, dtype):
-        from acefuse.rewrite.terms import CAST_LIMITS
-        t = np.trunc(a)
-        return t if -CAST_LIMITS[dtype] <= t < CAST_LIMITS[dtype] else np.float64(np.nan)
+        from acefuse.reference import _cast
+        return np.float64(_cast(np.float64(a), dtype))
 
     def intop(self, op, a, b=None):
         vals = [a] if b is None else [a, b]

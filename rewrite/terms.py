@@ -80,7 +80,7 @@ OPS: dict[str, Op] = dict([
     _op("Floor", ("T",), "T", "the largest integer <= a"),
     _op("Ceil", ("T",), "T", "the smallest integer >= a"),
     _op("Round", ("T",), "T", "a rounded to the nearest integer, ties to even (torch.round)"),
-    _op("Cast", ("T", "String"), "T", "a truncated toward zero into an integer type ('int32'/'int64'); NaN when a is NaN, infinite or out of the type's range"),
+    _op("Cast", ("T", "String"), "T", "a converted to a type: 'int32'/'int64' truncate toward zero (NaN when a is NaN, infinite or out of range); 'int8' truncates toward zero and saturates to -128..127 (NaN stays NaN); 'float8_e4m3fn'/'float8_e5m2'/'float16'/'bfloat16'/'float32' round to nearest even into the format, exactly as torch's .to() (FLOAT_CASTS)"),
     # --- exact integer arithmetic (int64 in kernels; NaN where undefined) ------
     _op("FloorDiv", ("T", "T"), "T", "a // b: floor division as Python and torch (rounds toward -inf); NaN when b == 0"),
     _op("Mod", ("T", "T"), "T", "a % b = a - (a // b) * b: the sign of b, as Python and torch.remainder; NaN when b == 0"),
@@ -101,7 +101,16 @@ FUNCTIONS = ("Erf", "Sigmoid", "Softplus", "Log1p", "Expm1")
 ROUNDING = ("Floor", "Ceil", "Round", "Cast")
 INT_OPS = ("FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")
 BOOLEAN = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
-CAST_LIMITS = {"int32": 2.0 ** 31, "int64": 2.0 ** 63}   # a cast needs -limit <= trunc(a) < limit
+CAST_LIMITS = {"int32": 2.0 ** 31, "int64": 2.0 ** 63,   # a cast needs -limit <= trunc(a) < limit
+               "int8": 2.0 ** 7}                          # ... except SATURATING types, which clamp
+SATURATING = {"int8": (-128.0, 127.0)}   # integer casts that saturate after truncation (quantization)
+# float casts: (mantissa bits, exponent of the smallest normal, largest finite, on overflow). The
+# value is rounded to nearest, ties to even, with the format's subnormals; beyond the largest
+# finite value (after rounding) "inf" types give +-inf and "sat" types (float8_e4m3fn, which has
+# no infinity) give +-448, as torch's .to() does; NaN stays NaN. acefuse.reference.round_format.
+FLOAT_CASTS = {"float8_e4m3fn": (3, -6, 448.0, "sat"), "float8_e5m2": (2, -14, 57344.0, "inf"),
+               "float16": (10, -14, 65504.0, "inf"), "bfloat16": (7, -126, (2 - 2 ** -7) * 2.0 ** 127, "inf"),
+               "float32": (23, -126, (2 - 2 ** -23) * 2.0 ** 127, "inf")}
 INT_LIMIT = 2.0 ** 63   # integer constants are exact int64 values below this magnitude
 BINARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T", "T"))
 UNARY = tuple(n for n, o in OPS.items() if o.sort == "T" and o.sig == ("T",))
@@ -118,6 +127,8 @@ def is_integer(t: "Term") -> bool:
         (True, False)
     """
     op = t.op
+    if op == "Cast" and t.args[1] in FLOAT_CASTS:
+        return False   # a float cast rounds to a float format, not to an integer
     if op in ("Idx", "Size", "Cnt") or op in ROUNDING or op in INT_OPS or op in BOOLEAN:
         return True
     if op == "Num":
