@@ -1,0 +1,153 @@
+"""A Llama-shaped model through the frontend on the GPU: training and inference tokens/s of
+``torch.compile(model, backend=af.Backend())`` against eager torch and ``torch.compile``
+(Inductor), in one run, on the same inputs (Hugging Face ``LlamaForCausalLM``, random init,
+bf16 weights, SDPA attention).
+
+    python3 benchmarks/bench_models.py [--quick] [--out f.json]     # needs egglog (carry the wheel)
+
+A training step is forward + loss + backward + AdamW step, with a fixed batch. Before timing,
+each implementation's loss (and, for training, the gradient norm of every parameter) is
+compared with eager's on the same weights; a mismatch is reported, never timed. The
+backend's report (what acefuse took, what it left to torch and why) is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def config(quick):
+    import transformers as tf
+    if quick:
+        return tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096), 4, 1024
+    return tf.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096), 4, 2048
+
+
+def build(cfg):
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg._attn_implementation = "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = tf.LlamaForCausalLM(cfg)
+    return m.to("cuda", torch.bfloat16)
+
+
+def timed(fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_models: needs a CUDA GPU")
+        return 2
+    import acefuse as af
+    cfg, B, T = config(args.quick)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"Llama: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads}/"
+          f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}; batch {B} x {T} tokens, bf16")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=g)
+    base = build(cfg)
+    rows = []
+    for mode in ("inference", "training"):
+        ref = None
+        for impl in ("eager", "inductor", "acefuse"):
+            res = {"mode": mode, "impl": impl}
+            model = copy.deepcopy(base)
+            model.train(mode == "training")
+            be = af.Backend() if impl == "acefuse" else None
+
+            def loss_fn(i, model=model):
+                return model(input_ids=i, labels=i).loss
+
+            fn = loss_fn if impl == "eager" else torch.compile(loss_fn, backend=be if be else "inductor", dynamic=False)
+            try:
+                t0 = time.perf_counter()
+                if mode == "inference":
+                    with torch.no_grad():
+                        loss = fn(ids)
+                    grads = None
+                else:
+                    loss = fn(ids)
+                    loss.backward()
+                    grads = torch.stack([p.grad.float().norm() for p in model.parameters()])
+                    model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                res["first_call_s"] = round(time.perf_counter() - t0, 1)
+                if ref is None:
+                    ref = (loss.float().item(), grads)
+                else:
+                    res["loss_diff"] = abs(loss.float().item() - ref[0])
+                    if grads is not None:
+                        res["grad_norm_rel_diff"] = ((grads - ref[1]).abs() / ref[1].clamp_min(1e-6)).max().item()
+                ok = res.get("loss_diff", 0) < 2e-2 * max(1.0, abs(ref[0])) and res.get("grad_norm_rel_diff", 0) < 5e-2
+                if not ok:
+                    res["wrong"] = True
+                else:
+                    if mode == "inference":
+                        def step():
+                            with torch.no_grad():
+                                fn(ids)
+                    else:
+                        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+                        def step():
+                            fn(ids).backward()
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+                    sec = timed(step, args.steps)
+                    res["ms"] = sec * 1e3
+                    res["tokens_per_s"] = B * T / sec
+            except Exception as exc:
+                res["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if be is not None:
+                r = be.report()
+                res["taken"] = len(r.taken)
+                res["left"] = [f"{e.op}: {e.reason[:120]}" for e in r.left]
+            rows.append(res)
+            print(f"{mode:9s} {impl:9s} " + (f"{res['tokens_per_s']:9.0f} tokens/s ({res['ms']:.1f} ms/step)"
+                                             if "tokens_per_s" in res else
+                                             ("WRONG " + str(res) if res.get("wrong") else res.get("error", ""))),
+                  f" first call {res.get('first_call_s')} s", flush=True)
+            if be is not None:
+                print(f"  acefuse took {res['taken']} regions; left to torch: {len(res['left'])}")
+                for line in sorted(set(res["left"])):
+                    print("   -", line)
+            del model
+            torch.cuda.empty_cache()
+    for mode in ("inference", "training"):
+        t = {r["impl"]: r.get("tokens_per_s") for r in rows if r["mode"] == mode}
+        if t.get("acefuse"):
+            print(f"{mode}: acefuse / eager {t['acefuse'] / t['eager']:.2f}x"
+                  + (f", acefuse / inductor {t['acefuse'] / t['inductor']:.2f}x" if t.get("inductor") else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), B=B, T=T,
+                                                  hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, rows=rows),
+                                             indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
