@@ -3,6 +3,12 @@
     acefuse derive FILE.py [--json]      derivation of every program in FILE.py
     acefuse run FILE.py --check          compile, run on fresh random inputs, compare to float64
     acefuse prove [FILE.py] [--json]     prove every library rule (or the rules in FILE.py)
+    acefuse explore [RULES.py] [--corpus DIR|builtin|examples] [--ablate NAME] [--json]
+                                         effect of rules on a corpus of programs (docs/workbench.md)
+    acefuse show FILE.py --program NAME --html OUT.html
+                                         one derivation as a self-contained HTML page
+    acefuse bench [--quick] [--out DIR]  the GPU benchmark suite, tables and plots
+    acefuse bench --plot-only RESULTS.json [--out DIR]   tables and plots of recorded results
 
 A module-level ``RULES = [...]`` in FILE.py adds those (proved) rules to ``derive`` and ``run``.
 """
@@ -180,7 +186,11 @@ def _main(argv=None) -> int:
     r.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     r.add_argument("--axis", default=None)
     sub.add_parser("prove", help="prove every rule (or the rules in FILE.py)")
+    from acefuse.workbench import cli as wb
+    wb.add_parsers(sub)
     args = ap.parse_args(argv)
+    if args.cmd in wb.COMMANDS:
+        return wb.COMMANDS[args.cmd](args)
     try:
         return {"derive": cmd_derive, "run": cmd_run}[args.cmd](args)
     except (ValueError, TypeError) as exc:
