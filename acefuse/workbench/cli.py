@@ -55,8 +55,13 @@ def cmd_explore(args) -> int:
         if not rules and not ablate:
             return _err("acefuse explore: give a rules file (RULES.py) to add, or --ablate RULE to remove a "
                         "library rule, or both")
-        entries = C.load(args.corpus or ["examples", "builtin"],
-                         warn=lambda m: print(f"acefuse explore: {m}", file=sys.stderr))
+        warn = lambda m: print(f"acefuse explore: {m}", file=sys.stderr)  # noqa: E731
+        specs = args.corpus
+        if not specs:   # default: examples/ and the built-in corpus; an installed copy has no examples/
+            specs = ["examples", "builtin"] if C.examples_dir() else ["builtin"]
+            if len(specs) == 1:
+                warn("no examples/ folder found (not a source checkout): the built-in corpus only")
+        entries = C.load(specs, warn=warn)
         if args.only:
             keep = {n.strip() for n in args.only.split(",") if n.strip()}
             entries = [e for e in entries if e.name in keep or e.program.name in keep]
