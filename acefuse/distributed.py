@@ -393,6 +393,26 @@ def partial_kernel(f, offsets: dict, sizes: dict, names: dict):
     return _load(lf, src, "partial", extra)
 
 
+def full_kernel(f, offsets: dict, sizes: dict):
+    """The one-pass kernel of ``f`` with global positions instantiated (``offsets``,
+    ``sizes``): a rank's slice of a parallel axis (its queries) against whole data."""
+    from acefuse.codegen import contraction, row
+    enc = f.encoding
+    sub = (lambda t: instantiate(t, offsets, sizes))
+    states = [replace(s, definition=sub(s.definition)) for s in enc.states]
+    leaves = {k: sub(v) for k, v in enc.leaves.items()}
+    extra = (sorted(offsets.items()), sorted(sizes.items()))
+    lf = _link_fusion(f, {o: sub(t) for o, t in enc.outputs.items()}, dict(enc.output_axes), enc.tensors,
+                      _inst_pass(f.passes[0], f, offsets, sizes), "full", extra, enc_states=states, leaves=leaves)
+    lf.encoding = replace(lf.encoding, elementwise_outputs=tuple(enc.elementwise_outputs))
+    if contraction.is_contraction(f):
+        from acefuse.codegen.chain import LinkGen
+        src = LinkGen(lf, {}).module()
+    else:
+        src = row.RowGen(lf).module()
+    return _load(lf, src, "full", extra)
+
+
 def _given_row_gen():
     from acefuse.codegen.row import RowGen
 
@@ -638,14 +658,21 @@ class ShardedKernel:
         """One rank: the kernel itself (with other axes' offsets instantiated, if any)."""
         if not any(offsets.values()) and not gsizes:
             return self.kernel(**inputs, **opts)
-        return self._specialised(offsets, gsizes)(**inputs, **opts)
+        from acefuse.codegen.compile import Kernel
+        kern = self._specialised(offsets, gsizes)
+        if isinstance(kern, Kernel):   # generated here: it takes only the tensors it reads
+            inputs = {t: v for t, v in inputs.items() if t in kern.fusion.encoding.tensors}
+        return kern(**inputs, **opts)
 
     def _specialised(self, offsets, gsizes):
-        """The program with ``index(a)`` / ``size(a)`` of the given axes instantiated, compiled
-        (cached per instantiation)."""
+        """The kernel with ``index(a)`` / ``size(a)`` of the given axes instantiated (cached per
+        instantiation): the fusion's own forms with those leaves fixed when it has one pass,
+        else the instantiated program compiled anew."""
         import acefuse as af
         from acefuse.lang import Program, Expr
         key = ("prog", tuple(sorted(offsets.items())), tuple(sorted(gsizes.items())))
+        if key not in self._kernels and len(self.fusion.passes) == 1 and self.staged is None:
+            self._kernels[key] = full_kernel(self.fusion, offsets, gsizes)
         if key not in self._kernels:
             prog = self.program
             outs = {o: Expr(instantiate(e.term, offsets, gsizes), e.axes, e.tensors) for o, e in prog.outputs.items()}
