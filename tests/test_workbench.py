@@ -143,6 +143,37 @@ def test_explore_bad_input_says_what_to_do(tmp_path, capsys):
     assert "no program of the corpus" in capsys.readouterr().err
 
 
+def test_explore_default_corpus_outside_a_checkout(monkeypatch, capsys):
+    monkeypatch.setattr(C, "examples_dir", lambda: None)
+    assert cli.main(["explore", "--ablate", "exp-sub", "--only", "rmsnorm", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "the built-in corpus only" in cap.err and "rmsnorm" in cap.out and "no program breaks" in cap.out
+    with pytest.raises(C.CorpusError, match="no examples/ folder"):
+        C.load(["examples"])
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    from acefuse.workbench import progress
+
+    class Tty:
+        def __init__(self, tty):
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+        def write(self, s):
+            return len(s)
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Tty(True))
+    assert progress.enabled() and not progress.enabled(quiet=True)
+    assert not progress.bar(range(3), desc="x").disable
+    monkeypatch.setattr(sys, "stderr", Tty(False))
+    assert not progress.enabled() and progress.bar(range(3)).disable
+
+
 @pytest.mark.slow
 def test_explore_full_builtin_corpus_with_the_user_rule():
     rep = X.explore(C.builtin(), USER["RULES"], quiet=True)
