@@ -1,0 +1,458 @@
+"""The derived merge as a collective, on several GPUs (NCCL): acefuse's sharded kernels
+(acefuse/distributed.py) against their peers, in one run, on the same inputs (bf16).
+
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_distributed.py --out benchmarks/results/dist_4gpu.json
+    python benchmarks/bench_distributed.py --cpu-smoke        # 2 gloo ranks, tiny sizes, Triton's interpreter
+
+Parts (``--part ce|cp|decode|all``):
+
+- **ce**, vocab-parallel cross-entropy (a tensor-parallel LM head: logits [T, V] sharded
+  over the vocabulary, T=8192, V=128256): ``af.compile(cross_entropy)`` called with
+  ``process_group=`` / ``sharded_axis="j"`` (one all-gather of per-row states (max, sum of
+  exponentials), the target logit and its owner flag, merged with the derived merge) against
+  Megatron's scheme written in torch (all-reduce MAX of the row max, all-reduce SUM of the
+  target logit, all-reduce SUM of the sum of exponentials: three collectives). GB/s count one
+  read of the local logits per rank.
+- **cp**, context-parallel causal prefill (B=1, H=32, D=128, N = 32K, 64K, 128K; queries,
+  keys and values sharded along the sequence): acefuse's ``exchange="gather"`` (all-gather
+  of K/V, then the causal kernel on the local queries with their global offset) and
+  ``exchange="ring"`` (K/V shards passed around the ring, each visiting shard's partial
+  states folded in with the derived merge) against PyTorch's
+  ``torch.distributed.tensor.experimental.context_parallel`` (ring attention over SDPA,
+  its default load balancing and rotate method). acefuse shards contiguously (no zig-zag:
+  the last rank has the most causal work). TFLOP/s count the causal forward's FLOPs,
+  2*B*H*N*N*D (4*B*H*N*N*D / 2), over all ranks.
+- **decode**, sharded-KV decode (B=8, H=32, D=128, KV length 256K split across ranks, one
+  query per sequence): the sharded kernel (states exchange) against the same kernel on one
+  GPU holding the whole cache.
+
+Scaling: every part also times the same global problem on one GPU (acefuse's kernel, rank
+0 alone, others waiting) and reports the speed-up and the scaling efficiency
+``t_1 / (W * t_W)``.
+
+Every implementation's result is checked before it is timed (against float32 torch on the
+whole input: F.cross_entropy, SDPA on the whole sequence); a wrong result is reported, never
+timed. Timing: CUDA events around ``--reps`` calls after warm-up, all ranks in step
+(barrier before each measurement); a rank's time is its own, the reported time the slowest
+rank's (the collective waits for it). Results: JSON (``--out``) written by rank 0 and a
+table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+CE = (8192, 128256)
+CP_LENS = (32768, 65536, 131072)
+CP_SHAPE = (1, 32, 128)                 # B, H, D
+DEC = (8, 32, 128, 262144)              # B, H, D, KV length
+TOL_GPU = (3e-2, 6e-2)                  # (norm-relative, max-relative) for bf16 results
+TOL_CPU = (1e-4, 1e-4)
+
+
+# ---- the programs ---------------------------------------------------------------------------
+def programs():
+    import acefuse as af
+    x = af.tensor("x", "r j")
+    t = af.tensor("t", "r")
+    m = af.max(x, "j")
+    l = af.sum(af.exp(x - m), "j")
+    ce = af.program("cross_entropy", loss=m + af.log(l) - af.take(x, t, "j"))
+    q, k, v = af.tensor("q", "b h i d"), af.tensor("k", "b h j d"), af.tensor("v", "b h j e")
+
+    def attention(name, scale, causal):
+        s = af.sum(q * k, "d") * scale
+        if causal:
+            s = af.where(af.index("j") <= af.index("i"), s, af.NEG_INF)
+        mx = af.max(s, "j")
+        p = af.exp(s - mx)
+        return af.program(name, o=af.sum(p * v, "j") / af.sum(p, "j"))
+    D = CP_SHAPE[2]
+    return {"ce": ce, "causal": attention("causal_attention", 1 / math.sqrt(D), True),
+            "decode": attention("decode_attention", 1 / math.sqrt(D), False)}
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    d = (got - want).norm() / max(want.norm().item(), 1e-30)
+    mx = (got - want).abs().max() / max(want.abs().max().item(), 1e-30)
+    return d.item(), mx.item()
+
+
+def ok(got, want, tol):
+    if not torch.isfinite(got.float()).all():
+        return False, "non-finite values"
+    n, m = rel_err(got, want)
+    return n <= tol[0] and m <= tol[1], f"norm-rel {n:.2e}, max-rel {m:.2e}"
+
+
+def timed(fn, reps, device, group=None):
+    """Median ms of ``fn`` over ``reps`` calls on this rank (after 3 warm-up calls); ranks
+    enter in step."""
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def slowest(ms, device):
+    t = torch.tensor([ms], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def split(n, world):
+    base, extra = divmod(n, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def one_gpu(fn, reps, device):
+    """Rank 0 times ``fn`` alone (the one-GPU baseline); the others wait. None elsewhere."""
+    ms = None
+    if dist.get_rank() == 0:
+        ms = timed_local(fn, reps, device)
+    dist.barrier()
+    t = torch.tensor([ms or 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return t.item()
+
+
+def timed_local(fn, reps, device):
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ---- vocab-parallel cross-entropy -----------------------------------------------------------
+def megatron_ce(x_loc, target, v0, group=None):
+    """Megatron's vocab-parallel cross-entropy in torch (three all-reduces)."""
+    xf = x_loc.float()
+    mx = xf.max(dim=-1).values
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    xf = xf - mx[:, None]
+    n = x_loc.shape[-1]
+    mask = (target < v0) | (target >= v0 + n)
+    loc = (target - v0).clamp(0, n - 1)
+    pred = xf.gather(1, loc[:, None]).squeeze(1)
+    pred = torch.where(mask, torch.zeros_like(pred), pred)
+    dist.all_reduce(pred, op=dist.ReduceOp.SUM, group=group)
+    se = xf.exp().sum(dim=-1)
+    dist.all_reduce(se, op=dist.ReduceOp.SUM, group=group)
+    return se.log() - pred
+
+
+def part_ce(args, device, dtype, kernels, T, V):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = split(V, world)
+    v0 = sum(sizes[:rank])
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    X = (torch.randn(T, V, generator=gen) * 2).to(device=device, dtype=dtype)   # same on every rank
+    tgt = torch.randint(0, V, (T,), generator=gen).to(device)
+    x_loc = X[:, v0:v0 + sizes[rank]].contiguous()
+    want = F.cross_entropy(X.float(), tgt, reduction="none")
+    k = kernels["ce"]
+    tol = TOL_GPU if device.type == "cuda" else TOL_CPU
+    rows = []
+    impls = {
+        "acefuse (1 all-gather of states)": lambda: k(x=x_loc, t=tgt, process_group=dist.group.WORLD,
+                                                     sharded_axis="j", shard_sizes=sizes),
+        "Megatron (3 all-reduces, torch)": lambda: megatron_ce(x_loc, tgt, v0),
+    }
+    for name, fn in impls.items():
+        row = {"impl": name, "T": T, "V": V, "world": world}
+        try:
+            good, why = ok(fn(), want, tol)
+            good = bool(torch.tensor([good], device=device).all())
+            flags = torch.tensor([1 if good else 0], device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            if not flags.item():
+                row["error"] = f"wrong result on some rank ({why} here)"
+            else:
+                ms = slowest(timed(fn, args.reps, device), device)
+                row.update(ms=ms, local_GBps=T * sizes[rank] * X.element_size() / ms / 1e6, check=why)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if args.verbose:
+                traceback.print_exc()
+        rows.append(row)
+    try:
+        base = one_gpu(lambda: k(x=X, t=tgt), args.reps, device)
+        for row in rows:
+            if "ms" in row and row["impl"].startswith("acefuse"):
+                row.update(one_gpu_ms=base, speedup=base / row["ms"], scaling_eff=base / (world * row["ms"]))
+    except Exception as e:  # noqa: BLE001
+        rows.append({"impl": "acefuse on one GPU", "error": f"{type(e).__name__}: {e}"})
+    del X
+    return rows
+
+
+# ---- context-parallel prefill ---------------------------------------------------------------
+def part_cp(args, device, dtype, kernels, lens, shape):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    B, H, D = shape
+    k = kernels["causal"]
+    rows = []
+    for N in lens:
+        sizes = split(N, world)
+        j0 = sum(sizes[:rank])
+        gen = torch.Generator(device="cpu").manual_seed(N)
+        Q, K, V = (torch.randn(B, H, N, D, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+        q, kk, v = (t[:, :, j0:j0 + sizes[rank]].contiguous() for t in (Q, K, V))
+        want = F.scaled_dot_product_attention(Q.float(), K.float(), V.float(), is_causal=True)[:, :, j0:j0 + sizes[rank]]
+        flops = 2.0 * B * H * N * N * D
+        tol = TOL_GPU if device.type == "cuda" else TOL_CPU
+        impls = {}
+        for ex in ("gather", "ring"):
+            impls[f"acefuse {ex}"] = (lambda ex=ex: k(q=q, k=kk, v=v, process_group=dist.group.WORLD,
+                                                      sharded_axis="j", exchange=ex, axis_offsets={"i": j0},
+                                                      shard_sizes=sizes), None)
+        impls["torch context_parallel (SDPA ring)"] = (None, "torch")
+        for name, (fn, kind) in impls.items():
+            row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
+            try:
+                if kind == "torch":
+                    ms, why, good = torch_cp(Q, K, V, device, args.reps, tol)
+                else:
+                    good, why = ok(fn(), want, tol)
+                    flags = torch.tensor([1 if good else 0], device=device)
+                    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+                    good = bool(flags.item())
+                    ms = slowest(timed(fn, args.reps, device), device) if good else None
+                if not good:
+                    row["error"] = f"wrong result on some rank ({why} here)"
+                else:
+                    row.update(ms=ms, TFLOPs=flops / ms / 1e9, check=why)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if args.verbose:
+                    traceback.print_exc()
+            rows.append(row)
+        try:
+            base = one_gpu(lambda: k(q=Q, k=K, v=V), args.reps, device)
+            for row in rows:
+                if "ms" in row:
+                    row.update(one_gpu_acefuse_ms=base, speedup_vs_one_gpu=base / row["ms"],
+                               scaling_eff=base / (world * row["ms"]))
+        except Exception as e:  # noqa: BLE001
+            rows.append({"impl": "acefuse on one GPU", "N": N, "error": f"{type(e).__name__}: {e}"})
+        del Q, K, V
+    return rows
+
+
+def torch_cp(Q, K, V, device, reps, tol):
+    """PyTorch's context parallelism (ring attention over SDPA): buffers sharded in place
+    inside the context (its load balancing); the output checked against the whole-sequence
+    SDPA after unsharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    want = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    q, k, v = Q.clone(), K.clone(), V.clone()
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (full,) = context_parallel_unshard(mesh, [out], [2])
+        good, why = ok(full, want, tol)
+        flags = torch.tensor([1 if good else 0], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        good = bool(flags.item())
+        ms = slowest(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps, device),
+                     device) if good else None
+    return ms, why, good
+
+
+# ---- sharded-KV decode ----------------------------------------------------------------------
+def part_decode(args, device, dtype, kernels, shape):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    B, H, D, N = shape
+    sizes = split(N, world)
+    j0 = sum(sizes[:rank])
+    gen = torch.Generator(device="cpu").manual_seed(99)
+    Q = torch.randn(B, H, 1, D, generator=gen).to(device=device, dtype=dtype)
+    K, V = (torch.randn(B, H, N, D, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = K[:, :, j0:j0 + sizes[rank]].contiguous(), V[:, :, j0:j0 + sizes[rank]].contiguous()
+    kern = kernels["decode"]
+    want = F.scaled_dot_product_attention(Q.float(), K.float(), V.float())
+    tol = TOL_GPU if device.type == "cuda" else TOL_CPU
+    row = {"impl": "acefuse sharded-KV decode (states all-gather)", "B": B, "H": H, "D": D, "N": N,
+           "world": world}
+    rows = [row]
+    try:
+        fn = (lambda: kern(q=Q, k=k, v=v, process_group=dist.group.WORLD, sharded_axis="j", shard_sizes=sizes))
+        good, why = ok(fn(), want, tol)
+        flags = torch.tensor([1 if good else 0], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if not flags.item():
+            row["error"] = f"wrong result on some rank ({why} here)"
+        else:
+            ms = slowest(timed(fn, args.reps, device), device)
+            kv_bytes = 2 * B * H * N * D * K.element_size()
+            row.update(ms=ms, GBps_aggregate=kv_bytes / ms / 1e6, check=why)
+            base = one_gpu(lambda: kern(q=Q, k=K, v=V), args.reps, device)
+            row.update(one_gpu_ms=base, speedup=base / ms, scaling_eff=base / (world * ms))
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if args.verbose:
+            traceback.print_exc()
+    return rows
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def table(rows):
+    keys = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    out = [" | ".join(keys)]
+    for r in rows:
+        out.append(" | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
+    return "\n".join(out)
+
+
+def main_rank(args):
+    """One rank's run (torchrun, or a --cpu-smoke child)."""
+    import warnings
+    import acefuse as af
+    smoke = args.cpu_smoke
+    device = torch.device("cpu") if smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if smoke else "nccl")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    progs = programs()
+    kernels = {n: af.compile(p) for n, p in progs.items()}
+    parts = ["ce", "cp", "decode"] if args.part == "all" else [args.part]
+    res = {"world": dist.get_world_size(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+           else "cpu (Triton interpreter)", "dtype": str(dtype), "torch": torch.__version__, "parts": {}}
+    with warnings.catch_warnings(record=True) as wlist:
+        warnings.simplefilter("always")
+        if "ce" in parts:
+            T, V = (6, 50) if smoke else CE
+            res["parts"]["ce"] = part_ce(args, device, dtype, kernels, T, V)
+        if "cp" in parts:
+            lens, shape = ((24,), (1, 2, 16)) if smoke else (tuple(args.cp_lens), CP_SHAPE)
+            if smoke:
+                progs2 = dict(progs)
+                import acefuse as af2
+                q, k, v = af2.tensor("q", "b h i d"), af2.tensor("k", "b h j d"), af2.tensor("v", "b h j e")
+                s = af2.where(af2.index("j") <= af2.index("i"), af2.sum(q * k, "d") * 0.25, af2.NEG_INF)
+                mx = af2.max(s, "j")
+                p = af2.exp(s - mx)
+                kernels["causal"] = af2.compile(af2.program("causal_attention_smoke",
+                                                            o=af2.sum(p * v, "j") / af2.sum(p, "j")))
+                del progs2
+            res["parts"]["cp"] = part_cp(args, device, dtype, kernels, lens, shape)
+        if "decode" in parts:
+            if smoke:
+                import acefuse as af2
+                q, k, v = af2.tensor("q", "b h i d"), af2.tensor("k", "b h j d"), af2.tensor("v", "b h j e")
+                s = af2.sum(q * k, "d") * 0.25
+                mx = af2.max(s, "j")
+                p = af2.exp(s - mx)
+                kernels["decode"] = af2.compile(af2.program("decode_attention_smoke",
+                                                            o=af2.sum(p * v, "j") / af2.sum(p, "j")))
+            res["parts"]["decode"] = part_decode(args, device, dtype, kernels,
+                                                 (1, 2, 16, 40) if smoke else DEC)
+    res["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in wlist
+                              if "acefuse" in str(w.message) or "Distributed" in w.category.__name__})
+    failed = [r for rows in res["parts"].values() for r in rows if "error" in r]
+    if dist.get_rank() == 0:
+        for name, rows in res["parts"].items():
+            print(f"\n== {name} ({res['world']} ranks, {res['device']}, {res['dtype']}) ==")
+            print(table(rows))
+        for w in res["warnings"]:
+            print("warning:", w)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+            print("results:", args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return failed
+
+
+def _smoke_child(rank, world, init, args):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    failed = main_rank(args)
+    # in the smoke, only failures of acefuse or of the torch-only peers count (the PyTorch CP
+    # peer may not run on the CPU)
+    bad = [r for r in failed if not r["impl"].startswith("torch context_parallel")]
+    if bad:
+        raise SystemExit(f"rank {rank}: {len(bad)} failure(s): {bad}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="all", choices=["ce", "cp", "decode", "all"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cp-lens", type=int, nargs="+", default=list(CP_LENS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="2 gloo ranks on the CPU, tiny sizes, Triton's interpreter, no meaningful timing")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.cpu_smoke and "RANK" not in os.environ:
+        import tempfile
+        import torch.multiprocessing as mp
+        os.environ["TRITON_INTERPRET"] = "1"    # inherited by the spawned ranks
+        args.reps = min(args.reps, 2)
+        fd, path = tempfile.mkstemp(prefix="acefuse_bench_")
+        os.close(fd)
+        os.unlink(path)
+        mp.spawn(_smoke_child, args=(2, "file://" + path, args), nprocs=2)
+        print("cpu smoke: OK")
+        return 0
+    failed = main_rank(args)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
