@@ -94,6 +94,9 @@ MERGE_OPS = frozenset({"Num", "St", "Cnt", "Size", "BA", "BB", "BU", "BJ"} | _AR
 OUTPUT_OPS = frozenset(MERGE_OPS | {"In", "Idx", "Take"})
 
 
+_CONSTS: dict = {}
+
+
 def _blk_key(blk: Term) -> str:
     if blk.op == "BU":
         return _blk_key(blk.args[0]) + _blk_key(blk.args[1])
@@ -136,7 +139,11 @@ class StateEval:
     def _const(self, v):
         import torch
         ref = next(iter(self.env.values()))
-        return torch.tensor(float(v), dtype=ref.dtype, device=ref.device)
+        key = (float(v), ref.dtype, ref.device)
+        c = _CONSTS.get(key)
+        if c is None:   # made once: a constant on the GPU is a host-to-device copy
+            c = _CONSTS[key] = torch.tensor(float(v), dtype=ref.dtype, device=ref.device)
+        return c
 
     def layout(self, x, axes):
         """A tensor over ``axes`` (a subset of P, in P order) laid out over [1, *P]."""
@@ -888,8 +895,9 @@ class ShardedKernel:
             extra[t] = v.expand([sizes_loc[a] if a in tax else 1 for a in P]).reshape(
                 [sizes_loc[a] for a in tax]).contiguous()
         own = {t: v for t, v in inputs.items() if t in k.fusion.encoding.tensors}
-        out = k(**own, **extra, **{o: v for o, v in opts.items() if o in ("block_j", "block_r", "num_warps",
-                                                                          "schedule") and v != "split"})
+        # no pass of its own: the loop kernel is the outputs (and the epilogue over the shard)
+        fopts = {o: v for o, v in opts.items() if o in ("block_j", "block_r", "num_warps")}
+        out = k(**own, **extra, schedule="loop", **fopts)
         return self._finish_staged(out, inputs)
 
     def _finish_eval(self, evf, P, sizes_loc, inputs):
