@@ -180,20 +180,23 @@ class BackwardKernel:
             if n in inputs:
                 inputs[n] = inputs[n].to(torch.float32)
         for n in bwd.cotangents:
-            inputs[n] = inputs[n].contiguous()
+            if n in inputs:   # (a cotangent no requested gradient reads is not an input)
+                inputs[n] = inputs[n].contiguous()
         sizes = {}
         for n, axes in bwd.tensors.items():
             for a, s in zip(axes, inputs[n].shape):
                 sizes[a] = s
-        out = {}
+        out, out_axes = {}, {}
         for stage, k in zip(bwd.stages, self.kernels):
             kin = {n: inputs[n] for n in stage.tensors}
             res = _as_dict(_run_stage(k, kin, run_kw), list(stage.outputs))
             out.update({n: v for n, v in res.items() if n in bwd.outputs})
+            # a stage lays its outputs out in its own axis order (from its inputs' declarations)
+            out_axes.update({n: stage.outputs[n].axes for n in res if n in bwd.outputs})
         grads = {}
         for name, gname in bwd.grads.items():
             axes = bwd.input_axes[name]
-            grads[gname] = _to_axes(out[gname], bwd.outputs[gname].axes, axes, [sizes[a] for a in axes])
+            grads[gname] = _to_axes(out[gname], out_axes[gname], axes, [sizes[a] for a in axes])
         for name in bwd.zero_grads:
             axes = bwd.input_axes[name]
             ref = inputs[name] if name in inputs else None
@@ -355,12 +358,17 @@ class DifferentiableKernel:
     """``af.compile(prog)``: the forward kernel; differentiable when an input requires grad."""
 
     _OWN = ("kernel", "prog", "_kw", "_aug", "_bwd", "_bwd_kernel", "_torch_reason", "_warned", "_unit",
-            "unit_reason", "grad_in_forward", "_wide")
+            "unit_reason", "grad_in_forward", "_wide", "wrt", "_compile_one", "_by_wrt")
 
-    def __init__(self, prog, kernel, compile_kw):
+    def __init__(self, prog, kernel, compile_kw, wrt=None, compile_one=None):
         self.prog = prog
         self.kernel = kernel
         self._kw = compile_kw
+        # the inputs differentiated: None = every float input; else only these (af.backward(prog, wrt)).
+        # A call whose set of inputs requiring grad differs runs a kernel for that set (_for)
+        self.wrt = None if wrt is None else frozenset(wrt)
+        self._compile_one = compile_one   # (program, axis=..., **kw) -> kernel; default compile_program
+        self._by_wrt: dict = {}
         self._aug = self._bwd = self._bwd_kernel = None
         self._torch_reason = None   # why the gradient is torch's (None: acefuse's backward kernels)
         self._warned = False
@@ -388,8 +396,21 @@ class DifferentiableKernel:
     def backward_program(self):
         if self._bwd is None:
             from acefuse.backward import backward
-            self._bwd = backward(self.prog)
+            self._bwd = backward(self.prog, wrt=None if self.wrt is None else sorted(self.wrt))
         return self._bwd
+
+    def _for(self, requested: frozenset, floats: frozenset):
+        """The differentiable kernel for a call whose inputs ``requested`` require grad: this one
+        when it differentiates exactly those (or every float input, when all require grad);
+        else one restricted to them (cached), so no gradient nobody asked for is built or run."""
+        if requested == self.wrt or (self.wrt is None and requested >= floats):
+            return self
+        dk = self._by_wrt.get(requested)
+        if dk is None:
+            dk = self._by_wrt[requested] = DifferentiableKernel(self.prog, self.kernel, self._kw, wrt=requested,
+                                                                compile_one=self._compile_one)
+            dk.grad_in_forward = self.grad_in_forward
+        return dk
 
     @property
     def grad_fallback(self):
@@ -412,10 +433,11 @@ class DifferentiableKernel:
         if self._aug is None and self._torch_reason is None:
             try:
                 from acefuse.codegen.compile import compile_program
+                one = self._compile_one or compile_program
                 bwd = self.backward_program
                 kw = {k: v for k, v in self._kw.items() if k != "axis"}
-                bk = compile_backward(bwd, **kw)
-                self._aug = self.kernel if bwd.augmented is self.prog else compile_program(
+                bk = compile_backward(bwd, compile_one=one, **kw)
+                self._aug = self.kernel if bwd.augmented is self.prog else one(
                     bwd.augmented, axis=self._kw.get("axis"), **kw)
                 self._bwd_kernel = bk
             except Exception as e:  # noqa: BLE001 - the forward runs; the gradient is torch's
@@ -477,8 +499,11 @@ class DifferentiableKernel:
         if missing or extra:
             raise TypeError(f"program {self.prog.name!r} needs inputs {names}"
                             + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
-        self._grad_kernels()
-        outs = _Function.apply(self, run_kw, names, *[inputs[n] for n in names])
+        requested = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].requires_grad)
+        floats = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].dtype.is_floating_point)
+        dk = self._for(requested, floats)
+        dk._grad_kernels()
+        outs = _Function.apply(dk, run_kw, names, *[inputs[n] for n in names])
         keys = list(self.prog.outputs)
         return outs[0] if len(keys) == 1 else dict(zip(keys, outs))
 

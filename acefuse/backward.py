@@ -7,6 +7,7 @@
     bwd.cotangents                    # {"grad_y": ("r", "j")}: one per forward output
     bwd.grads                         # {"x": "grad_x", ...}: float input -> gradient output
     bwd.zero_grads                    # float inputs no output depends on (gradient 0)
+    af.backward(prog, wrt=["x"])      # only these inputs' gradients (others: no output, no work)
     bwd.stages                        # one Stage (a Program, .axis its fused axis) per fused
                                       #   axis (what af.fuse/af.compile run)
     af.fuse(bwd).explain()            # every stage fused by the same engine
@@ -110,9 +111,10 @@ def index_inputs(prog) -> list:
 
 
 class _Deriv:
-    def __init__(self, prog):
+    def __init__(self, prog, wrt=None):
         from acefuse.fuse import _pick_axis, FuseError
         self.prog = prog
+        self.wrt = None if wrt is None else frozenset(wrt)   # the inputs differentiated (None: every one)
         self.order = {a: i for i, a in enumerate(prog.axes)}
         self.tensors = dict(prog.tensors)       # grows with saved values and cotangents
         self.axes_of = _Axes(self.tensors)
@@ -275,10 +277,8 @@ class _Deriv:
     def live(self, t: Term) -> bool:
         """``t`` depends on a float input (so it has an adjoint worth computing)."""
         if t not in self.lmemo:
-            if t.op == "In":
-                r = t.args[0] not in self.idx_inputs
-            elif t.op == "Take":
-                r = t.args[0] not in self.idx_inputs
+            if t.op in ("In", "Take"):
+                r = t.args[0] not in self.idx_inputs and (self.wrt is None or t.args[0] in self.wrt)
             elif _no_adjoint(t):
                 r = False
             else:
@@ -431,14 +431,25 @@ def _no_adjoint(t: Term) -> bool:
     return t.op in NO_ADJOINT or (t.op == "Cast" and t.args[1] in CAST_LIMITS)
 
 
-def backward(prog) -> BackwardProgram:
-    """The vector-Jacobian-product program of ``prog`` (see the module docstring)."""
+def backward(prog, wrt=None) -> BackwardProgram:
+    """The vector-Jacobian-product program of ``prog`` (see the module docstring).
+
+    ``wrt``: the names of the inputs to differentiate (default: every float input). The
+    others get no gradient output and no adjoint flows towards them, so an input that does
+    not require grad (an attention mask, a constant) costs nothing in the backward and a
+    gradient acefuse has no kernel for is not built when nobody asks for it."""
     if isinstance(prog, BackwardProgram):
         raise BackwardError(f"af.backward({prog.name!r}): higher derivatives are not supported; "
                             "differentiate the forward program")
     if not isinstance(prog, Program):
         raise BackwardError(f"af.backward expects a program made with af.program(...), got {type(prog).__name__}")
-    d = _Deriv(prog)
+    if wrt is not None:
+        wrt = [wrt] if isinstance(wrt, str) else list(wrt)
+        unknown = [n for n in wrt if n not in prog.tensors]
+        if unknown:
+            raise BackwardError(f"af.backward({prog.name!r}, wrt=...): {unknown} are not inputs of the program "
+                                f"(its inputs: {list(prog.tensors)})")
+    d = _Deriv(prog, wrt)
     idx_inputs = index_inputs(prog)
     cot: dict = {}
     cot_axes: dict = {}
@@ -456,7 +467,7 @@ def backward(prog) -> BackwardProgram:
     grads: dict = {}
     zero: list = []
     for name, axes in prog.tensors.items():
-        if name in idx_inputs:
+        if name in idx_inputs or (wrt is not None and name not in wrt):
             continue
         gname = f"grad_{name}"
         if gname in cot_axes:
@@ -471,8 +482,8 @@ def backward(prog) -> BackwardProgram:
         outputs[gname] = _expr(d, d.simplify_output(g), name)
         grads[name] = gname
     if not outputs:
-        raise BackwardError(f"program {prog.name!r}: no float input reaches an output, so every gradient "
-                            "is zero; there is nothing to differentiate")
+        raise BackwardError(f"program {prog.name!r}: no float input{' of ' + str(sorted(wrt)) if wrt is not None else ''} "
+                            "reaches an output, so every gradient is zero; there is nothing to differentiate")
     used = {s.args[0] for e in outputs.values() for s in e.term.walk() if s.op == "In"}
     aug_out = dict(prog.outputs)
     saved_kind = {}
@@ -488,9 +499,15 @@ def backward(prog) -> BackwardProgram:
             saved_kind[k] = "output"
     tensor_order = _tensor_order(prog, idx_inputs, saved, cot_axes)
     stages = _stages(prog.name + "_bwd", outputs, tensor_order)
+    seq = {s.axis for s in stages if s.axis} | {t.args[0].args[0] for e in list(prog.outputs.values())
+                                               + list(outputs.values()) for t in e.term.walk()
+                                               if t.op in RED and t.args[0].op == "Ax" and not _is_contraction(t)}
+    for st in stages:   # axes a kernel tiles (rows, loop), never a vector axis: codegen/sums.py reads it
+        st.seq_axes = tuple(a for a in prog.axes if a in seq)
     bwd = BackwardProgram(prog.name + "_bwd", outputs, prog, augmented, saved, saved_kind, cot_axes,
                           grads, zero, idx_inputs, stages, dict(prog.tensors))
     bwd.tensors = {n: bwd.tensors[n] for n in tensor_order if n in bwd.tensors}
+    bwd.wrt = None if wrt is None else tuple(wrt)
     return bwd
 
 
@@ -552,6 +569,21 @@ def _is_contraction(t: Term) -> bool:
     return t.op == "Sum" and not any(s.op in RED for s in t.args[1].walk())
 
 
+def _contractions_in(t: Term) -> set:
+    return {s for s in t.walk() if s.op in RED}
+
+
+def _shares_contractions(e, a, groups, outputs) -> bool:
+    """``e`` (grouped by axis ``a``) reduces only by contractions, and every one of them is
+    computed by the outputs of another group whose fused axis ``e`` ranges over: ``e`` is then
+    elementwise over that group's loop (a tile output of its kernel), sharing the work."""
+    own = _contractions_in(e.term)
+    if not own or not all(_is_contraction(s) for s in own):
+        return False
+    return any(b != a and b in e.axes and own <= set().union(*(_contractions_in(outputs[x].term) for x in ks))
+               for b, ks in groups.items())
+
+
 class Stage(Program):
     """One stage of a backward program: the outputs one kernel computes, fused over ``axis``.
 
@@ -562,6 +594,9 @@ class Stage(Program):
     def __init__(self, name, outputs, axis):
         super().__init__(name, outputs)
         self.axis = axis
+        # the axes the backward loops or tiles over (stage axes, the forward's non-contraction
+        # reductions: attention's i and j), never held whole as a vector axis (set by backward())
+        self.seq_axes: tuple = ()
 
     def reduced_axes(self) -> list:
         red = super().reduced_axes()
@@ -577,6 +612,15 @@ def _stages(name, outputs: dict, tensor_order) -> list:
             elementwise.append(k)
         else:
             groups.setdefault(a, []).append(k)
+    for a in list(groups):   # outputs whose only reductions are contractions another stage computes
+        shared = [k for k in groups[a] if _shares_contractions(outputs[k], a, groups, outputs)]
+        for k in shared:        # anyway (a bias's gradient dS over (i, j): in dQ's loop over j)
+            target = next(b for b in groups if b != a and b in outputs[k].axes and _contractions_in(
+                outputs[k].term) <= set().union(*(_contractions_in(outputs[x].term) for x in groups[b])))
+            groups[a].remove(k)
+            groups[target].append(k)
+        if not groups[a]:
+            del groups[a]
     for k in elementwise:   # into a stage whose fused axis the output ranges over, else any
         axes = outputs[k].axes
         target = next((a for a in groups if a in axes), next(iter(groups), None))

@@ -8,8 +8,11 @@ import math
 
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.emit import CodegenError
-from acefuse.codegen.row import HEADER, PREPARE
+from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
+from acefuse.codegen.contraction_launch import _prepare_src
+
+BOOL_OPS = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
 
 
 class SumGen:
@@ -52,22 +55,29 @@ class SumGen:
                 raise CodegenError(f"program {self.name!r}: state {s.name} is not a plain sum over {self.F!r}")
             self.states[s.name] = src.args[1]
         self.outs = {}
-        for o, t in enc.outputs.items():
-            if t.op != "St" or t.args[0] not in self.states:
-                raise CodegenError(f"program {self.name!r}: output {o!r} = {pretty(t)} is not a state")
-            self.outs[o] = t.args[0]
+        self.tiles = {}    # outputs elementwise over (rows, loop axis): stored from each loop tile
         self.out_axes = dict(enc.output_axes)
+        for o, t in enc.outputs.items():
+            if t.op == "St" and t.args[0] in self.states:
+                self.outs[o] = t.args[0]
+            elif _tile_output(t, self.F, self.out_axes[o]):
+                self.tiles[o] = t
+            else:
+                raise CodegenError(f"program {self.name!r}: output {o!r} = {pretty(t)} is neither a state nor "
+                                   f"elementwise over the loop axis {self.F!r}")
         F = self.F
         ft = [ax for ax in self.tensors.values() if F in ax]
         if not ft:
             raise CodegenError(f"program {self.name!r}: no tensor ranges over the loop axis {F!r}")
         common = set(ft[0]).intersection(*[set(a) for a in ft[1:]]) - {F}
         order = fusion.program.axes
-        out_ax = [a for ax in self.out_axes.values() for a in ax]
+        out_ax = [a for ax in self.out_axes.values() for a in ax if a != F]
+        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax}
         self.R = [a for a in order if a in out_ax and not any(a in ax for ax in ft)]
         self.G = [a for a in order if a in common and a not in self.R]
-        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax}
         self.V = [a for a in order if a in allax and a != F and a not in self.R and a not in self.G]
+        if not self.R:
+            self._rows_from_vectors(order, ft, out_ax, allax)
         if not self.R:
             raise CodegenError(f"program {self.name!r}: no row axis (every output axis is carried by a "
                                f"tensor over {F!r})")
@@ -76,10 +86,41 @@ class SumGen:
                 raise CodegenError(f"program {self.name!r}: output {o!r} does not range over every row axis {self.R}")
             if len([a for a in ax if a in self.V]) > 1:
                 raise CodegenError(f"program {self.name!r}: output {o!r} has more than one vector axis")
+            if o in self.tiles and any(a in self.V for a in ax):
+                raise CodegenError(f"program {self.name!r}: output {o!r} ranges over the loop axis {F!r} and a "
+                                   "vector axis (a tile output is over rows and the loop axis only)")
         self.hoisted: list = []
         self._hoist: dict = {}
         self.lines: list = []
         self.n = 0
+
+    def _rows_from_vectors(self, order, ft, out_ax, allax):
+        """Axes when a tensor over the loop axis also ranges over the rows (an attention bias
+        or mask over query and key positions, read as a [rows, loop] tile): the vector axes are
+        the axes contracted inside the body (``sum_d(q * k)``); the grid axes are those every
+        loop-axis tensor carrying a vector axis has (batch, heads: a mask may broadcast over
+        some of them); the row axes are the output axes left, those a backward stage tiles when
+        it says (``Stage.seq_axes``: dV = sum_i(P * grad_o) alone keeps e as its vector axis).
+        Leaves ``R`` empty when there is no contraction or no tensor carries one."""
+        F = self.F
+        vec = []
+        for body in self.states.values():
+            for t in body.walk():
+                if t.op == "Sum" and t.args[0].op == "Ax" and t.args[0].args[0] != F:
+                    vec.append(t.args[0].args[0])
+        vft = [ax for ax in ft if any(a in vec for a in ax)]
+        if not vft:
+            return
+        common = set(vft[0]).intersection(*[set(a) for a in vft[1:]]) - {F} - set(vec)
+        G = [a for a in order if a in common]
+        R = [a for a in order if a in out_ax and a not in G and a not in vec and a != F]
+        seq = getattr(self.f.program, "seq_axes", ())   # (a backward stage's loop/tile axes, if known)
+        if seq:   # an axis that a loop-axis tensor carries alone besides the grid axes (grad_o's e in
+            R = [a for a in R if a in seq or    # dV = sum_i(P * grad_o)) is its vector axis, unless tiled
+                 not any(set(ax) - set(G) - {F} == {a} for ax in ft)]
+        if R:
+            self.G, self.R = G, R
+            self.V = [a for a in order if a in allax and a != F and a not in R and a not in G]
 
     # -- values: (expression, shape); shape is "s", "r", "f", "rf", ("r", a) or ("f", a) --------------
     def bind(self, expr, shape, hint="t", hoist=False):
@@ -180,6 +221,10 @@ class SumGen:
         if op in ("RMax", "RMin"):
             raise CodegenError(f"`{pretty(t)}`: a max/min over another axis inside the body is not supported")
         args = [self.emit(c) for c in t.children]
+        if op in ("LAnd", "LOr", "LNot", "Where"):   # a value read as float (a bool mask) is a condition if != 0
+            conds = t.children if op != "Where" else t.children[:1]
+            args = [(f"({e} != 0)" if c in conds and c.op not in BOOL_OPS else e, s2)
+                    for c, (e, s2) in zip(t.children, args)]
         sh = "s"
         for _, s in args:
             sh = self.join(sh, s)
@@ -351,7 +396,9 @@ class SumGen:
                 L.append(f"    off_{t}_r = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in r))
         # the loop's range: mask analysis
         conds = self.mask_conds()
-        skip = bool(conds) and all(self._zero_if_false(b, conds) for b in self.states.values())
+        skip = bool(conds) and all(self._zero_if_false(b, conds)
+                                   for b in list(self.states.values()) + list(self.tiles.values()))
+        self.skips = skip
         if skip:
             L.append(f"    # mask analysis: interval arithmetic over each {F!r} tile's index box; tiles where "
                      "every mask")
@@ -410,6 +457,18 @@ class SumGen:
                 self.lines.append(f"{q} = {q} + tl.sum(tl.where(tmask, {e}, 0.0), axis=1)")
             body.append(f"        # {q}_AB = {q}_A + sum_B({pretty(b)})")
             body.extend("        " + x for x in self.lines)
+        for o, t in self.tiles.items():   # stored from each tile (a skipped tile: 0, zeroed by the launcher)
+            self.lines = []
+            e, sh = self.emit(t)
+            if sh not in ("rf", "r", "f", "s"):
+                raise CodegenError(f"output {o!r}: `{pretty(t)}` is not a (rows x {F!r}) tile")
+            e = self.bcast(e, sh, "rf") if sh != "rf" else e
+            if sh != "rf":
+                e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+            body.append(f"        # {o} = {pretty(t)}, over this (rows x {F!r}) tile")
+            body.extend("        " + x for x in self.lines)
+            body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
+                        f"{e}.to({o}_ptr.dtype.element_ty), mask=tmask)")
         for q, (init, _) in accs.items():
             L.append(f"    {q} = {init}")
         L2 = ["    for start in range(first, end, BLOCK_J):",
@@ -452,17 +511,22 @@ class SumGen:
             f"AXIS = {self.F!r}",
             f"TENSORS = {dict(self.tensors)!r}",
             "INDEX_TENSORS = []",
+            f"INT_OK = {sorted(n for n, ax in self.tensors.items() if not any(a in self.V for a in ax))!r}"
+            "   # may be integers or bool (read as float32: exact below 2**24)",
             f"OUTPUTS = {dict(self.out_axes)!r}",
             f"GRID_AXES = {self.G!r}",
             f"ROW_AXES = {self.R!r}",
             f"VEC_AXES = {self.V!r}",
+            f"TILE_OUTPUTS = {list(self.tiles)!r}   # written tile by tile"
+            + (" (zeroed first: the mask analysis skips tiles)" if self.tiles and self.skips else ""),
+            f"ZERO_TILE_OUTPUTS = {bool(self.tiles and self.skips)!r}",
             "",
             "",
             "def _np2(n):",
             "    return 1 << max(0, (int(n) - 1).bit_length())",
             "",
             "",
-            PREPARE.format(name=self.name),
+            _prepare_src(self.name),
             "",
             "",
             "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
@@ -478,7 +542,8 @@ class SumGen:
             "    for a in GRID_AXES:",
             "        n_g *= sizes[a]",
             "    n_f = sizes[AXIS]",
-            "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
+            "    outs = {o: (torch.zeros if ZERO_TILE_OUTPUTS and o in TILE_OUTPUTS else torch.empty)(",
+            "        [sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
             "    argv = []",
             "    for t in TENSORS:",
             "        argv.append(inputs[t])",
@@ -505,8 +570,16 @@ class SumGen:
         return "\n".join(L)
 
 
+def _tile_output(t: Term, F: str, axes) -> bool:
+    """An output elementwise over the loop axis (it ranges over it and reads no state: a bias's
+    gradient dS over queries and keys), computed from each tile of the loop."""
+    return F in axes and not any(s.op == "St" for s in t.walk())
+
+
 def sum_pass(fusion) -> bool:
-    """Every state of the (single) pass is a plain sum over the fused axis."""
+    """Every state of the (single) pass is a plain sum over the fused axis; every output is a
+    state or elementwise over the fused axis (a tile output)."""
+    enc = fusion.encoding
     return (len(fusion.passes) == 1 and bool(fusion.passes[0].states)
             and all(s.op == "sum" for s in fusion.passes[0].states)
-            and all(t.op == "St" for t in fusion.encoding.outputs.values()))
+            and all(t.op == "St" or _tile_output(t, enc.axis, enc.output_axes[o]) for o, t in enc.outputs.items()))

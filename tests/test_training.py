@@ -187,7 +187,7 @@ def test_region_without_backward_kernel_runs_in_torch_with_one_warning(monkeypat
     """What acefuse cannot differentiate runs in torch, with a warning naming the region
     and the reason; gradients are still eager's. Inference still runs the kernel."""
 
-    def refuse(prog):
+    def refuse(prog, wrt=None):
         raise af.BackwardError(f"program {prog.name!r}: no derivative (test)")
 
     monkeypatch.setattr(sys.modules["acefuse.backward"], "backward", refuse)   # (af.backward is the function)
@@ -263,7 +263,7 @@ def test_contraction_without_backward_kernel_stays_in_torch(monkeypatch, fresh_k
     """A region holding a contraction (sdpa) whose backward acefuse cannot build: in
     training its contraction stays in torch with one warning saying so; gradients are eager's."""
     monkeypatch.setattr(sys.modules["acefuse.backward"], "backward",
-                        lambda prog: (_ for _ in ()).throw(af.BackwardError("no derivative (test)")))
+                        lambda prog, wrt=None: (_ for _ in ()).throw(af.BackwardError("no derivative (test)")))
     qkv, cot = _qkv_grad(5), torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(6))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -425,7 +425,7 @@ def test_backward_not_derivable_or_not_compilable_runs_forward_kernel_and_torch_
     from acefuse.codegen.emit import CodegenError
     prog, kernel, *_ = fb_kernels
     if where == "derive":
-        def refuse(p):
+        def refuse(p, wrt=None):
             raise af.BackwardError(f"program {p.name!r}: no derivative (test)")
         monkeypatch.setattr(sys.modules["acefuse.backward"], "backward", refuse)
     else:
@@ -456,7 +456,7 @@ def test_torch_fallback_gradient_is_checked(fb_kernels, monkeypatch):
     from acefuse.autograd import DifferentiableKernel
     prog, kernel, *_ = fb_kernels
     monkeypatch.setattr(sys.modules["acefuse.backward"], "backward",
-                        lambda p: (_ for _ in ()).throw(af.BackwardError("no derivative (test)")))
+                        lambda p, wrt=None: (_ for _ in ()).throw(af.BackwardError("no derivative (test)")))
     monkeypatch.setitem(ref._UNARY, "Exp", lambda a: torch.exp(a * 1.01))
     dk = DifferentiableKernel(prog, kernel, {})
     with warnings.catch_warnings():

@@ -126,11 +126,14 @@ def get_kernel(prog, axis=None):
     return k
 
 
-def get_grad_kernel(prog, kernel):
+def get_grad_kernel(prog, kernel, wrt=None):
     """The differentiable kernel of a region's program (acefuse.autograd), its augmented
     forward and backward kernels compiled; GradKernelError (naming the program and why)
-    when ``af.backward`` or a backward kernel fails. Cached in memory by program."""
-    key = f"{prog.name}_{prog.key()}_{_code_version()}"
+    when ``af.backward`` or a backward kernel fails. ``wrt``: the program inputs that require
+    grad (None: every float input); only their gradients are derived and compiled (a mask or
+    a constant built in the graph gets none). Cached in memory by program and ``wrt``."""
+    wrt = None if wrt is None else frozenset(wrt)
+    key = f"{prog.name}_{prog.key()}_{_code_version()}" + ("" if wrt is None else "_" + ",".join(sorted(wrt)))
     hit = _GRAD.get(key)
     if isinstance(hit, Exception):
         raise hit
@@ -138,14 +141,14 @@ def get_grad_kernel(prog, kernel):
         return hit
     from acefuse.autograd import DifferentiableKernel, BackwardKernel, compile_stage
     from acefuse.backward import backward
-    dk = DifferentiableKernel(prog, kernel, {})
+    # each stage through get_kernel: cached in memory and on disk like forward kernels
+    dk = DifferentiableKernel(prog, kernel, {}, wrt=wrt, compile_one=_compile_one)
     if hit is not None:            # same program, kernel reloaded: reuse the compiled backward
         dk._aug = kernel if hit._aug is hit.kernel else hit._aug
         dk._bwd, dk._bwd_kernel = hit._bwd, hit._bwd_kernel
     else:
         try:
-            # each stage through get_kernel: cached in memory and on disk like forward kernels
-            bwd = backward(prog)
+            bwd = backward(prog, wrt=None if wrt is None else sorted(wrt))
             bk = BackwardKernel(bwd, [compile_stage(s, get_kernel) for s in bwd.stages])
             dk._aug = kernel if bwd.augmented is prog else get_kernel(bwd.augmented)
             dk._bwd, dk._bwd_kernel = bwd, bk
@@ -157,3 +160,8 @@ def get_grad_kernel(prog, kernel):
         stats["grad_kernel_compiles"] += 1
     _GRAD[key] = dk
     return dk
+
+
+def _compile_one(prog, axis=None, **kw):
+    """get_kernel with compile_program's signature (launch options are not compile options)."""
+    return get_kernel(prog, axis=axis)

@@ -74,7 +74,7 @@ class CompiledRegion(torch.nn.Module):
             # when the region was specialised: the differentiable kernel is built now)
             if self.grad is None and self.grad_error is None:
                 try:
-                    self.grad = get_grad_kernel(self.program, self.kernel)
+                    self.grad = get_grad_kernel(self.program, self.kernel, requires_grad_inputs(self.imp, values))
                 except GradKernelError as e:
                     self.grad_error = e
                     _warn(self.imp.nodes, e)
@@ -100,6 +100,18 @@ class CompiledRegion(torch.nn.Module):
 
     def extra_repr(self):
         return repr(self.program)
+
+
+def requires_grad_inputs(imp, values: dict) -> list:
+    """The region program's inputs whose torch values (``values``: source node -> tensor)
+    require grad: the gradients its backward derives (a later call that asks for others gets
+    a kernel for those: acefuse.autograd.DifferentiableKernel._for)."""
+    out = []
+    for s in imp.inputs:
+        v = values.get(s.src)
+        if isinstance(v, torch.Tensor) and v.requires_grad and s.name not in out:
+            out.append(s.name)
+    return out
 
 
 def _needs_grad(values) -> bool:
@@ -285,7 +297,7 @@ def _compile_region(nodes, outs, rname):
     k = get_kernel(imp.program)
     dk = None
     if _needs_grad(s.meta.get("af_val") for s in imp.sources):
-        dk = get_grad_kernel(imp.program, k)
+        dk = get_grad_kernel(imp.program, k, requires_grad_inputs(imp, {s: s.meta.get("af_val") for s in imp.sources}))
     return imp, k, dk
 
 
