@@ -582,7 +582,7 @@ class ShardedKernel:
         return "gather", why
 
     # -- the call --------------------------------------------------------------------------
-    def __call__(self, *args, shard_sizes=None, axis_offsets=None, axis_sizes=None, **inputs):
+    def __call__(self, *args, shard_sizes=None, axis_offsets=None, axis_sizes=None, zigzag=None, **inputs):
         import torch
         import torch.distributed as dist
         name = self.program.name
@@ -650,6 +650,16 @@ class ShardedKernel:
         n_glob = sum(sizes)
         offsets[self.axis] = j0
         gsizes[self.axis] = n_glob
+        if zigzag is not None:
+            zigzag = tuple([zigzag] if isinstance(zigzag, str) else zigzag)
+            bad = [a for a in zigzag if a == self.axis or a not in self.fusion.program.axes]
+            if bad or self.mode not in ("ring", "gather") or len(set(sizes)) != 1 or sizes[0] % 2:
+                raise DistributedError(
+                    f"program {name!r}: zigzag={zigzag} needs exchange='ring' or 'gather', axes of the program "
+                    f"other than the sharded axis {self.axis!r} (got {bad or zigzag}), and equal shards of even "
+                    f"length (got {sizes}): rank r holds chunks r and 2W-1-r of 2W equal chunks")
+            if self.mode == "gather":
+                return self._gather_zigzag(inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag)
         if self.mode == "gather":
             if not self._warned and self.why:
                 self._warned = True
@@ -658,7 +668,7 @@ class ShardedKernel:
                               f"{self.why}", DistributedFallbackWarning, stacklevel=2)
             return self._gather(inputs, opts, offsets, gsizes, sizes, rank, shard_names)
         if self.mode == "ring":
-            return self._ring(inputs, opts, offsets, gsizes, sizes, rank, shard_names)
+            return self._ring(inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag or ())
         return self._states(inputs, opts, offsets, gsizes, sizes, rank, local)
 
     def _local(self, inputs, opts, offsets, gsizes):
@@ -928,24 +938,40 @@ class ShardedKernel:
         return res[st.output_names[0]] if len(res) == 1 else res
 
     # -- the ring (context parallelism) -----------------------------------------------------
-    def _ring(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names):
+    def _chunks(self, src, sizes, zigzag):
+        """[(local start, length, global offset)] of rank ``src``'s shard of the sharded axis:
+        one contiguous piece, or (zig-zag) chunks ``src`` and ``2W - 1 - src`` of 2W equal chunks."""
+        if not zigzag:
+            return [(0, sizes[src], sum(sizes[:src]))]
+        c = sizes[src] // 2
+        return [(0, c, src * c), (c, c, (2 * len(sizes) - 1 - src) * c)]
+
+    def _pieces(self, inputs, zigzag, offsets, sizes, rank):
+        """The local inputs split where the zig-zag axes jump: [(inputs, offsets, {axis: (start, length)})]."""
+        if not zigzag:
+            return [(inputs, offsets, {})]
+        out = []
+        for start, n, off in self._chunks(rank, sizes, True):
+            ins = {t: x.narrow(self.program.tensors[t].index(a), start, n).contiguous()
+                   for t, x in inputs.items() for a in [next((a for a in zigzag if a in self.program.tensors[t]), None)]
+                   if a is not None}
+            ins = {t: ins.get(t, x) for t, x in inputs.items()}
+            offs = dict(offsets)
+            offs.update({a: off for a in zigzag})
+            out.append((ins, offs, {a: (start, n) for a in zigzag}))
+        return out
+
+    def _ring(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag=()):
         """Every rank keeps its other inputs (its queries) and passes its shards of the
         sharded inputs (K/V) around the ring; each visiting shard's partial states are
         folded into the running ones with the derived merge (the rolling update across
-        devices), while the next shard is in flight."""
+        devices), while the next shard is in flight. ``zigzag``: axes (besides the sharded
+        one) laid out as chunks r and 2W-1-r, which balances causal work."""
         import torch
         import torch.distributed as dist
         f = self.fusion
-        enc = f.encoding
         p = f.passes[0]
-        P = [a for a in f.program.axes if a != self.axis]
-        sax = state_axes(f)
         world = len(sizes)
-        local = {}
-        for t, x in inputs.items():
-            for a, n in zip(self.program.tensors[t], x.shape):
-                local.setdefault(a, n)
-        sizes_loc = {a: local[a] for a in P if a in local}
         mx = max(sizes)
         cur = {}
         for t in shard_names:
@@ -954,10 +980,11 @@ class ShardedKernel:
             pad = list(x.shape)
             pad[d] = mx - x.shape[d]
             cur[t] = torch.cat([x, x.new_zeros(pad)], dim=d).contiguous() if pad[d] else x.contiguous()
-        run = cnt = None
+        pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
+        runs = [None] * len(pieces)
         src = rank
-        nxt_rank = dist.get_global_rank(self.group, (rank + 1) % world) if self.group is not None else (rank + 1) % world
-        prv_rank = dist.get_global_rank(self.group, (rank - 1) % world) if self.group is not None else (rank - 1) % world
+        glob = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
+        nxt_rank, prv_rank = glob((rank + 1) % world), glob((rank - 1) % world)
         for step in range(world):
             reqs, nxt = [], {}
             if step < world - 1:
@@ -967,33 +994,90 @@ class ShardedKernel:
                     ops.append(dist.P2POp(dist.isend, cur[t], nxt_rank, group=self.group))
                     ops.append(dist.P2POp(dist.irecv, nxt[t], prv_rank, group=self.group))
                 reqs = dist.batch_isend_irecv(ops)
-            n_src = sizes[src]
-            here = dict(inputs)
-            for t in shard_names:
-                d = self.program.tensors[t].index(self.axis)
-                here[t] = cur[t].narrow(d, 0, n_src)
-            offs = dict(offsets)
-            offs[self.axis] = sum(sizes[:src])
-            part = self._run_partial(here, opts, offs, gsizes)
-            st = {q: part[q].reshape([1] + [sizes_loc[a] if a in sax[q] else 1 for a in P]) for q in part}
-            ref = next(iter(st.values()))
-            c = torch.full([1] + [1] * len(P), float(n_src), dtype=ref.dtype, device=ref.device)
-            if run is None:
-                run, cnt = st, c
-            else:
-                run = _merge2(enc, p, P, run, st, cnt, c, dict(gsizes))
-                cnt = cnt + c
+            for start, n_src, off in self._chunks(src, sizes, bool(zigzag)):
+                kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
+                for h, (ins, offs, _) in enumerate(pieces):
+                    offs = dict(offs)
+                    offs[self.axis] = off
+                    st, c = self._partial_states({**ins, **kv}, opts, offs, gsizes, n_src)
+                    runs[h] = (st, c) if runs[h] is None else (
+                        _merge2(f.encoding, p, self._P(), runs[h][0], st, runs[h][1], c, dict(gsizes)), runs[h][1] + c)
             for r in reqs:
                 r.wait()
             if step < world - 1:
                 cur = nxt
                 src = (src - 1) % world
-        env = {(q, "J"): v for q, v in run.items()}
+        outs = [self._finish_states(run[0], ins, offs, gsizes) for run, (ins, offs, _) in zip(runs, pieces)]
+        return self._concat(outs, zigzag)
+
+    def _P(self):
+        return [a for a in self.fusion.program.axes if a != self.axis]
+
+    def _partial_states(self, inputs, opts, offsets, gsizes, n):
+        """The partial states of this block laid out over [1, *P], and its count."""
+        import torch
+        P, sax = self._P(), state_axes(self.fusion)
+        local = {}
+        for t, x in inputs.items():
+            for a, k in zip(self.program.tensors[t], x.shape):
+                local.setdefault(a, k)
+        part = self._run_partial(inputs, opts, offsets, gsizes)
+        st = {q: part[q].reshape([1] + [local[a] if a in sax[q] else 1 for a in P]) for q in part}
+        ref = next(iter(st.values()))
+        return st, torch.full([1] + [1] * len(P), float(n), dtype=ref.dtype, device=ref.device)
+
+    def _finish_states(self, final, inputs, offsets, gsizes):
+        """Outputs (contraction family: evaluated from the states) of merged final states."""
+        enc, p, P = self.fusion.encoding, self.fusion.passes[0], self._P()
+        local = {}
+        for t, x in inputs.items():
+            for a, k in zip(self.program.tensors[t], x.shape):
+                local.setdefault(a, k)
+        for i, a in enumerate(P):   # axes only the sharded inputs have (v's e): from the states
+            if a not in local:
+                local[a] = max(v.shape[i + 1] for v in final.values())
+        sizes_loc = {a: local[a] for a in P}
+        env = {(q, "J"): v for q, v in final.items()}
         evf = StateEval(enc, P, env, {"J": float(gsizes[self.axis])}, dict(gsizes), inputs=inputs, offsets=offsets,
                         takes={}, local=sizes_loc)
         for r in p.refs:
             env[(r.name, "J")] = evf.ev(reblock(r.definition, J))
         return self._finish_eval(evf, P, sizes_loc, inputs)
+
+    def _concat(self, outs, zigzag):
+        """The pieces' outputs joined along the zig-zag axes they range over."""
+        import torch
+        if len(outs) == 1:
+            return outs[0]
+        names = list(self.program.outputs)
+        ds = [o if isinstance(o, dict) else {names[0]: o} for o in outs]
+        res = {}
+        for o in ds[0]:
+            axes = self.program.outputs[o].axes
+            za = [a for a in zigzag if a in axes]
+            res[o] = torch.cat([d[o] for d in ds], dim=axes.index(za[0])) if za else ds[0][o]
+        return res[names[0]] if len(res) == 1 else res
+
+    def _gather_zigzag(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag):
+        """All-gather the zig-zag shards of K/V, put them in sequence order, and run the kernel
+        on each local query chunk with its global offset."""
+        import torch
+        world = len(sizes)
+        c = sizes[0] // 2
+        full = {}
+        for t in shard_names:
+            d = self.program.tensors[t].index(self.axis)
+            got = self._all_gather_axis(inputs[t], d, sizes)
+            pieces = [None] * (2 * world)
+            for r in range(world):
+                blk = got.narrow(d, 2 * c * r, 2 * c)
+                pieces[r], pieces[2 * world - 1 - r] = blk.narrow(d, 0, c), blk.narrow(d, c, c)
+            full[t] = torch.cat(pieces, dim=d)
+        rest = {t: v for t, v in inputs.items() if t not in shard_names}
+        gs = {a: v for a, v in gsizes.items() if a != self.axis}
+        outs = [self._local({**ins, **full}, opts, {a: v for a, v in offs.items() if a != self.axis}, gs)
+                for ins, offs, _ in self._pieces(rest, zigzag, offsets, sizes, rank)]
+        return self._concat(outs, zigzag)
 
 
 # ---- entry points -------------------------------------------------------------------------

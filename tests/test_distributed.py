@@ -235,6 +235,38 @@ def test_sharded_kv_decode_and_context_parallel_prefill():
         check(CAUSAL, [(o["cp"][ex], w) for o, w in outs], full_cp, ins_cp, sizes, i=(starts, sizes))
 
 
+def _zigzag_on_rank(rank, world, n, ins):
+    C = n // 2
+    idx = torch.cat([torch.arange(rank * C, rank * C + C), torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)])
+    loc = {t_: ins[t_][:, :, idx].contiguous() for t_ in ("q", "k", "v")}
+    kc = kernel(CAUSAL)
+    return {ex: kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange=ex, zigzag=("i",),
+                   shard_sizes=[n] * world) for ex in ("gather", "ring")}
+
+
+def test_context_parallel_zigzag_layout():
+    """Rank r holds chunks r and 2W-1-r of the sequence (queries, keys and values): causal
+    work is balanced; each query chunk sees its global offset."""
+    world, n = 2, 12
+    N = world * n
+    gen = torch.Generator().manual_seed(SEED + 5)
+    ins = {"q": torch.randn(1, 2, N, 16, generator=gen), "k": torch.randn(1, 2, N, 16, generator=gen),
+           "v": torch.randn(1, 2, N, 16, generator=gen)}
+    full = kernel(CAUSAL)(**ins)
+    ref = evaluate(CAUSAL, ins)
+    outs = run_ranks(_zigzag_on_rank, world, n, ins)
+    C = n // 2
+    for rank, (res, _) in enumerate(outs):
+        idx = torch.cat([torch.arange(rank * C, rank * C + C),
+                         torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)])
+        for ex, out in res.items():
+            for o in CAUSAL.outputs:
+                torch.testing.assert_close(out[o], full[o][:, :, idx], **TOL_KERNEL,
+                                           msg=lambda m: f"zig-zag {ex} {o} rank {rank} (seed {SEED}): {m}")
+                want = torch.as_tensor(np.array(ref[o], dtype=np.float64))[:, :, idx]
+                torch.testing.assert_close(out[o].double(), want, **TOL_F64)
+
+
 # ---- the merge: associativity on random partial states ------------------------------------
 def _partials(prog, inputs, axis, bounds, axes_p):
     """Partial states of every block [b0, b1) of the fused axis, computed by the sharded
@@ -395,3 +427,14 @@ def test_bad_input_fallbacks_and_gradients():
         assert any("DistributedFallbackWarning" in w and "'mad'" in w for w in warns), warns
     check(NOT_FUSIBLE, [(o["mad"], w) for o, w in outs], full_mad, {"x": inputs["x"]}, sizes)
     check(CE_MEAN, [(o["ce_mean"], w) for o, w in outs], full_ce, {"x": inputs["x"], "t": inputs["t"]}, sizes)
+
+
+def test_compile_with_process_group_needs_torch_distributed():
+    """``af.compile(prog, process_group=..., sharded_axis=...)`` builds the sharded kernel,
+    which says what is missing when torch.distributed is not initialised (this process)."""
+    from acefuse.distributed import DistributedError
+    assert not dist.is_initialized()
+    with pytest.raises(DistributedError, match="torch.distributed initialised"):
+        af.compile(ROWS["softmax"], process_group=None, sharded_axis="j")
+    with pytest.raises(DistributedError, match="torch.distributed initialised"):
+        kernel(ROWS["softmax"])(x=torch.randn(2, 5), process_group=None, sharded_axis="j")
