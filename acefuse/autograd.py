@@ -124,6 +124,10 @@ def unit_cotangent_program(bwd):
     return Program(f"{prog.name}_unit", outs), ""
 
 
+def _to(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
@@ -148,6 +152,11 @@ class BackwardKernel:
     def __init__(self, bwd, kernels):
         self.program = bwd
         self.kernels = kernels   # one per stage
+        # per-call work done once: which inputs are read how, what each stage takes and gives
+        self._names = list(bwd.tensors)
+        self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
+        self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs], list(st.outputs),
+                         {n: st.outputs[n].axes for n in st.outputs}) for st, k in zip(bwd.stages, kernels)]
 
     @property
     def fusible(self) -> bool:
@@ -160,8 +169,8 @@ class BackwardKernel:
 
     def __call__(self, *args, **inputs):
         bwd = self.program
-        run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs}
-        names = list(bwd.tensors)
+        run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs} if inputs.keys() & RUN_KW else {}
+        names = self._names
         if len(args) > len(names):
             raise TypeError(f"program {bwd.name!r} takes {len(names)} inputs {names}, got {len(args)} positional")
         for n, a in zip(names, args):
@@ -173,36 +182,44 @@ class BackwardKernel:
             raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
                             f"of {bwd.augmented.name!r}; cotangents are named grad_<output>)")
         inputs = dict(inputs)
-        for n, kind in bwd.saved_kind.items():
-            if kind in ("max", "min"):   # the forward's convention: a fully masked row's max reads as 0
-                inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, posinf=0.0, neginf=0.0)
+        for n in self._maxes:   # the forward's convention: a fully masked row's max reads as 0
+            inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, posinf=0.0, neginf=0.0)
         for n in bwd.index_inputs:
             if n in inputs:
                 inputs[n] = inputs[n].to(torch.float32)
         for n in bwd.cotangents:
             if n in inputs:   # (a cotangent no requested gradient reads is not an input)
                 inputs[n] = inputs[n].contiguous()
-        sizes = {}
-        for n, axes in bwd.tensors.items():
-            for a, s in zip(axes, inputs[n].shape):
-                sizes[a] = s
         out, out_axes = {}, {}
-        for stage, k in zip(bwd.stages, self.kernels):
-            kin = {n: inputs[n] for n in stage.tensors}
-            res = _as_dict(_run_stage(k, kin, run_kw), list(stage.outputs))
-            out.update({n: v for n, v in res.items() if n in bwd.outputs})
-            # a stage lays its outputs out in its own axis order (from its inputs' declarations)
-            out_axes.update({n: stage.outputs[n].axes for n in res if n in bwd.outputs})
+        for k, tnames, keep, onames, oaxes in self._stages:
+            res = _as_dict(_run_stage(k, {n: inputs[n] for n in tnames}, run_kw), onames)
+            for n in keep:   # a stage lays its outputs out in its own axis order (its inputs' declarations)
+                out[n], out_axes[n] = res[n], oaxes[n]
         grads = {}
+        sizes = None
         for name, gname in bwd.grads.items():
             axes = bwd.input_axes[name]
+            if tuple(out_axes[gname]) == tuple(axes):
+                grads[gname] = out[gname]
+                continue
+            if sizes is None:
+                sizes = self._sizes(inputs)
             grads[gname] = _to_axes(out[gname], out_axes[gname], axes, [sizes[a] for a in axes])
+        if bwd.zero_grads and sizes is None:
+            sizes = self._sizes(inputs)
         for name in bwd.zero_grads:
             axes = bwd.input_axes[name]
             ref = inputs[name] if name in inputs else None
             grads[f"grad_{name}"] = torch.zeros([sizes[a] for a in axes], dtype=ref.dtype if ref is not None
                                                 else torch.float32, device=ref.device if ref is not None else None)
         return grads
+
+    def _sizes(self, inputs) -> dict:
+        sizes = {}
+        for n, axes in self.program.tensors.items():
+            for a, s in zip(axes, inputs[n].shape):
+                sizes[a] = s
+        return sizes
 
     def __repr__(self):
         return f"<acefuse backward kernel {self.program.name!r}: {len(self.kernels)} stage(s)>"
@@ -299,8 +316,9 @@ class _Function(torch.autograd.Function):
             if values and direct:
                 kw["out_dtypes"] = {n: wide for n in values}
             out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
-            saved = [out[n].to(wide) if n in values else out[n] for n in bwd.saved]
-            out = {k: (v.to(odt) if k in values else v) for k, v in out.items()}   # the caller's type
+            saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
+            if values:
+                out = {k: (_to(v, odt) if k in values else v) for k, v in out.items()}   # the caller's type
         ctx.dk, ctx.run_kw, ctx.names = dk, run_kw, names
         ctx.set_materialize_grads(False)     # an unused output's cotangent is None, not zeros
         ctx.out_meta = [(out[k].shape, out[k].dtype, out[k].device) for k in keys]
@@ -350,7 +368,7 @@ class _Function(torch.autograd.Function):
         res = []
         for name, x in zip(ctx.names, vals[:n]):
             g = grads.get(f"grad_{name}") if name in want else None
-            res.append(None if g is None else g.to(x.dtype))
+            res.append(None if g is None else _to(g, x.dtype))
         return (None, None, None) + tuple(res)
 
 
