@@ -31,7 +31,9 @@ a ``DistributedFallbackWarning`` says which program and why, once.
 ``exchange="gather"`` forces that path and ``exchange="ring"`` passes K/V shards around a ring,
 folding each visiting shard's partial states into the running ones with the derived merge
 (context-parallel prefill); ``axis_offsets={"i": i0}`` declares that the local tensors along
-another axis start at global position ``i0`` (a query shard: causal masks see global rows).
+another axis start at global position ``i0`` (a query shard: causal masks see global rows);
+``zigzag=("i",)`` lays the sharded axis and ``i`` out as chunks r and 2W-1-r of 2W equal
+chunks (balanced causal work), each chunk with its own global offset.
 
 Gradients: a sharded call on inputs that require grad is refused with a
 ``DistributedError`` (never a silently missing gradient); see docs/distributed.md.
@@ -799,7 +801,7 @@ class ShardedKernel:
         ev = StateEval(self.fusion.encoding, P, {("_", "J"): env_ref}, {}, {}, inputs=inputs,
                        offsets=offsets, local=sizes_loc)
         ix = ev.ev(idx)[0]                                   # over P, length-1 where it does not range
-        x = inputs[name].to(env_ref.dtype)
+        x = inputs[name]            # gathered in its own dtype (no pass over the shard), converted after
         xa = tensors[name]
         others = [a for a in P if a in xa and a != ax]
         # x over (its other axes in P order, ax)
@@ -812,7 +814,7 @@ class ShardedKernel:
         # x laid out over P (length 1 on axes it does not have) with the fused axis last
         xl = x.reshape([sizes_loc[a] if a in others else 1 for a in P] + [n])
         xl = xl.expand(shape + [n])
-        val = torch.gather(xl, -1, loc.unsqueeze(-1)).squeeze(-1)
+        val = torch.gather(xl, -1, loc.unsqueeze(-1)).squeeze(-1).to(env_ref.dtype)
         val = torch.where(owned, val, torch.zeros_like(val))
         return val.unsqueeze(0), owned.to(val.dtype).unsqueeze(0)
 
@@ -983,7 +985,10 @@ class ShardedKernel:
         pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
         runs = [None] * len(pieces)
         src = rank
-        glob = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
+        def glob(r):   # a rank of the group -> its global rank (what point-to-point calls take)
+            if self.group is None or self.group is dist.group.WORLD:
+                return r
+            return dist.get_global_rank(self.group, r)
         nxt_rank, prv_rank = glob((rank + 1) % world), glob((rank - 1) % world)
         for step in range(world):
             reqs, nxt = [], {}

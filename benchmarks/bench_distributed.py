@@ -2,7 +2,13 @@
 (acefuse/distributed.py) against their peers, in one run, on the same inputs (bf16).
 
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_distributed.py --out benchmarks/results/dist_4gpu.json
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_distributed.py --part cp --cp-lens 131072
     python benchmarks/bench_distributed.py --cpu-smoke        # 2 gloo ranks, tiny sizes, Triton's interpreter
+
+First calls compile: the sharded kernels bake each rank's global offsets in as constants,
+so the ring compiles one partial kernel per (rank, visiting shard) (four per pair with the
+zig-zag layout), each tried with the launcher's tile candidates. Split long runs by
+``--part`` and ``--cp-lens`` (the kernel caches persist between runs on one machine).
 
 Parts (``--part ce|cp|decode|all``):
 
@@ -48,6 +54,11 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+# NVLink multicast stays off (shared hosts: docs of the lent machines), also for the ranks
+# torchrun starts with this environment
+for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ[_var] = "0" if _var == "NCCL_NVLS_ENABLE" else "1"
 
 import torch
 import torch.distributed as dist
@@ -255,16 +266,17 @@ def part_cp(args, device, dtype, kernels, lens, shape):
         flops = 2.0 * B * H * N * N * D
         tol = TOL_GPU if device.type == "cuda" else TOL_CPU
         impls = {}
-        for ex in ("gather", "ring"):
+        for ex in [e for e in ("gather", "ring") if e in args.cp_impls]:
             impls[f"acefuse {ex}"] = (lambda ex=ex: k(q=q, k=kk, v=v, process_group=dist.group.WORLD,
                                                       sharded_axis="j", exchange=ex, axis_offsets={"i": j0},
                                                       shard_sizes=sizes), None)
         if N % (2 * world) == 0:
-            for ex in ("gather", "ring"):
+            for ex in [e for e in ("gather", "ring") if f"{e}-zigzag" in args.cp_impls]:
                 impls[f"acefuse {ex} zig-zag"] = (lambda ex=ex: k(q=qz, k=kz, v=vz, process_group=dist.group.WORLD,
                                                                   sharded_axis="j", exchange=ex, zigzag=("i",),
                                                                   shard_sizes=[2 * C] * world), "zigzag")
-        impls["torch context_parallel (SDPA ring)"] = (None, "torch")
+        if "torch" in args.cp_impls:
+            impls["torch context_parallel (SDPA ring)"] = (None, "torch")
         for name, (fn, kind) in impls.items():
             row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
             try:
@@ -447,11 +459,15 @@ def main():
     ap.add_argument("--part", default="all", choices=["ce", "cp", "decode", "all"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cp-lens", type=int, nargs="+", default=list(CP_LENS))
+    ap.add_argument("--cp-impls", default="gather,ring,gather-zigzag,ring-zigzag,torch",
+                    help="context-parallel implementations to run (comma-separated; each acefuse one compiles "
+                         "a kernel per rank and global offset on its first call)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="2 gloo ranks on the CPU, tiny sizes, Triton's interpreter, no meaningful timing")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    args.cp_impls = set(args.cp_impls.split(","))
     if args.cpu_smoke and "RANK" not in os.environ:
         import tempfile
         import torch.multiprocessing as mp
