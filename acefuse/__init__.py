@@ -10,7 +10,7 @@
 from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs, tanh, maximum,
                           minimum, where, sum, max, min, mean, take, program, Program, Expr,
                           LanguageError, NEG_INF, erf, sigmoid, softplus, log1p, expm1, floor, ceil,
-                          round, cast, clamp)
+                          round, cast, clamp, argmax, argmin)
 from acefuse.fuse import Fusion, FuseError, unfused
 from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError

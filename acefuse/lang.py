@@ -48,6 +48,11 @@ a float cast passes the gradient straight through; round, floor, ceil and intege
 zero gradient; clamp's is that of maximum/minimum (1 inside, 0 outside, 1/2 at a tie).
 Float8 inputs (``torch.float8_e4m3fn``/``float8_e5m2``) are accepted by row-family kernels
 and decoded exactly (NaN included).
+
+Selection: ``argmax(x, axis)`` / ``argmin(x, axis)`` give the index of the first largest
+(smallest) element as an int64 output (``cast(..., "index")``: an int64 value, written as an
+int64 tensor); they are plain programs (a min over the indices where x equals its max) whose
+one-pass merge the rules derive.
 """
 from __future__ import annotations
 
@@ -398,7 +403,7 @@ def cast(x, dtype="int32"):
     is stored in that dtype.
 
         >>> cast(465.0, "float8_e4m3fn"), cast(1e6, "float8_e4m3fn"), cast(-300.7, "int8")
-        (Expr(448.0 | axes ()), Expr(448.0 | axes ()), Expr(-128.0 | axes ()))
+        (Expr(448 | axes ()), Expr(448 | axes ()), Expr(-128 | axes ()))
     """
     if dtype not in CAST_LIMITS and dtype not in FLOAT_CASTS:
         raise LanguageError(f"cast(`{_lift(x)}`, {dtype!r}): the integer type must be one of "
@@ -416,7 +421,7 @@ def clamp(x, lo=None, hi=None):
     and a bound may be an expression (``clamp(x, -m, m)``).
 
         >>> clamp(7.5, -1, 2)
-        Expr(2.0 | axes ())
+        Expr(2 | axes ())
     """
     if lo is None and hi is None:
         raise LanguageError(f"clamp(`{_lift(x)}`): give at least one bound, lo or hi")
@@ -482,6 +487,37 @@ def min(x, axis):  # noqa: A001
 def mean(x, axis):
     """Mean over one axis: ``sum(x, axis) / size(axis)``."""
     return sum(x, axis) / size(axis)
+
+
+def argmax(x, axis):
+    """The index of the largest element along ``axis`` (the first one on ties, as
+    torch.argmax), an int64 output; NaN counts as larger than every number (a row holding NaN
+    gives its first NaN, as torch). Written plainly: with ``v`` = x where NaN reads -inf,
+    ``min(where(v == max(v, axis), index(axis), inf), axis)``, unless the first NaN's index
+    ``min(where(x != x, index(axis), inf), axis)`` is finite. One pass carries the running max,
+    the index of its first occurrence and the first NaN; the merge
+    ``min(where(m_A == m_AB, i_A, inf), where(m_B == m_AB, i_B, inf))`` is derived by the rule
+    ``min-where-eq-bound`` (rules/order.py, proved by proofs/order.py). Indices are exact for
+    axes of up to 2**24 elements (they are float32 values in the kernel).
+
+        >>> argmax(tensor("x", "r j"), "j").axes
+        ('r',)
+    """
+    x = _lift(x)
+    _reduce("RMax", x, axis, "argmax")   # checks the axis
+    nan = x.ne(x)
+    first_nan = min(where(nan, index(axis), math.inf), axis)
+    v = where(nan, -math.inf, x)
+    first_max = min(where(v.eq(max(v, axis)), index(axis), math.inf), axis)
+    return cast(where(first_nan < math.inf, first_nan, first_max), "index")
+
+
+def argmin(x, axis):
+    """The index of the smallest element along ``axis`` (the first on ties, as torch.argmin),
+    an int64 output: ``argmax(-x, axis)`` (NaN counts as smaller than every number)."""
+    x = _lift(x)
+    _reduce("RMin", x, axis, "argmin")
+    return argmax(-x, axis)
 
 
 def take(t: Expr, idx, axis: str) -> Expr:

@@ -378,6 +378,8 @@ class RowGen:
             return f"_enc_e5m2({v})"
         if dt == "bfloat16":   # the bits (the interpreter's conversion loses subnormals)
             return f"(({v}).to(tl.int32, bitcast=True) >> 16).to(tl.int16)"
+        if dt == "index":   # an int64 index (argmax/argmin); an undefined one (NaN) is -1
+            return f"tl.where(({v}) == ({v}), {v}, -1.0).to(tl.int64)"
         if dt == "int8":
             return f"tl.where(({v}) == ({v}), {v}, 0.0).to({o}_ptr.dtype.element_ty)"
         return f"({v}).to({o}_ptr.dtype.element_ty)"
@@ -586,7 +588,7 @@ class RowGen:
             "    for a in ROW_AXES:",
             "        n_rows *= sizes[a]",
             "    # out_dtypes: {output: dtype} written in another type (autograd's float32 saved values)",
-            "    sdt = {o: getattr(torch, d) for o, d in STORE_DTYPES.items()}",
+            "    sdt = {o: getattr(torch, 'int64' if d == 'index' else d) for o, d in STORE_DTYPES.items()}",
             "    # an output cast to a storage type is written in it (then converted if out_dtypes asks)",
             "    outs = {o: torch.empty([sizes[a] for a in ax], device=dev,",
             "                           dtype=sdt[o] if o in sdt else (out_dtypes or {}).get(o, odt))",
@@ -714,7 +716,7 @@ def empty_outputs(*args, **inputs):
     inputs, sizes, ref, dev = _prepare(args, inputs, allow_empty=True)
     empty = [a for a, n in sizes.items() if n == 0]
     odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32
-    sdt = {{o: getattr(torch, d) for o, d in globals().get("STORE_DTYPES", {{}}).items()}}
+    sdt = {{o: getattr(torch, 'int64' if d == 'index' else d) for o, d in globals().get("STORE_DTYPES", {{}}).items()}}
     outs = {{}}
     for o, ax in OUTPUTS.items():
         if not any(a in empty for a in ax):
@@ -742,11 +744,11 @@ def _single_canon(t: Term, axis: str) -> Term:
 
 
 def store_dtypes(outputs) -> dict:
-    """{output: dtype name} for outputs whose outermost operator is a cast to a storage type
-    (int8, a float8 type, float16, bfloat16): they are written in that type."""
+    """{output: cast type} for outputs whose outermost operator is a cast to a storage type
+    (int8, a float8 type, float16, bfloat16, float32, or "index": int64): written in that type."""
     from acefuse.rewrite.terms import FLOAT_CASTS, SATURATING
     return {o: t.args[1] for o, t in outputs.items()
-            if t.op == "Cast" and (t.args[1] in FLOAT_CASTS or t.args[1] in SATURATING)}
+            if t.op == "Cast" and (t.args[1] in FLOAT_CASTS or t.args[1] in SATURATING or t.args[1] == "index")}
 
 
 def _as_row(e, shape):

@@ -276,8 +276,33 @@ class _Generic:
         if phi == 0:
             return inv
         name = "max" if op == "RMax" else "min"
+        if op == "RMin" and inv == 0:
+            sel = [self._select_by_bound(a, phi) for a in atoms]
+            if all(v is not None for v in sel):
+                return sp.Min(*sel)
         vals = [self.agg(a, name, phi) for a in atoms]
         return inv + (sp.Max(*vals) if op == "RMax" else sp.Min(*vals))
+
+    def _select_by_bound(self, atom, phi):
+        """``min_S where(f == c, g, k)`` where ``c = max(..., max_S f, ...)`` is an upper bound of
+        ``f`` on S: ``where(max_S f == c, min_S where(f == max_S f, g, k), k)``, the proved rule
+        min-where-eq-bound (rules/order.py) with d = max_S f (UB by definition, d <= c as an
+        argument of the max). None when phi is not of that form."""
+        if getattr(phi, "func", None) != _SYM_OPS["Where"] or len(phi.args) != 3:
+            return None
+        cond, g, k = phi.args
+        if getattr(cond, "func", None) != _SYM_OPS["CmpEq"] or k.free_symbols & self.elem:
+            return None
+        f, c = cond.args
+        if not (f.free_symbols & self.elem) or c.free_symbols & self.elem:
+            return None
+        d = self.agg(atom, "max", f)
+        if c == d:
+            return None   # already the block's own max: the aggregate as it is
+        if not (isinstance(c, sp.Max) and d in c.args):
+            return None
+        return _SYM_OPS["Where"](_SYM_OPS["CmpEq"](d, c), self.agg(atom, "min", _SYM_OPS["Where"](
+            _SYM_OPS["CmpEq"](f, d), g, k)), k)
 
 
 _SYM_OPS = {

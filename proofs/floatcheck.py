@@ -86,6 +86,17 @@ class _Vec:
             out = out + v
         return out
 
+    def where(self, c, a, b): return np.where(c != 0, a, b).astype(self.dt)
+
+    def cmp(self, op, a, b):
+        if op == "LNot":
+            return (a == 0).astype(self.dt)
+        f = {"CmpLt": np.less, "CmpLe": np.less_equal, "CmpGt": np.greater, "CmpGe": np.greater_equal,
+             "CmpEq": np.equal, "CmpNe": np.not_equal}.get(op)
+        if f is not None:
+            return f(a, b).astype(self.dt)
+        return (((a != 0) & (b != 0)) if op == "LAnd" else ((a != 0) | (b != 0))).astype(self.dt)
+
 
 class _Sampler:
     """Values of the leaves (one array per leaf symbol), sampled on first use."""

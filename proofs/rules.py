@@ -47,7 +47,7 @@ import sympy as sp
 
 from acefuse.rewrite.terms import substitute
 from acefuse.rules.base import Rule, SELF
-from acefuse.proofs import decide, cache as _cache
+from acefuse.proofs import decide, order, cache as _cache
 from acefuse.proofs.cache import cache_path, checker_hash
 from acefuse.proofs.semantics import SympyBackend
 from acefuse.proofs.induction import (SymbolicProver, SymEnv, Unsupported, OMEGA, ALL_SIZES,
@@ -242,6 +242,17 @@ class _Prover:
                                   "decides equations between real-valued terms only")
         problem = disjointness_problem(r, self.facts)
         notes = []
+        if not problem and order.applies(r):
+            # a selection rule (where, comparisons, min/max): decided by order types (proofs/order.py)
+            try:
+                status, detail, point = order.decide(r)
+            except order.OutsideClass:
+                status = None
+            if status == "proved":
+                return ProofResult(r.name, r.theory, "proved", order.METHOD, None, 0.0, detail, scope=scope)
+            if status == "refuted":
+                return ProofResult(r.name, r.theory, "refuted", order.METHOD, point, 0.0,
+                                   f"the sides differ on a block of one element: {detail}" + _hint(r))
         if not problem:
             try:
                 sp_ = SymbolicProver(r, self.facts, self._premises, self._goal)

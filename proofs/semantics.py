@@ -93,6 +93,17 @@ _OPS = {
     "Floor": lambda be, a: be.floor(a),
     "Ceil": lambda be, a: be.ceil(a),
     "Round": lambda be, a: be.round(a),
+    # selection: where and comparisons (a comparison is 1 or 0; where picks by a nonzero condition)
+    "Where": lambda be, c, a, b: be.where(c, a, b),
+    "CmpLt": lambda be, a, b: be.cmp("CmpLt", a, b),
+    "CmpLe": lambda be, a, b: be.cmp("CmpLe", a, b),
+    "CmpGt": lambda be, a, b: be.cmp("CmpGt", a, b),
+    "CmpGe": lambda be, a, b: be.cmp("CmpGe", a, b),
+    "CmpEq": lambda be, a, b: be.cmp("CmpEq", a, b),
+    "CmpNe": lambda be, a, b: be.cmp("CmpNe", a, b),
+    "LAnd": lambda be, a, b: be.cmp("LAnd", a, b),
+    "LOr": lambda be, a, b: be.cmp("LOr", a, b),
+    "LNot": lambda be, a: be.cmp("LNot", a, None),
     # exact integer arithmetic (floor division and modulo as Python; int64 two's complement)
     "FloorDiv": lambda be, a, b: be.intop("FloorDiv", a, b),
     "Mod": lambda be, a, b: be.intop("Mod", a, b),
@@ -144,6 +155,13 @@ def cast_float(a, dtype, floor, ldexp, frexp, inf):
     if r > top:
         r = top if over == "sat" else inf
     return -r if a < 0 else r
+
+
+def truth(op, a, b):
+    """A comparison or logical operator on concrete numbers (True/False)."""
+    return {"CmpLt": lambda: a < b, "CmpLe": lambda: a <= b, "CmpGt": lambda: a > b, "CmpGe": lambda: a >= b,
+            "CmpEq": lambda: a == b, "CmpNe": lambda: a != b, "LAnd": lambda: a != 0 and b != 0,
+            "LOr": lambda: a != 0 or b != 0, "LNot": lambda: a == 0}[op]()
 
 
 _UNINTERPRETED = {}
@@ -210,6 +228,19 @@ class SympyBackend:
     def ceil(self, a): return sp.ceiling(a)
     def round(self, a): return _uf("round_even")(a)
     def cast(self, a, dtype): return _uf("cast_" + dtype)(a)
+
+    def where(self, c, a, b):
+        return sp.Piecewise((a, sp.Ne(c, 0)), (b, True))
+
+    def cmp(self, op, a, b):
+        rel = {"CmpLt": sp.Lt, "CmpLe": sp.Le, "CmpGt": sp.Gt, "CmpGe": sp.Ge, "CmpEq": sp.Eq, "CmpNe": sp.Ne}
+        if op in rel:
+            cond = rel[op](a, b)
+        elif op == "LNot":
+            cond = sp.Eq(a, 0)
+        else:
+            cond = (sp.And if op == "LAnd" else sp.Or)(sp.Ne(a, 0), sp.Ne(b, 0))
+        return sp.Piecewise((1, cond), (0, True))
 
     def log1p(self, a):
         self.conditions.append(("pos", 1 + a))
@@ -304,6 +335,9 @@ class MpBackend:
             raise Undefined(f"cast({mpmath.nstr(a, 6)}, {dtype!r}) is outside the type")
         return t
 
+    def where(self, c, a, b): return a if c != 0 else b
+    def cmp(self, op, a, b): return mpmath.mpf(1 if truth(op, a, b) else 0)
+
     def intop(self, op, a, b=None):
         vals = [a] if b is None else [a, b]
         if any(v != mpmath.floor(v) for v in vals):
@@ -348,6 +382,9 @@ class FloatBackend:
     def cast(self, a, dtype):
         from acefuse.reference import _cast
         return np.float64(_cast(np.float64(a), dtype))
+
+    def where(self, c, a, b): return a if c != 0 else b
+    def cmp(self, op, a, b): return np.float64(1.0 if truth(op, a, b) else 0.0)
 
     def intop(self, op, a, b=None):
         vals = [a] if b is None else [a, b]

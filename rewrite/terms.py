@@ -102,7 +102,8 @@ ROUNDING = ("Floor", "Ceil", "Round", "Cast")
 INT_OPS = ("FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")
 BOOLEAN = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
 CAST_LIMITS = {"int32": 2.0 ** 31, "int64": 2.0 ** 63,   # a cast needs -limit <= trunc(a) < limit
-               "int8": 2.0 ** 7}                          # ... except SATURATING types, which clamp
+               "int8": 2.0 ** 7,                          # ... except SATURATING types, which clamp
+               "index": 2.0 ** 63}   # as int64; an output cast to it is an int64 tensor (argmax, argmin)
 SATURATING = {"int8": (-128.0, 127.0)}   # integer casts that saturate after truncation (quantization)
 # float casts: (mantissa bits, exponent of the smallest normal, largest finite, on overflow). The
 # value is rounded to nearest, ties to even, with the format's subnormals; beyond the largest

@@ -282,3 +282,117 @@ def test_gradients_cast_straight_through_round_zero_clamp():
     xd = xv.detach().double()
     want = torch.clamp(xd, -1, 1) + xd.to(torch.bfloat16).double() * ((xd > -1) & (xd < 1)).double()
     np.testing.assert_allclose(xv.grad.double().numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+# ---- argmax / argmin ---------------------------------------------------------------------------------
+from acefuse.rewrite.terms import A, B, U, Term, st as state, elm, rmax, rmin, min2  # noqa: E402
+from acefuse.proofs.certify import certify_claim, StateDef  # noqa: E402
+
+
+def _sel(c, a, b):
+    return Term("Where", (c, a, b))
+
+
+def _eq(a, b):
+    return Term("CmpEq", (a, b))
+
+
+def test_selection_rule_is_proved_and_wrong_variants_are_not():
+    """min-where-eq-bound is proved for every block size by order types (proofs/order.py);
+    dropping a side condition or changing the selection is refuted or left unproved."""
+    from acefuse.rules import REGISTRY
+    from acefuse.rules.base import rw, tvars, bvars, inv, le, ub
+    from acefuse.proofs.rules import prove_rule
+    res = prove_rule(REGISTRY["min-where-eq-bound"], use_cache=False)
+    assert res.status == "proved" and "order types" in res.method and not res.float_unsafe, res
+    f, c, d, g, k = tvars("f c d g k")
+    s, = bvars("s")
+    lhs = rmin(s, _sel(_eq(f, c), g, k))
+    good_rhs = _sel(_eq(d, c), rmin(s, _sel(_eq(f, d), g, k)), k)
+    wrong = [rw("no-le", lhs, good_rhs, when=[ub(d, f, s), inv(c), inv(d), inv(k)]),
+             rw("no-ub", lhs, good_rhs, when=[le(d, c), inv(c), inv(d), inv(k)]),
+             rw("max-not-min", lhs, _sel(_eq(d, c), rmax(s, _sel(_eq(f, d), g, k)), k),
+                when=[ub(d, f, s), le(d, c), inv(c), inv(d), inv(k)]),
+             rw("keeps-old", lhs, rmin(s, _sel(_eq(f, d), g, k)), when=[ub(d, f, s), le(d, c), inv(c), inv(d), inv(k)])]
+    for r in wrong:
+        res = prove_rule(r, use_cache=False)
+        assert res.status != "proved", (r.name, res)
+    assert prove_rule(wrong[0], use_cache=False).status == "refuted"
+
+
+def test_argmax_merge_certificates_accept_the_derived_forms_and_reject_wrong_ones():
+    x, j = elm("x"), elm("j")
+    inf = Term("Num", (float("inf"),))
+    M = StateDef("m", "max", rmax(A, x))
+    I = StateDef("i", "min", rmin(A, _sel(_eq(x, state("m", A)), j, inf)))
+    mA, mB, mAB = state("m", A), state("m", B), state("m", U(A, B))
+    iA, iB = state("i", A), state("i", B)
+    good = {"merge": min2(_sel(_eq(mA, mAB), iA, inf), _sel(_eq(mB, mAB), iB, inf)),
+            "rolling": min2(_sel(_eq(mA, mAB), iA, inf), rmin(B, _sel(_eq(x, mAB), j, inf)))}
+    bad = {"no-selection": min2(iA, iB),
+           "wrong-side": min2(_sel(_eq(mA, mAB), iB, inf), _sel(_eq(mB, mAB), iA, inf)),
+           "rolling-old-max": min2(iA, rmin(B, _sel(_eq(x, mB), j, inf)))}
+    for name, rhs in good.items():
+        cert = certify_claim([M, I], state("i", U(A, B)), rhs, "i", name)
+        assert cert.ok, (name, cert)
+    for name, rhs in bad.items():
+        cert = certify_claim([M, I], state("i", U(A, B)), rhs, "i", name)
+        assert not cert.ok, (name, cert)
+
+
+@pytest.fixture(scope="module")
+def arg_kernel():
+    x = af.tensor("x", "r j")
+    prog = af.program("argsel", i=af.argmax(x, "j"), n=af.argmin(x, "j"), m=af.max(x, "j"))
+    f = af.fuse(prog)
+    assert f.fusible and len(f.passes) == 1, f.explain()
+    assert "min-where-eq-bound" in f.explain()
+    k = af.compile(prog)
+    assert k.fusion.certificate.ok
+    return k
+
+
+@st.composite
+def _arg_case(draw):
+    rows, cols = draw(st.integers(1, 5)), draw(st.integers(1, 200))
+    sched = draw(st.sampled_from(["single", "loop", "split"]))
+    return (rows, cols, sched, draw(st.sampled_from([16, 32])), draw(st.integers(1, 4)),
+            draw(st.sampled_from(["randn", "ties", "ints", "neginf"])), draw(st.booleans()),
+            draw(st.sampled_from([torch.float32, torch.bfloat16])), draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(_arg_case())
+def test_argmax_argmin_match_torch_on_every_schedule(arg_kernel, case):
+    """First index on ties, NaN first (as torch), fully -inf rows, int64 outputs, one pass."""
+    rows, cols, sched, block, nsplit, kind, nan, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        x = torch.randint(0, 3, (rows, cols), generator=g).float()
+    elif kind == "ints":
+        x = torch.randint(-1000, 1000, (rows, cols), generator=g).float()
+    else:
+        x = torch.randn(rows, cols, generator=g) * 10
+    if kind == "neginf":
+        x[0] = -math.inf
+    if nan and cols > 2:
+        x[-1, cols // 2] = math.nan
+        x[-1, cols // 3] = math.nan
+    x = x.to(dtype)
+    kw = {} if sched == "single" else {"block_j": block}
+    if sched == "split":
+        kw["nsplit"] = nsplit
+    out = arg_kernel(x=x, schedule=sched, **kw)
+    assert out["i"].dtype == torch.int64 and out["n"].dtype == torch.int64
+    assert torch.equal(out["i"], x.argmax(1)), (out["i"], x.argmax(1))
+    assert torch.equal(out["n"], x.argmin(1)), (out["n"], x.argmin(1))
+    ref = evaluate(af.program("argsel", i=af.argmax(af.tensor("x", "r j"), "j")), {"x": x.double()})
+    assert np.array_equal(ref["i"], x.argmax(1).double().numpy())
+
+
+def test_argmax_language_errors():
+    x = af.tensor("x", "r j")
+    with pytest.raises(LanguageError, match="'k' is not an axis"):
+        af.argmax(x, "k")
+    assert af.argmin(x, "j").axes == ("r",)
