@@ -1,0 +1,43 @@
+"""Shared pieces of acefuse.distributed: errors, constants, and the instantiation of global
+positions (``index(a)``, ``size(a)``) in terms."""
+from __future__ import annotations
+
+from acefuse.rewrite.terms import Term, num
+
+J = Term("BJ")
+A_, B_ = Term("BA"), Term("BB")
+AB_ = Term("BU", (A_, B_))
+EXCHANGES = ("auto", "states", "gather", "ring")
+# launch options every kernel family takes (passed through to the local kernels)
+RUN_KW = ("schedule", "block_i", "block_j", "block_r", "nsplit", "num_warps", "num_stages")
+
+
+class DistributedError(ValueError):
+    """A sharded call that cannot run as asked; the message names the program, the axis or
+    the input, and what to do."""
+
+
+class DistributedFallbackWarning(UserWarning):
+    """A sharded program runs by gathering its sharded inputs (not by exchanging states)."""
+
+
+# ---- the term-level instantiation of global positions -----------------------------------
+def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None) -> Term:
+    """``t`` with ``index(a)`` -> ``index(a) + offsets[a]``, ``size(a)`` -> ``sizes[a]`` and,
+    when ``count_j`` is given, the whole axis's count ``Cnt(J)`` -> that number. The result is
+    the same expression with its free leaves (positions, lengths) fixed: every derivation step
+    proved over generic leaves still holds."""
+    if t.op == "Idx" and offsets.get(t.args[0]):
+        return Term("Add", (t, num(int(offsets[t.args[0]]))))
+    if t.op == "Size" and t.args[0] in sizes:
+        return num(int(sizes[t.args[0]]))
+    if count_j is not None and t.op == "Cnt" and t.args[0].op == "BJ":
+        return num(int(count_j))
+    if not t.children:
+        return t
+    return Term(t.op, tuple(instantiate(a, offsets, sizes, count_j) if isinstance(a, Term) else a
+                            for a in t.args))
+
+
+def _uses(terms, pred) -> bool:
+    return any(pred(u) for t in terms for u in t.walk())

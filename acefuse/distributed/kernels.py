@@ -1,0 +1,203 @@
+"""Kernels generated for the sharded flow from a certified fusion's own forms: partial states
+over a shard, outputs from given (merged) states, a whole pass with global offsets."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+from acefuse.rewrite.terms import Term, pretty
+from acefuse.distributed.base import J, instantiate
+
+
+# ---- kernels generated for the sharded flow ---------------------------------------------
+class _ShardProgram:
+    """What a template reads of a generated program: name, axes, tensors, key."""
+
+    def __init__(self, program, axes, tensors, role, extra, outputs=None):
+        self.name = program.name
+        self.outputs = dict(outputs or {})   # the program's outputs this kernel writes (their storage types)
+        self.axes = tuple(axes)
+        self.tensors = dict(tensors)
+        self._key = hashlib.sha256(repr((program.key(), role, extra)).encode()).hexdigest()[:16]
+
+    def key(self) -> str:
+        return self._key
+
+
+def _axes_fn(enc):
+    from acefuse.rewrite.encode import _Axes
+    return _Axes(dict(enc.tensors))
+
+
+def state_axes(fusion) -> dict:
+    """{state or reference value: its parallel axes, program order}."""
+    enc, prog = fusion.encoding, fusion.program
+    order = {a: i for i, a in enumerate(prog.axes)}
+    ax = _axes_fn(enc)
+    return {s.name: tuple(sorted(ax(s.source), key=order.__getitem__)) for s in enc.states}
+
+
+def _inst_pass(p, f, offsets, sizes, states=True):
+    from acefuse.fuse import FusionPass
+    sub = (lambda t: instantiate(t, offsets, sizes))
+    if not states:
+        return []
+    st = [replace(s, definition=sub(s.definition)) for s in p.states]
+    refs = [replace(s, definition=sub(s.definition)) for s in p.refs]
+    return [FusionPass(p.index, st, refs, init={k: sub(v) for k, v in p.init.items()},
+                       rolling={k: sub(v) for k, v in p.rolling.items()},
+                       merge={k: sub(v) for k, v in p.merge.items()},
+                       rolling_cost=dict(p.rolling_cost), merge_cost=dict(p.merge_cost), stats=p.stats,
+                       known=tuple(p.known))]
+
+
+def _link_fusion(f, outputs, out_axes, tensors, passes, role, extra, enc_states=None, leaves=None, given=None):
+    from acefuse.fuse import Fusion
+    enc = f.encoding
+    leaves = leaves if leaves is not None else enc.leaves
+    enc_states = enc_states if enc_states is not None else enc.states
+    # only the tensors this kernel reads (an index tensor no longer looked up must not be
+    # checked as a float input), and only the axes they and the outputs range over
+    terms = list(outputs.values()) + list(leaves.values()) + [s.definition for s in enc_states]
+    for p in passes:
+        terms += [t for d in (p.init, p.rolling, p.merge) for t in d.values()]
+    used = {u.args[0] for t in terms for u in t.walk() if u.op == "In"}
+    used |= {u.args[0] for t in terms for u in t.walk() if u.op == "Take"}
+    used |= set(given or ())
+    tensors = {t: ax for t, ax in tensors.items() if t in used}
+    axes_used = {a for ax in tensors.values() for a in ax} | {a for ax in out_axes.values() for a in ax}
+    axes_used |= {u.args[0] for t in terms for u in t.walk() if u.op == "Idx"}
+    lenc = replace(enc, outputs=outputs, output_axes=out_axes, elementwise_outputs=tuple(
+        o for o in outputs if enc.axis in out_axes[o]), tensors=dict(tensors), states=enc_states, leaves=leaves)
+    prog = _ShardProgram(f.program, [a for a in f.program.axes if a in axes_used], tensors, role, extra,
+                         outputs={o: e for o, e in getattr(f.program, "outputs", {}).items() if o in outputs})
+    note = f"sharded across ranks along {f.axis!r}: {role} ({extra})"
+    lf = Fusion(prog, f.axis, lenc, passes, f.fusible, f.reason, list(f.blocked), list(f.rules),
+                schedule=f.schedule, normal_form=list(f.normal_form) + [note])
+    for p in f.passes:
+        for s in p.states:
+            lf._chains[(s.name, "rolling")] = f.rule_chain(s.name, "rolling")
+            if s.name in p.merge:
+                lf._chains[(s.name, "merge")] = f.rule_chain(s.name, "merge")
+    return lf
+
+
+def _own_hash() -> str:
+    """A hash of this package (it holds a template: part of the cache key of what it generates)."""
+    global _OWN_HASH
+    if _OWN_HASH is None:
+        h = hashlib.sha256()
+        for p in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        _OWN_HASH = h.hexdigest()[:12]
+    return _OWN_HASH
+
+
+_OWN_HASH = None
+
+
+def _load(lf, src, role, extra):
+    from acefuse.codegen.compile import cache_key, cached_source, load_module, Kernel
+    h = cache_key(lf, "sharded", role=role, extra=repr(extra), template=_own_hash())
+    path = cached_source(f"{lf.program.name}_{role}", h, src)
+    mod = load_module(path, f"acefuse_gen_{lf.program.name}_{role}_{h}")
+    return Kernel(lf, src, path, mod)
+
+
+def partial_kernel(f, offsets: dict, sizes: dict, names: dict):
+    """The kernel writing the carried states of ``f``'s pass over the local shard (float32),
+    with global positions instantiated (``offsets``, ``sizes``)."""
+    from acefuse.codegen import contraction, row
+    enc = f.encoding
+    p = f.passes[0]
+    sax = state_axes(f)
+    sub = (lambda t: instantiate(t, offsets, sizes))
+    outputs = {names[s.name]: Term("St", (s.name, J)) for s in p.states}
+    out_axes = {names[s.name]: sax[s.name] for s in p.states}
+    states = [replace(s, definition=sub(s.definition)) for s in enc.states]
+    leaves = {k: sub(v) for k, v in enc.leaves.items()}
+    extra = (sorted(offsets.items()), sorted(sizes.items()))
+    lf = _link_fusion(f, outputs, out_axes, enc.tensors, _inst_pass(p, f, offsets, sizes), "partial", extra,
+                      enc_states=states, leaves=leaves)
+    lf.encoding = replace(lf.encoding, elementwise_outputs=())
+    if contraction.is_contraction(f):
+        from acefuse.codegen.chain import LinkGen
+        src = LinkGen(lf, {}).module()
+    else:
+        src = row.RowGen(lf).module()
+    return _load(lf, src, "partial", extra)
+
+
+def full_kernel(f, offsets: dict, sizes: dict):
+    """The one-pass kernel of ``f`` with global positions instantiated (``offsets``,
+    ``sizes``): a rank's slice of a parallel axis (its queries) against whole data."""
+    from acefuse.codegen import contraction, row
+    enc = f.encoding
+    sub = (lambda t: instantiate(t, offsets, sizes))
+    states = [replace(s, definition=sub(s.definition)) for s in enc.states]
+    leaves = {k: sub(v) for k, v in enc.leaves.items()}
+    extra = (sorted(offsets.items()), sorted(sizes.items()))
+    lf = _link_fusion(f, {o: sub(t) for o, t in enc.outputs.items()}, dict(enc.output_axes), enc.tensors,
+                      _inst_pass(f.passes[0], f, offsets, sizes), "full", extra, enc_states=states, leaves=leaves)
+    lf.encoding = replace(lf.encoding, elementwise_outputs=tuple(enc.elementwise_outputs))
+    if contraction.is_contraction(f):
+        from acefuse.codegen.chain import LinkGen
+        src = LinkGen(lf, {}).module()
+    else:
+        src = row.RowGen(lf).module()
+    return _load(lf, src, "full", extra)
+
+
+def _given_row_gen():
+    from acefuse.codegen.row import RowGen
+
+    class GivenRowGen(RowGen):
+        """The row template with final states loaded from tensors (``given``: state ->
+        tensor name) in the prologue, and no pass of its own: the outputs and the epilogue
+        of the fusion, on the local shard, from states merged across ranks."""
+
+        def __init__(self, fusion, given):
+            super().__init__(fusion)
+            self.given = dict(given)
+
+        def prologue(self, L, grid_rows="tl.program_id(0)"):
+            super().prologue(L, grid_rows)
+            for q, t in self.given.items():
+                off = f" + off_{t}" if self.row_axes_of(t) else ""
+                L.append(f"    # {q}: its final value, merged across ranks (input {t})")
+                L.append(f"    {q} = tl.load({t}_ptr{off} + 0 * rows, mask=rmask, other=0.0).to(tl.float32)")
+    return GivenRowGen
+
+
+def final_kernel(f, offsets: dict, sizes: dict, names: dict, takes: dict, n_global: int):
+    """The row kernel writing ``f``'s outputs on the local shard from given final states
+    (``names``: state -> input tensor) and looked-up values (``takes``: Take term -> input)."""
+    enc = f.encoding
+    sax = state_axes(f)
+    ax = _axes_fn(enc)
+    order = {a: i for i, a in enumerate(f.program.axes)}
+    tensors = dict(enc.tensors)
+    for q, t in names.items():
+        tensors[t] = sax[q]
+    for tk, t in takes.items():
+        tensors[t] = tuple(sorted(ax(tk), key=order.__getitem__))
+
+    def swap(t):
+        if t in takes:
+            return Term("In", (takes[t],))
+        if not t.children:
+            return t
+        return Term(t.op, tuple(swap(a) if isinstance(a, Term) else a for a in t.args))
+
+    def sub(t):
+        return instantiate(swap(t), offsets, sizes, n_global)
+    outputs = {o: sub(t) for o, t in enc.outputs.items()}
+    states = [replace(s, definition=sub(s.definition)) for s in enc.states]
+    leaves = {k: sub(v) for k, v in enc.leaves.items()}
+    extra = (sorted(offsets.items()), sorted(sizes.items()), n_global, sorted(names.items()),
+             sorted((pretty(k), v) for k, v in takes.items()))
+    lf = _link_fusion(f, outputs, dict(enc.output_axes), tensors, [], "final", extra,
+                      enc_states=states, leaves=leaves, given=list(names.values()) + list(takes.values()))
+    src = _given_row_gen()(lf, names).module()
+    return _load(lf, src, "final", extra)
