@@ -20,7 +20,7 @@ import time
 from acefuse.rewrite.terms import Term, A, B, U, pretty, substitute, reblock
 from acefuse.rewrite.encode import encode, Encoding, StateDef, RED_OPS
 from acefuse.rewrite.egraph import EGraph, RunStats
-from acefuse.rewrite import schedules
+from acefuse.rewrite import schedules, auxiliary
 from acefuse.extract.extractor import Extractor, Reach
 from acefuse.extract import cost as C
 from acefuse.extract import simulate
@@ -48,6 +48,7 @@ class FusionPass:
     stats: RunStats | None = None
     egraph: object = None
     known: tuple = ()                  # states finished in earlier passes
+    schedule: object = None            # the schedule it was derived with (None: the fusion's)
 
     @property
     def split_ok(self) -> bool:
@@ -121,6 +122,8 @@ class Fusion:
         L.append("states (block-local definitions over a block S):")
         for s in enc.states:
             L.append(f"  {s.name:>4} = {_show(s.definition, 'S')}    [{s.op}; from {pretty(s.source)}]")
+            if s.aux:   # discovered, not written (rewrite/auxiliary.py)
+                L.append(f"         auxiliary state, discovered: {s.aux}")
         hp = self.hbm_passes
         L.append(f"HBM passes over the input (rows longer than a tile): unfused {hp['unfused']}, "
                  f"fused {hp['fused']}")
@@ -167,6 +170,7 @@ class Fusion:
                 "states": [{
                     "name": s.name, "op": s.op,
                     "definition": _show(s.definition, "S"),
+                    "auxiliary": s.aux or None,   # why a discovered state was needed
                     "init": pretty(p.init[s.name]),
                     "rolling": pretty(p.rolling[s.name]),
                     "merge": pretty(p.merge[s.name]) if s.name in p.merge else None,
@@ -269,9 +273,15 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     remaining = list(enc.states)
     known: set = set()
     passes, blocked = [], []
+    # auxiliary-state discovery (rewrite/auxiliary.py): a pass whose states lack a reachable
+    # form is derived again with the discovery schedules, in order, and the proposed states
+    aux_defs: dict = {}               # definition -> name of the auxiliary states proposed
+    aux_rounds = 0
+    ladder = (schedule,) + schedules.discovery(schedule)
+    level, base_ok, discover, limited, plain_pass = 0, None, True, False, None
     while remaining:
         eg = _build(enc, remaining, known, all_rules, allow_unproved, check_proofs)
-        stats = eg.saturate(schedule)
+        stats = eg.saturate(ladder[level])
         ex = Extractor(eg.serialized())
         carried = [s for s in remaining if s.op != "ref"]
         carried_names = frozenset(s.name for s in carried)
@@ -297,6 +307,43 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
                 continue
             # no safe form: these states take another pass
             unsafe.update({q: msg for q, (cause, msg) in bad.items()})
+        if discover and aux_rounds < auxiliary.MAX_ROUNDS:
+            ok_now = {x.name for x in ok if not x.aux}
+            if base_ok is None:   # the plain derivation of this pass, kept to fall back on
+                base_ok, plain_pass = ok_now, (enc, remaining, eg, stats, ex, p, ok, unsafe, why)
+            new_enc = None
+            if base_ok - ok_now:
+                # this discovery schedule lost a state the plain one derives: drop what it
+                # proposed and try the next one, or stop discovering
+                aux_defs.clear()
+                if level + 1 < len(ladder):
+                    new_enc = auxiliary.prune(enc, {x.name for x in enc.states if x.aux and x.name in known})
+                    level += 1
+                else:
+                    discover = False
+            else:
+                new_enc, why, structural = _auxiliary(enc, ex, p, remaining, known, unsafe, why, aux_defs)
+                if level == 0:
+                    plain_pass = plain_pass[:-1] + (why,)
+                    limited = not stats.stop_reason.startswith(("saturated", "phase iteration cap"))
+                nxt = level + 1
+                while limited and nxt < len(ladder) and ladder[nxt].theories() >= ladder[0].theories():
+                    nxt += 1   # the plain derivation stopped at a limit: a superset of it would too
+                if new_enc is None and structural and nxt < len(ladder):
+                    level, new_enc = nxt, enc   # nothing proposed: the next discovery schedule
+            if new_enc is not None and aux_rounds + 1 < auxiliary.MAX_ROUNDS:
+                aux_rounds += 1
+                enc = new_enc if level == 0 else auxiliary.expand_powers(new_enc, [x.name for x in remaining])
+                remaining = [x for x in enc.states if x.name not in known]
+                continue
+        if level and not any(x.aux for x in remaining):
+            # discovery found nothing for this pass: its plain derivation stands
+            enc, remaining, eg, stats, ex, p, ok, unsafe, why = plain_pass
+            why = [(n, r if r.endswith(_NO_AUX) or n in unsafe else r + _NO_AUX) for n, r in why]
+            level = 0
+        p.schedule = ladder[level]
+        p.states = ok
+        level, base_ok, discover, limited, plain_pass = 0, None, True, False, None
         blocked.extend(why)
         # split merges for the states that fuse
         okn = frozenset(x.name for x in ok)
@@ -372,6 +419,44 @@ def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
         p.rolling[s.name], p.rolling_cost[s.name] = term, cost
         ok.append(s)
     return ok, why
+
+
+_NO_AUX = ("; no auxiliary state (a sum over the folded block of a subterm the rules produce, "
+           "rewrite/auxiliary.py) makes it reachable either")
+
+
+def _auxiliary(enc, ex, p, remaining, known, unsafe, why, aux_defs):
+    """(an encoding to derive this pass again with, or None; the blocked reasons; whether a
+    state is blocked for want of a reachable form, not by the float32 check). Proposes
+    auxiliary states for the states of this pass that have no reachable rolling form
+    (rewrite/auxiliary.py), or, when nothing new is proposed, drops the auxiliary states that
+    no chosen form reads."""
+    ok = {s.name for s in p.states}
+    order = [s.name for s in remaining if s.op != "ref"]
+    new_enc, added, out = enc, [], []
+    for name, reason in why:
+        if name in unsafe or name in ex.strict_exp:
+            out.append((name, reason))
+            continue
+        cid = ex.class_of(lambda op, args, n=name: op == "St" and args and args[0] == n
+                          and ex.blk.get(args[1]) == "AB")
+        i = order.index(name)
+        # the state's own running value over A is carried, like every state of the pass that fuses
+        reach = Reach("rolling", frozenset(ok | {name}), frozenset(q for q in order[:i] if q in ok), discover=True)
+        _, term = ex.extract(cid, reach, target=name)
+        bodies = auxiliary.proposals(term) if term is not None else []
+        names = []
+        if bodies:
+            new_enc, names = auxiliary.add(new_enc, name, bodies, term, aux_defs)
+            added += names
+        out.append((name, reason if names else reason + _NO_AUX))
+    structural = len(out) > sum(1 for n, _ in why if n in unsafe or n in ex.strict_exp)
+    if added:
+        return new_enc, out, structural
+    unused = {s.name for s in remaining if s.aux} - auxiliary.used(p, enc)
+    if unused:
+        return auxiliary.prune(enc, {s.name for s in enc.states if s.aux} - unused), out, structural
+    return None, out, structural
 
 
 def _depends_on(enc, name, failed) -> bool:
@@ -465,7 +550,7 @@ def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
     for r in candidates if targets else ():
         rules = [x for x in f.rules if x.name != r.name]
         eg = _build(f.encoding, remaining, set(p.known), rules, check_proofs=False)
-        eg.saturate(f.schedule)
+        eg.saturate(p.schedule or f.schedule)
         for key, t in targets.items():
             if not eg.check(Term("St", (key[0], AB)), t):
                 needed[key].append(r.name)

@@ -40,6 +40,18 @@ A form of a state update is scored in three steps.
    more than any few operations, so a form that computes the same value with
    less cancellation wins.
 
+4. **Auxiliary states** (rewrite/auxiliary.py). When a state has no reachable
+   rolling form, extraction runs once more with ``Reach.discover``: a sum over
+   the folded block A whose body is A-local (elements, constants, per-row values,
+   ``n_A``, states over A updated before the target) becomes reachable as a
+   *proposed* state, at ``AUX_STATE`` (one more state carried: its register, its
+   init, update and merge, its slot in a split workspace) plus ``REDUCE`` plus
+   ``TILE`` times its body (the body is summed once per element of every tile).
+   The cheapest form names the set of states to add; with the cancellation term
+   above, a shifted auxiliary sum (``sum_A(x - m_A)``) beats a raw moment
+   (``sum_A(x)``, which cancels against ``n_A m_A`` at a large offset) although its
+   body costs one subtraction more per element.
+
 The cost is monotone in the children: every node adds a non-negative amount to
 the (sum of the) costs of its children.
 """
@@ -64,6 +76,7 @@ TILE = 64.0           # elements per row of a tile, in the weighting of per-elem
 UNBOUNDED_EXP = 1e4   # an exp that may overflow where a bounded form exists
 BIT = 16.0            # one bit lost to cancellation (weighted operations)
 BITS_CAP = 24.0       # at most a float32 significand is lost
+AUX_STATE = 128.0     # one more carried state proposed by discovery (two elements' worth of a tile)
 
 # The stress input of the numerics term (extract/numerics.py).
 STRESS = {

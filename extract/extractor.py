@@ -26,6 +26,9 @@ class Reach:
     carried: frozenset             # states carried per block (their St over A (and B, split) is known)
     earlier: frozenset             # states already updated at the union A u B
     # "final": a finished pass; St(q, J) is the only state form and is known
+    discover: bool = False         # rolling only: a sum over the folded block A whose body is
+    #                                A-local (elements, earlier states over A) may be *proposed* as
+    #                                an auxiliary state (rewrite/auxiliary.py), at cost AUX_STATE
 
 
 class Extractor:
@@ -59,6 +62,7 @@ class Extractor:
         self.ub = self.facts["UB"]
         self.b_class = next((c for c, v in self.blk.items() if v == "B"), None)
         self.j_class = next((c for c, v in self.blk.items() if v == "J"), None)
+        self.a_class = next((c for c, v in self.blk.items() if v == "A"), None)
         self.t_classes = [c for c, nids in self.cls_nodes.items()
                           if c not in self.blk and any(self._is_term(n) for n in nids)]
         self._dep_map = None
@@ -109,6 +113,8 @@ class Extractor:
                     return True
                 if ctx == "B" and ((b, a, self.b_class) in self.ub or (b, a, self.j_class) in self.ub):
                     return True
+                if ctx == "A" and ((b, a, self.a_class) in self.ub or (b, a, self.j_class) in self.ub):
+                    return True
         return False
 
     # -- costs ------------------------------------------------------------------------------
@@ -140,6 +146,8 @@ class Extractor:
         op, kids, ukids, fixed, ch = self._static(nid)
         if reach.mode == "program":
             return self._program_cost(op, kids, ukids, fixed, ctx, costs)
+        if ctx == "A":
+            return self._a_local_cost(op, kids, ukids, fixed, ch, reach, costs, target)
         if op == "St":
             q = self.payload(ch[0])
             blk = self.blk.get(kids[1])
@@ -162,6 +170,9 @@ class Extractor:
             return C.LEAF if ctx == "B" else C.INF
         if op in ("Sum", "RMax", "RMin"):
             blk = self.blk.get(kids[0])
+            if reach.discover and reach.mode == "rolling" and blk == "A" and op == "Sum":
+                # a proposed auxiliary state: one more state carried, its body summed per tile
+                return C.AUX_STATE + C.REDUCE + C.TILE * costs.get((kids[1], "A"), C.INF)
             if not (reach.mode == "rolling" and blk == "B"):
                 return C.INF
             body = costs.get((kids[1], "B"), C.INF)
@@ -172,6 +183,28 @@ class Extractor:
         for c in ukids:  # a repeated operand (d * d) is computed once
             total += costs.get((c, ctx), C.INF)
         return total + self._exp_penalty(op, kids, ctx, target)
+
+    def _a_local_cost(self, op, kids, ukids, fixed, ch, reach, costs, target):
+        """Context "A": the body of a proposed auxiliary state ``sum_A(body)``. The body must be
+        a block-local definition over A: elements, constants, per-row values, A's count, and
+        states over A that are updated before the target (never the target, never a value at
+        the union), so that the auxiliary state can be defined and updated ahead of it."""
+        if not reach.discover:
+            return C.INF
+        if op == "St":
+            q = self.payload(ch[0])
+            blk = self.blk.get(kids[1])
+            if blk == "J":
+                return C.LEAF
+            return C.LEAF if (blk == "A" and q in reach.earlier and q != target) else C.INF
+        if op == "Cnt":
+            return C.LEAF if self.blk.get(kids[0]) == "A" else C.INF
+        if op in ("Num", "Par", "Elm"):
+            return C.LEAF
+        if op in ("Sum", "RMax", "RMin") or fixed == C.INF:
+            return C.INF
+        total = fixed + sum(costs.get((c, "A"), C.INF) for c in ukids)
+        return total + self._exp_penalty(op, kids, "A", target)
 
     def _exp_penalty(self, op, kids, ctx, target=None):
         """UNBOUNDED_EXP for an exp whose argument is not proven bounded above (cost.py)."""
@@ -208,11 +241,12 @@ class Extractor:
                 for nid in self.cls_nodes[cid]:
                     n = self.nodes[nid]
                     is_red = n["op"] in ("Sum", "RMax", "RMin")
+                    body_ctx = "A" if (is_red and self.blk.get(self.cls(n["children"][0])) == "A") else "B"
                     for i, c in enumerate(n["children"]):
                         if not self._is_term(c):
                             continue
-                        for ctx in (None, "B"):
-                            sub = "B" if (is_red and i == 1) else ctx
+                        for ctx in (None, "B", "A"):
+                            sub = body_ctx if (is_red and i == 1) else ctx
                             dep.setdefault((self.cls(c), sub), []).append((nid, ctx))
             self._dep_map = dep
         return self._dep_map
@@ -230,7 +264,8 @@ class Extractor:
         dep = self._deps()
         # start from the nodes without term children; a node is queued again whenever
         # one of its children's cost improves (FIFO: few re-evaluations)
-        work = deque((nid, ctx) for nid in self._leaves() for ctx in (None, "B"))
+        ctxs = (None, "B", "A") if reach.discover else (None, "B")
+        work = deque((nid, ctx) for nid in self._leaves() for ctx in ctxs)
         queued = set(work)
 
         def improve(key, c, choice):
@@ -271,7 +306,9 @@ class Extractor:
             elif OPS[self.nodes[c]["op"]].sort == "Blk":
                 args.append(self.build_blk(self.cls(c)))
             else:
-                sub_ctx = "B" if (op in ("Sum", "RMax", "RMin") and i == 1) else ctx
+                sub_ctx = ctx
+                if op in ("Sum", "RMax", "RMin") and i == 1:
+                    sub_ctx = "A" if self.blk.get(self.cls(n["children"][0])) == "A" else "B"
                 args.append(self.build(self.cls(c), sub_ctx, best))
         return Term(op, tuple(args))
 

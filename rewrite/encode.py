@@ -37,6 +37,7 @@ class StateDef:
     definition: Term        # over the placeholder block A (Term("BA"))
     source: Term            # the program-level term it stands for
     deps: tuple = ()        # states the definition refers to
+    aux: str = ""           # an auxiliary state (rewrite/auxiliary.py): why a merge needed it
 
     def over(self, blk: Term) -> Term:
         """The definition over another block."""

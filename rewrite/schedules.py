@@ -24,6 +24,10 @@ sees the finite output of the previous one:
    reduction over a finished block into that block's state (user rules run here).
 4. ``simplify``: size-reducing field identities (``(a / b) * b = a``,
    ``a - a = 0``, ``0 * a = 0``), which is where ``sum_A (x - r_A) = 0`` closes.
+
+``DERIVE_BINOMIAL`` and ``DERIVE_AUXILIARY`` (``discovery``) derive a pass again
+only when one of its states has no reachable rolling form, to discover auxiliary
+states (rewrite/auxiliary.py).
 """
 from __future__ import annotations
 
@@ -65,7 +69,38 @@ NORMALIZE = Schedule("normalize", (
           max_iterations=6),
 ))
 
-SCHEDULES = {s.name: s for s in (DERIVE, NORMALIZE)}
+
+def discovery(schedule: Schedule) -> tuple:
+    """The schedules a pass is derived again with, in order, when one of its states has no
+    reachable rolling form (auxiliary-state discovery, rewrite/auxiliary.py); each is tried
+    only when the one before proposes nothing:
+
+    1. ``+binomial``: the schedule without general distributivity (``distrib``), with the
+       ``monomial`` theory in its ``factor`` phase. The binomial rules alone
+       (rules/polynomial.py) expand a shifted power into monomials times invariants, and
+       the e-graph stays small (``sum (x - m)**3``: 1,400 e-nodes, where distributivity
+       passes the 8,000 node limit before factoring runs);
+    2. ``+auxiliary``: the schedule itself with ``monomial`` in ``factor`` (a weight times a
+       square, ``sum w (x - m)**2``, or ``exp(x - m) * (x - m)``, needs distributivity).
+
+    Empty for a schedule without ``expand`` and ``factor`` phases. Kept out of DERIVE, so
+    programs that fuse without auxiliary states pay nothing."""
+    names = [p.name for p in schedule.phases]
+    if "factor" not in names or "expand" not in names or "+" in schedule.name:
+        return ()
+
+    def variant(suffix, drop):
+        phases = tuple(Phase(p.name, tuple(t for t in p.theories if t not in drop)
+                             + (("monomial",) if p.name == "factor" and "monomial" not in p.theories else ()),
+                             p.analysis, p.max_iterations) for p in schedule.phases)
+        return Schedule(f"{schedule.name}+{suffix}", phases, schedule.limits)
+    return variant("binomial", ("distrib",)), variant("auxiliary", ())
+
+
+# Derive corrections with auxiliary-state discovery (a pass where a state has no reachable form).
+DERIVE_BINOMIAL, DERIVE_AUXILIARY = discovery(DERIVE)
+
+SCHEDULES = {s.name: s for s in (DERIVE, DERIVE_BINOMIAL, DERIVE_AUXILIARY, NORMALIZE)}
 
 
 def validate(schedule: Schedule) -> Schedule:
