@@ -396,3 +396,25 @@ def test_argmax_language_errors():
     with pytest.raises(LanguageError, match="'k' is not an axis"):
         af.argmax(x, "k")
     assert af.argmin(x, "j").axes == ("r",)
+
+
+def test_moe_top1_routing_fuses_and_matches_torch():
+    """examples/moe.py: softmax over experts and the chosen expert in one certified pass, on
+    every schedule, against float64 torch (probability) and torch.argmax (expert)."""
+    ns = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "moe.py"))
+    prog = ns["router_z"]
+    f = af.fuse(prog)
+    assert f.fusible and len(f.passes) == 1, f.explain()
+    k = af.compile(prog)
+    assert k.fusion.certificate.ok
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2 ** 31))
+    for experts in (8, 64, 130):
+        x = torch.randn(7, experts, generator=g) * 4
+        x[1, 3] = x[1, 5] = x[1].max() + 1.0   # a tie: the first expert
+        p = torch.softmax(x.double(), -1)
+        lse = torch.logsumexp(x.double(), -1)
+        for schedule, kw in SCHEDULES:
+            out = k(x=x, schedule=schedule, **kw)
+            assert torch.equal(out["expert"], x.argmax(-1)), (schedule, experts)
+            np.testing.assert_allclose(out["gate"].double().numpy(), p.amax(-1).numpy(), rtol=2e-6)
+            np.testing.assert_allclose(out["z"].double().numpy(), (lse * lse).numpy(), rtol=2e-6, atol=1e-6)
