@@ -18,6 +18,7 @@ OUTPUT_OPS = frozenset(MERGE_OPS | {"In", "Idx", "Take"})
 
 
 _CONSTS: dict = {}
+_ROW_ONLY: dict = {}
 
 
 def _blk_key(blk: Term) -> str:
@@ -49,6 +50,19 @@ class StateEval:
         self.takes = takes or {}        # Take term -> tensor
         self.local = local or {}        # axis -> local length (for index(a))
         self._memo = {}
+        self._ext = None
+
+    def _row_only(self, t) -> bool:
+        """emit's ``_row_only`` (a per-row value built from a max, min or log), memoised per
+        term and set of extremum states: the walk is the same at every call."""
+        from acefuse.codegen.emit import _row_only
+        if self._ext is None:
+            self._ext = frozenset(q for q in self.defs if self.is_ext(q))
+        key = (t, self._ext)
+        r = _ROW_ONLY.get(key)
+        if r is None:
+            r = _ROW_ONLY[key] = _row_only(t, self._ext.__contains__)
+        return r
 
     def is_ext(self, q) -> bool:
         d = self.defs.get(q)
@@ -87,9 +101,9 @@ class StateEval:
 
     def ev(self, t: Term, pol=None):
         import torch
-        from acefuse.codegen.emit import _child_pols, _row_only
+        from acefuse.codegen.emit import _child_pols
         op = t.op
-        if pol == "-" and op != "St" and _row_only(t, self.is_ext):
+        if pol == "-" and op != "St" and self._row_only(t):
             v = self.ev(t, None)
             return torch.where(v == float("-inf"), torch.zeros_like(v), v)
         if op == "Num":
