@@ -239,7 +239,6 @@ def part_ce(args, device, dtype, kernels, T, V):
                 row.update(one_gpu_ms=base, speedup=base / row["ms"], scaling_eff=base / (world * row["ms"]))
     except Exception as e:  # noqa: BLE001
         rows.append({"impl": "acefuse on one GPU", "error": f"{type(e).__name__}: {e}"})
-    del X
     return rows
 
 
@@ -305,7 +304,6 @@ def part_cp(args, device, dtype, kernels, lens, shape):
                                scaling_eff=base / (world * row["ms"]))
         except Exception as e:  # noqa: BLE001
             rows.append({"impl": "acefuse on one GPU", "N": N, "error": f"{type(e).__name__}: {e}"})
-        del Q, K, V
     return rows
 
 
@@ -389,7 +387,10 @@ def main_rank(args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if smoke else "nccl")
+        # a rank that fails before a collective must not leave the others waiting for the
+        # whole run: collectives time out (long enough for first-call kernel compiles)
+        from datetime import timedelta
+        dist.init_process_group("gloo" if smoke else "nccl", timeout=timedelta(seconds=args.pg_timeout))
     dtype = torch.float32 if smoke else torch.bfloat16
     progs = programs()
     kernels = {n: af.compile(p) for n, p in progs.items()}
@@ -404,7 +405,6 @@ def main_rank(args):
         if "cp" in parts:
             lens, shape = ((24,), (1, 2, 16)) if smoke else (tuple(args.cp_lens), CP_SHAPE)
             if smoke:
-                progs2 = dict(progs)
                 import acefuse as af2
                 q, k, v = af2.tensor("q", "b h i d"), af2.tensor("k", "b h j d"), af2.tensor("v", "b h j e")
                 s = af2.where(af2.index("j") <= af2.index("i"), af2.sum(q * k, "d") * 0.25, af2.NEG_INF)
@@ -412,7 +412,6 @@ def main_rank(args):
                 p = af2.exp(s - mx)
                 kernels["causal"] = af2.compile(af2.program("causal_attention_smoke",
                                                             o=af2.sum(p * v, "j") / af2.sum(p, "j")))
-                del progs2
             res["parts"]["cp"] = part_cp(args, device, dtype, kernels, lens, shape)
         if "decode" in parts:
             if smoke:
@@ -462,6 +461,7 @@ def main():
     ap.add_argument("--cp-impls", default="gather,ring,gather-zigzag,ring-zigzag,torch",
                     help="context-parallel implementations to run (comma-separated; each acefuse one compiles "
                          "a kernel per rank and global offset on its first call)")
+    ap.add_argument("--pg-timeout", type=int, default=300, help="seconds before a stuck collective aborts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="2 gloo ranks on the CPU, tiny sizes, Triton's interpreter, no meaningful timing")
