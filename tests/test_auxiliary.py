@@ -35,6 +35,9 @@ def _programs():
         "cube_from_max": (af.program("cube_from_max", out=af.sum((x - m) ** 3, "j")),
                           ["sum_j((x - max_j(x)) * (x - max_j(x)))", "sum_j(x - max_j(x))"]),
         "dev_times_abs": (af.program("dev_times_abs", out=af.sum((x - m) * af.abs(x), "j")), ["sum_j(abs(x))"]),
+        # two shifts in one body: one auxiliary per shifted quantity
+        "max_and_min_shift": (af.program("max_and_min_shift", out=af.sum((x - m) * (x - mn), "j")),
+                              ["sum_j(x - max_j(x))", "sum_j(x - min_j(x))"]),
     }
 
 
@@ -82,7 +85,7 @@ def test_square_from_max_discovers_the_shifted_block_sum_and_fuses_in_one_pass()
 
 
 @pytest.mark.parametrize("name", ["weighted_dev_from_min", "entropy_like", "weighted_var_max_shift",
-                                  "cube_from_max", "dev_times_abs"])
+                                  "cube_from_max", "dev_times_abs", "max_and_min_shift"])
 def test_programs_of_other_shapes_discover_their_auxiliary_states(name):
     prog, expected = _programs()[name]
     f = af.fuse(prog)
@@ -99,6 +102,15 @@ def test_a_program_that_fuses_without_help_gets_no_auxiliary_state_and_the_plain
     assert f.fusible and not _aux(f)
     assert all(p.schedule == schedules.DERIVE for p in f.passes)
     assert "auxiliary" not in f.explain()
+
+
+def test_a_sum_the_program_already_computes_is_used_not_duplicated():
+    # sum_j(x - max_j x) is a state of this program: the correction of the square reads it
+    x = _x()
+    m = af.max(x, "j")
+    prog = af.program("ratio", out=af.sum((x - m) ** 2, "j") / af.sum(x - m, "j"))
+    f = af.fuse(prog)
+    assert f.fusible and len(f.passes) == 1 and not _aux(f)
 
 
 @pytest.mark.parametrize("body", ["abs", "tanh", pytest.param("gauss", marks=pytest.mark.slow)])
