@@ -401,6 +401,10 @@ def _errors_on_rank(rank, world, sizes, inputs):
     res["solo_ref"] = ks(x=loc)
     # not fusible in one pass: the sharded inputs are gathered (with a warning), still correct
     res["mad"] = kernel(NOT_FUSIBLE)(x=loc, process_group=pg, sharded_axis="j")
+    res["states_only"] = err(lambda: kernel(NOT_FUSIBLE)(x=loc, process_group=pg, sharded_axis="j",
+                                                         exchange="states"))
+    res["zigzag_rows"] = err(lambda: ks(x=loc, process_group=pg, sharded_axis="j", zigzag=("r",),
+                                        shard_sizes=sizes))
     # a reduction over rows of the per-row losses (two stages): stage 1 sharded, stage 2 local
     res["ce_mean"] = kernel(CE_MEAN)(x=loc, t=inputs["t"], process_group=pg, sharded_axis="j")
     return res
@@ -425,6 +429,8 @@ def test_bad_input_fallbacks_and_gradients():
                                    **TOL_KERNEL)
         torch.testing.assert_close(res["solo"]["y"], res["solo_ref"]["y"], rtol=0, atol=0)
         assert any("DistributedFallbackWarning" in w and "'mad'" in w for w in warns), warns
+        assert "exchange='states' is not possible" in res["states_only"] and "passes" in res["states_only"]
+        assert "zigzag=('r',) needs exchange='ring' or 'gather'" in res["zigzag_rows"], res["zigzag_rows"]
     check(NOT_FUSIBLE, [(o["mad"], w) for o, w in outs], full_mad, {"x": inputs["x"]}, sizes)
     check(CE_MEAN, [(o["ce_mean"], w) for o, w in outs], full_ce, {"x": inputs["x"], "t": inputs["t"]}, sizes)
 
