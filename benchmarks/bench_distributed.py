@@ -313,7 +313,10 @@ def torch_cp(Q, K, V, device, reps, tol):
     SDPA after unsharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    try:
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    except ImportError:   # moved between torch versions
+        from torch.distributed.tensor.experimental._context_parallel._attention import context_parallel_unshard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     want = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
     q, k, v = Q.clone(), K.clone(), V.clone()
