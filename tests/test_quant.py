@@ -418,3 +418,28 @@ def test_moe_top1_routing_fuses_and_matches_torch():
             assert torch.equal(out["expert"], x.argmax(-1)), (schedule, experts)
             np.testing.assert_allclose(out["gate"].double().numpy(), p.amax(-1).numpy(), rtol=2e-6)
             np.testing.assert_allclose(out["z"].double().numpy(), (lse * lse).numpy(), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_casts_quantization_and_argmax_are_bit_exact_with_torch(cast_kernel, quant_kernels, arg_kernel):
+    """On a CUDA GPU (compiled kernels, not the interpreter): casts and float8 inputs
+    bit-exact with torch's CUDA casts, quantization with eager torch, argmax/argmin with torch."""
+    g = torch.Generator().manual_seed(0)
+    x = _random_floats((64, 1000), g).cuda()
+    for schedule, kw in SCHEDULES:
+        out = cast_kernel(x=x, schedule=schedule, **kw)
+        for fmt in FORMATS:
+            _assert_bits_equal(out[f"c_{fmt}"], x.to(getattr(torch, fmt)), f"cuda cast {fmt} [{schedule}]")
+        _assert_bits_equal(out["r"], torch.round(x), f"cuda round [{schedule}]")
+    xb = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64).cuda()
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k = af.compile(af.program("widen_gpu", y=af.tensor("x", "r j") * 1.0))
+        _assert_bits_equal(k(x=xb.view(dt)), xb.view(dt).float(), f"cuda float8 input {dt}")
+    for dtype in (torch.bfloat16, torch.float32):
+        xq = (torch.randn(512, 8192, generator=g) * 3).to(dtype).cuda()
+        for name in ("quant_fp8", "quant_int8"):
+            out = quant_kernels[name](x=xq)
+            _assert_bits_equal(out["q"], _quant_truth(name, xq, out["scale"]), f"cuda {name} {dtype}")
+        xa = torch.randint(0, 50, (300, 4097), generator=g).to(dtype).cuda()
+        out = arg_kernel(x=xa)
+        assert torch.equal(out["i"], xa.argmax(1)) and torch.equal(out["n"], xa.argmin(1))
