@@ -282,6 +282,9 @@ def compile_stage(stage, compile_one=None, **kw):
             return compile_one(stage, axis=a, **kw)
         except Exception as e:  # noqa: BLE001 - another axis may compile; the first error is raised
             first = first or e
+    from acefuse.codegen.emit import CodegenError
+    if type(first) is CodegenError:   # say which gradients the stage computes
+        raise CodegenError(f"backward stage {stage.name!r} (computing {', '.join(stage.outputs)}): {first}") from first
     raise first
 
 

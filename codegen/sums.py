@@ -82,6 +82,9 @@ class SumGen:
             raise CodegenError(f"program {self.name!r}: no row axis (every output axis is carried by a "
                                f"tensor over {F!r})")
         for o, ax in self.out_axes.items():
+            if any(a not in ax for a in self.G):   # programs of the grid would write the same elements
+                raise CodegenError(f"program {self.name!r}: output {o!r} (axes {' '.join(ax)}) does not range "
+                                   f"over the grid axes {self.G} (a sum over them needs a second stage)")
             if [a for a in ax if a in self.R] != self.R:
                 raise CodegenError(f"program {self.name!r}: output {o!r} does not range over every row axis {self.R}")
             if len([a for a in ax if a in self.V]) > 1:
