@@ -229,18 +229,13 @@ class SympyBackend:
     def round(self, a): return _uf("round_even")(a)
     def cast(self, a, dtype): return _uf("cast_" + dtype)(a)
 
+    # where and comparisons have no symbolic algebra here: selection rules are decided by
+    # proofs/order.py (order types), everything else with them stays outside the sympy class
     def where(self, c, a, b):
-        return sp.Piecewise((a, sp.Ne(c, 0)), (b, True))
+        raise ValueError("cannot evaluate operator 'Where' symbolically (selection rules: proofs/order.py)")
 
     def cmp(self, op, a, b):
-        rel = {"CmpLt": sp.Lt, "CmpLe": sp.Le, "CmpGt": sp.Gt, "CmpGe": sp.Ge, "CmpEq": sp.Eq, "CmpNe": sp.Ne}
-        if op in rel:
-            cond = rel[op](a, b)
-        elif op == "LNot":
-            cond = sp.Eq(a, 0)
-        else:
-            cond = (sp.And if op == "LAnd" else sp.Or)(sp.Ne(a, 0), sp.Ne(b, 0))
-        return sp.Piecewise((1, cond), (0, True))
+        raise ValueError(f"cannot evaluate operator {op!r} symbolically (selection rules: proofs/order.py)")
 
     def log1p(self, a):
         self.conditions.append(("pos", 1 + a))
