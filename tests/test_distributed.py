@@ -212,7 +212,9 @@ def _attention_on_rank(rank, world, sizes, ins_dec, ins_cp):
     loc = {t_: ins_cp[t_][:, :, j0:j0 + n].contiguous() for t_ in ("q", "k", "v")}
     cp = {ex: kc(**loc, process_group=pg, sharded_axis="j", exchange=ex, axis_offsets={"i": j0},
                  shard_sizes=sizes) for ex in ("gather", "ring")}
-    return {"decode": dec, "cp": cp}
+    ring = next(sk for key, sk in kc.__dict__["_acefuse_sharded"].items() if key[2] == "ring")
+    skipped = sum(1 for key, v in ring._kernels.items() if key[0] == "masked" and v is True)
+    return {"decode": dec, "cp": cp, "skipped": skipped}
 
 
 def test_sharded_kv_decode_and_context_parallel_prefill():
@@ -230,6 +232,9 @@ def test_sharded_kv_decode_and_context_parallel_prefill():
     for _, warns in outs:
         assert not [w for w in warns if "DistributedFallbackWarning" in w], warns
     check(DECODE, [(o["decode"], w) for o, w in outs], full_dec, ins_dec, sizes)
+    # the ring skips key shards the causal mask excludes entirely (rank 0: the two later
+    # shards; the last rank: none), and the results above still match
+    assert [o["skipped"] for o, _ in outs] == [2, 1, 0], [o["skipped"] for o, _ in outs]
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
     for ex in ("gather", "ring"):
         check(CAUSAL, [(o["cp"][ex], w) for o, w in outs], full_cp, ins_cp, sizes, i=(starts, sizes))

@@ -538,6 +538,8 @@ class ShardedKernel:
                 for h, (ins, offs, _) in enumerate(pieces):
                     offs = dict(offs)
                     offs[self.axis] = off
+                    if runs[h] is not None and self._all_masked({**ins, **kv}, offs, gsizes):
+                        continue   # the mask excludes the whole block: its states would change nothing
                     st, c = self._partial_states({**ins, **kv}, opts, offs, gsizes, n_src)
                     runs[h] = (st, c) if runs[h] is None else (
                         _merge2(f.encoding, p, self._P(), runs[h][0], st, runs[h][1], c, dict(gsizes)), runs[h][1] + c)
@@ -548,6 +550,34 @@ class ShardedKernel:
                 src = (src - 1) % world
         outs = [self._finish_states(run[0], ins, offs, gsizes) for run, (ins, offs, _) in zip(runs, pieces)]
         return self._concat(outs, zigzag)
+
+    def _all_masked(self, inputs, offsets, gsizes) -> bool:
+        """True when the mask analysis (codegen/masks.py) proves that the block's mask excludes
+        every (query, key) pair (one tile spanning the whole block) and that a fully masked
+        block leaves every state unchanged: the ring then skips its kernel and its merge (the
+        causal blocks above the diagonal). False whenever the analysis cannot tell."""
+        from acefuse.codegen import contraction
+        if not contraction.is_contraction(self.fusion):
+            return False
+        sizes = {}
+        for t, x in inputs.items():
+            for a, n in zip(self.program.tensors[t], x.shape):
+                sizes.setdefault(a, n)
+        key = ("masked", tuple(sorted(offsets.items())), tuple(sorted(sizes.items())))
+        if key not in self._kernels:
+            masked = False
+            try:
+                from acefuse.codegen.masks import tile_stats
+                k = self._partial(offsets, gsizes)
+                rows = [a for a in k.fusion.program.axes if a != self.axis and a in sizes
+                        and any(a in self.program.tensors[t] for t in inputs if self.axis not in self.program.tensors[t])]
+                if len(rows) >= 1:
+                    st = tile_stats(k.fusion, sizes, block_i=max(sizes[a] for a in rows), block_j=sizes[self.axis])
+                    masked = st["skipped"] == 1.0
+            except Exception:  # noqa: BLE001 - no proof: run the block
+                masked = False
+            self._kernels[key] = masked
+        return self._kernels[key]
 
     def _P(self):
         return [a for a in self.fusion.program.axes if a != self.axis]
