@@ -602,6 +602,15 @@ class Stage(Program):
         red = super().reduced_axes()
         return [self.axis] if self.axis in red else red
 
+    def key(self) -> str:
+        """The program's key, plus ``seq_axes`` (they decide the sum kernel's axes, so two
+        stages equal as programs but with other ``seq_axes`` must not share a cached kernel)."""
+        base = super().key()
+        if not self.seq_axes:
+            return base
+        import hashlib
+        return hashlib.sha256(f"{base} {' '.join(self.seq_axes)}".encode()).hexdigest()[:16]
+
 
 def _stages(name, outputs: dict, tensor_order) -> list:
     groups: dict = {}

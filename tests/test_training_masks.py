@@ -230,8 +230,13 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("fn", [_sdpa, _sdpa_causal], ids=["mask", "mask+causal"])
-@pytest.mark.parametrize("mask", list(MASKS))
+FAST_SDPA = {("bool[L,S]", "mask+causal"), ("additive[B,1,L,S]", "mask")}   # the rest: -m slow
+SDPA_CASES = [pytest.param(fn, mask, id=f"{mask}-{fid}",
+                           marks=() if (mask, fid) in FAST_SDPA else pytest.mark.slow)
+              for mask in MASKS for fn, fid in ((_sdpa, "mask"), (_sdpa_causal, "mask+causal"))]
+
+
+@pytest.mark.parametrize("fn,mask", SDPA_CASES)
 def test_sdpa_with_attn_mask_trains_with_derived_kernels(fn, mask):
     """Training through af.compile(fn): the attention with its mask is one acefuse kernel
     forward *and* backward (no fallback); the mask requires no grad and gets none."""
