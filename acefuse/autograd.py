@@ -12,6 +12,9 @@
   values, and whose backward runs the ``BackwardKernel``. Missing cotangents are
   zeros; gradients come back in each input's dtype (None for index inputs). The
   augmented forward and the backward are compiled on the first call that needs them.
+  Only the inputs that require grad are differentiated (``af.backward(prog, wrt=...)``):
+  a call whose set differs from the kernel's runs a kernel for that set (cached), so a
+  mask or a constant input costs no gradient work and a later call never loses one.
   A backward stage reducing over several axes (a parameter's gradient over a batch of
   rows) is compiled over the first axis of ``stage_axes`` that compiles. A backward with
   ``create_graph=True`` (double backward) raises ``NotDifferentiableError``: the backward
@@ -430,7 +433,7 @@ class DifferentiableKernel:
         if dk is None:
             dk = self._by_wrt[requested] = DifferentiableKernel(self.prog, self.kernel, self._kw, wrt=requested,
                                                                 compile_one=self._compile_one)
-            dk.grad_in_forward = self.grad_in_forward
+        dk.grad_in_forward = self.grad_in_forward
         return dk
 
     @property
