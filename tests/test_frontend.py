@@ -583,6 +583,22 @@ def test_rope_then_causal_sdpa_takes_the_attention():
     assert [e.op for e in r.taken] == ["torch.nn.functional.scaled_dot_product_attention"] and not r.left, str(r)
 
 
+def sdpa_with_mask_built_from_positions(q, k, v, pos):
+    mask = pos[None, :] <= pos[:, None]         # one position tensor read at i and at j
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_sdpa_with_a_mask_built_in_the_graph_takes_the_attention():
+    """Hugging Face builds its causal mask in the graph under tracing (from cache_position):
+    reading one tensor at the query and at the key positions ties both axes, so torch
+    computes the mask first and the attention reads it as an input (the H100 Llama run
+    left this attention to torch)."""
+    args = [_g(2, 2, 9, 8, seed=s) for s in range(3)] + [torch.arange(9)]
+    cf = _check_compiled(sdpa_with_mask_built_from_positions, *args)
+    r = cf.report()
+    assert [e.op for e in r.taken] == ["torch.nn.functional.scaled_dot_product_attention"] and not r.left, str(r)
+
+
 def norm_then_weighted_loss(x, w, t, cw):
     return F.cross_entropy(F.layer_norm(x, (x.shape[-1],), w), t, weight=cw, reduction="none")
 

@@ -225,10 +225,13 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
 
 
 def _computed_operands(contr, nodes) -> list:
-    """The nodes inside the region that compute an operand of a contraction (through views)."""
+    """The nodes inside the region that compute an operand of a contraction (through views),
+    an attention mask included: a mask built in the graph from one position tensor read at
+    the query and at the key positions (``pos[None, :] <= pos[:, None]``, Hugging Face's
+    causal mask under tracing) ties both position axes into one, as RoPE's ``cos`` does."""
     region, out = set(nodes), []
     for c in contr:
-        ops = list(c.args[:3]) + [c.kwargs[k] for k in ("query", "key", "value", "input", "other")
+        ops = list(c.args[:4]) + [c.kwargs[k] for k in ("query", "key", "value", "attn_mask", "input", "other")
                                   if k in c.kwargs]
         for a in ops:
             while isinstance(a, torch.fx.Node) and a in region and kind_of(a) in ("layout", "cast") and a.args:
