@@ -158,8 +158,11 @@ class BackwardKernel:
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
         self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
-        self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs], list(st.outputs),
-                         {n: st.outputs[n].axes for n in st.outputs}) for st, k in zip(bwd.stages, kernels)]
+        self._finish = getattr(bwd, "finish", {})   # gradient -> (tile output, axes it is summed over)
+        parts = {p for p, _ in self._finish.values()}
+        self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs or n in parts],
+                         list(st.outputs), {n: st.outputs[n].axes for n in st.outputs})
+                        for st, k in zip(bwd.stages, kernels)]
 
     @property
     def fusible(self) -> bool:
@@ -198,6 +201,10 @@ class BackwardKernel:
             res = _as_dict(_run_stage(k, {n: inputs[n] for n in tnames}, run_kw), onames)
             for n in keep:   # a stage lays its outputs out in its own axis order (its inputs' declarations)
                 out[n], out_axes[n] = res[n], oaxes[n]
+        for gname, (part, red) in self._finish.items():   # the second step: a sum over grid axes
+            t, axes = out.pop(part), out_axes.pop(part)
+            out[gname] = t.sum([axes.index(a) for a in red], dtype=torch.float32).to(t.dtype)
+            out_axes[gname] = tuple(a for a in axes if a not in red)
         grads = {}
         sizes = None
         for name, gname in bwd.grads.items():

@@ -10,6 +10,8 @@
     af.backward(prog, wrt=["x"])      # only these inputs' gradients (others: no output, no work)
     bwd.stages                        # one Stage (a Program, .axis its fused axis) per fused
                                       #   axis (what af.fuse/af.compile run)
+    bwd.finish                        # {grad: (stage output, axes)}: a gradient that is a stage's
+                                      #   tile output summed over broadcast axes (a bias over fewer heads)
     af.fuse(bwd).explain()            # every stage fused by the same engine
     k = af.compile(bwd)               # BackwardKernel: k(x=..., saved_m=..., grad_y=...) -> grads
 
@@ -498,7 +500,8 @@ def backward(prog, wrt=None) -> BackwardProgram:
             saved[k] = axes
             saved_kind[k] = "output"
     tensor_order = _tensor_order(prog, idx_inputs, saved, cot_axes)
-    stages = _stages(prog.name + "_bwd", outputs, tensor_order)
+    finish: dict = {}
+    stages = _stages(prog.name + "_bwd", outputs, tensor_order, prog.axes, finish, prog)
     seq = {s.axis for s in stages if s.axis} | {t.args[0].args[0] for e in list(prog.outputs.values())
                                                + list(outputs.values()) for t in e.term.walk()
                                                if t.op in RED and t.args[0].op == "Ax" and not _is_contraction(t)}
@@ -508,6 +511,8 @@ def backward(prog, wrt=None) -> BackwardProgram:
                           grads, zero, idx_inputs, stages, dict(prog.tensors))
     bwd.tensors = {n: bwd.tensors[n] for n in tensor_order if n in bwd.tensors}
     bwd.wrt = None if wrt is None else tuple(wrt)
+    # gradient -> (stage output, axes): the gradient is that tile output summed over those axes
+    bwd.finish = finish
     return bwd
 
 
@@ -612,9 +617,45 @@ class Stage(Program):
         return hashlib.sha256(f"{base} {' '.join(self.seq_axes)}".encode()).hexdigest()[:16]
 
 
-def _stages(name, outputs: dict, tensor_order) -> list:
+def _summed_part(e):
+    """``(X, axes)`` when ``e`` is ``sum_{a1}(sum_{a2}(... X))`` and X reduces only by
+    contractions (a bias broadcast over heads: its gradient is dS summed over them); else None."""
+    t, axes = e.term, []
+    while t.op == "Sum" and t.args[0].op == "Ax" and not _is_contraction(t):
+        axes.append(t.args[0].args[0])
+        t = t.args[1]
+    own = _contractions_in(t)
+    if not axes or not own or not all(_is_contraction(u) for u in own):
+        return None
+    return t, axes
+
+
+def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=None) -> list:
     groups: dict = {}
     elementwise = []
+    outputs = dict(outputs)
+    for k, e in list(outputs.items()):   # a gradient that sums a tile output of another stage over
+        part = _summed_part(e) if finish is not None else None   # axes of that stage's grid: the
+        if part is None:                 # stage stores the tile output, the sum is a second step
+            continue
+        x, red = part
+        looped = {t.args[0].args[0] for o in [o for n, o in outputs.items() if n != k]
+                  + list(forward.outputs.values() if forward is not None else []) for t in o.term.walk()
+                  if t.op in RED and t.args[0].op == "Ax" and not _is_contraction(t)}
+        if looped & set(red):            # (dQ = sum_j(dS * k) is a reduction over keys, not a sum of a tile)
+            continue
+        xaxes = tuple(a for a in order if a in set(e.axes) | set(red))
+        xe = Expr(x, xaxes, e.tensors)
+        others = {a: [n for n, o in outputs.items() if n != k and _inner_axis(o.term) == a] for a in
+                  {_inner_axis(o.term) for n, o in outputs.items() if n != k} if a is not None}
+        if len(xaxes) == len(set(e.axes) | set(red)) and any(   # (a tile: no axis that stage contracts)
+                b in xaxes and b not in red and _contractions_in(x) <= set().union(
+                    *(_contractions_in(outputs[n].term) for n in ks)) and not set(xaxes) & {
+                    u.args[0].args[0] for n in ks for u in _contractions_in(outputs[n].term) if _is_contraction(u)}
+                for b, ks in others.items()):
+            del outputs[k]
+            outputs[f"part_{k}"] = xe
+            finish[k] = (f"part_{k}", tuple(red))
     for k, e in outputs.items():
         a = _inner_axis(e.term)
         if a is None:

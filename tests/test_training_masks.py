@@ -262,26 +262,35 @@ def test_sdpa_with_attn_mask_trains_with_derived_kernels(fn, mask):
         _close(a.grad, b.grad, f"{mask}: grad_{n}")
 
 
-def test_sdpa_mask_that_requires_grad_over_fewer_heads_falls_back_with_a_warning():
-    """A [B, 1, L, S] bias that requires grad: its gradient sums dS over the heads, which the
-    sum kernels do not do yet; the region runs in torch with one warning naming why, and every
-    gradient (the bias's included) is torch's, never dropped."""
-    g = torch.Generator().manual_seed(31)
+@pytest.mark.parametrize("shape", [(B, 1, L, S), (L, S)], ids=["[B,1,L,S]", "[L,S]"])
+def test_sdpa_bias_that_requires_grad_over_fewer_axes(shape):
+    """A learned bias broadcast over heads (and batch) that requires grad: its gradient is dS
+    summed over them. dQ's key loop stores dS tile by tile (a tile output) and the sum over the
+    broadcast axes is a second step; derived kernels, no fallback, against float64 autograd."""
+    g = torch.Generator().manual_seed(31 + len(shape))
     qkv = [torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (L, S, S)]
-    m = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64)
+    m = torch.randn(*shape, generator=g, dtype=torch.float64)
     cot = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
     x = [t.float().requires_grad_() for t in qkv] + [m.float().requires_grad_()]
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
         cf = af.compile(_sdpa, *x)
         cf(*x).backward(cot.float())
-    warned = [str(w.message) for w in rec if issubclass(w.category, AcefuseFallbackWarning)]
-    assert len(warned) == 1 and "backward" in warned[0], warned
-    assert cf.report().left and cf.report().left[0].reason, str(cf.report())
+    assert len(cf.report().taken) == 1 and not cf.report().left, str(cf.report())
     ref = [t.clone().requires_grad_() for t in qkv] + [m.clone().requires_grad_()]
     _sdpa(*ref).backward(cot)
     for n, a, b in zip(["q", "k", "v", "mask"], x, ref):
         _close(a.grad, b.grad, f"grad_{n}")
+
+
+def test_bias_summed_over_heads_is_a_tile_output_plus_a_sum():
+    hb = af.tensor("hb", "b i j")      # one bias per batch element, shared by the heads
+    bwd = backward(_attend("t_head_bias", score + hb))
+    assert bwd.finish == {"grad_hb": ("part_grad_hb", ("h",))}
+    (stage,) = [s for s in bwd.stages if "part_grad_hb" in s.outputs]
+    assert stage.axis == "j" and "grad_q" in stage.outputs
+    assert not any(u.op in ("Sum", "RMax", "RMin") and u.args[0].args[0] == "j"
+                   for u in stage.outputs["part_grad_hb"].term.walk())
 
 
 def test_a_later_call_asking_for_more_gradients_gets_them():
