@@ -47,6 +47,14 @@ def bcast(e, shape, target):
     return e
 
 
+_RN_OPS = frozenset(("Div", "Sqrt", "Rsqrt"))
+
+
+def _rounds_differently(t: Term) -> bool:
+    """``t`` lowers differently inside a rounding's operand (it holds a square root)."""
+    return any(u.op in _RN_OPS for u in t.walk())
+
+
 class Emitter:
     """Appends assignment lines; ``emit(term)`` returns (expression, shape)."""
 
@@ -58,6 +66,9 @@ class Emitter:
         # one counter per kernel: a temporary never changes shape under the same name
         # (Triton rejects a loop-carried name whose type changes)
         self.counter = counter if counter is not None else getattr(getattr(ctx, "g", None), "counter", [0])
+        # > 0 while lowering the operand of a rounding (cast, round, floor, ceil): square roots
+        # there are correctly rounded too, so the rounding sees the value torch computes
+        self._rn = 0
 
     def _is_ext(self, q) -> bool:
         """State q is a max/min, or a reference value built from one (``m + log(l)``)."""
@@ -103,7 +114,7 @@ class Emitter:
         shift = pol == "-" and t.op != "St" and _row_only(t, self._is_ext)
         if t.op != "St" and not _carries_pol(t) and not shift:
             pol = None   # polarity only matters where it can reach a per-row value
-        key = (t, pol)
+        key = (t, pol, self._rn > 0 and _rounds_differently(t))
         if key in self.cache:
             return self.cache[key]
         if shift:
@@ -165,16 +176,24 @@ class Emitter:
             (a, sa), (b, sb) = (self.emit(x, pol=p) for x, p in zip(t.args, _child_pols(t, pol)))
             s = self.join(sa, sb)
             a2, b2 = self._bcast(a, sa, s), self._bcast(b, sb, s)
-            if op == "Div" and ctx.from_reduction(t.args[1]):
-                return self.bind(f"_div0({a2}, {b2})", s)
+            if op == "Div":
+                # correctly rounded, as torch divides (Triton's `/` is div.full.f32 on the GPU,
+                # off by up to 2 ulp: a cast of x / scale then differs from torch's)
+                if ctx.from_reduction(t.args[1]):
+                    return self.bind(f"_div0({a2}, {b2})", s)
+                return self.bind(f"tl.div_rn({a2}, {b2})", s)
             return self.bind(f"{a2} {_BIN[op]} {b2}", s)
-        if op in _CMP or op in ("LAnd", "LOr"):
+        if op in _CMP:
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
-            sym = _CMP.get(op) or {"LAnd": "&", "LOr": "|"}[op]
+            return self.bind(f"({self._bcast(a, sa, s)} {_CMP[op]} {self._bcast(b, sb, s)})", s, "c")
+        if op in ("LAnd", "LOr"):
+            (a, sa), (b, sb) = self.cond(t.args[0]), self.cond(t.args[1])
+            s = self.join(sa, sb)
+            sym = {"LAnd": "&", "LOr": "|"}[op]
             return self.bind(f"({self._bcast(a, sa, s)} {sym} {self._bcast(b, sb, s)})", s, "c")
         if op == "LNot":
-            a, sa = self.emit(t.args[0])
+            a, sa = self.cond(t.args[0])
             return self.bind(f"(~{a})", sa, "c")
         if op == "Neg":
             a, sa = self.emit(t.args[0], pol=_flip(pol or "+"))
@@ -186,6 +205,8 @@ class Emitter:
             return self.bind(f"tl.exp2({a})", sa)
         if op in _FN:
             a, sa = self.emit(t.args[0])
+            if self._rn and op in ("Sqrt", "Rsqrt"):
+                return self.bind(f"tl.sqrt_rn({a})" if op == "Sqrt" else f"tl.div_rn(1.0, tl.sqrt_rn({a}))", sa)
             return self.bind(f"{_FN[op]}({a})", sa)
         if op == "Tanh":
             a, sa = self.emit(t.args[0])
@@ -211,12 +232,20 @@ class Emitter:
             nan = ", propagate_nan=tl.PropagateNan.ALL" if getattr(ctx, "nan_extrema", False) else ""
             return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)}{nan})", s)
         if op == "Where":
-            (c, sc), (a, sa), (b, sb) = (self.emit(x) for x in t.args)
+            (c, sc), (a, sa), (b, sb) = self.cond(t.args[0]), self.emit(t.args[1]), self.emit(t.args[2])
             s = self.join(self.join(sc, sa), sb)
             args = ", ".join(self._bcast(e, se, s) for e, se in ((c, sc), (a, sa), (b, sb)))
             return self.bind(f"tl.where({args})", s)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}` (operator {op}) in the row kernel "
                            "family; rewrite the program without it or report the operator")
+
+    def cond(self, t: Term):
+        """``t`` as a boolean block: a comparison or a logical operator is one already; any other
+        value (a bool or int mask tensor, read as float32) holds where it is nonzero."""
+        c, sc = self.emit(t)
+        if t.op in _CMP or t.op in ("LAnd", "LOr", "LNot"):
+            return c, sc
+        return self.bind(f"({c} != 0)", sc, "c")
 
     # -- special functions and rounding (float32 values; see _FUNCS) ---------------------------
     def _function(self, t: Term):
@@ -226,7 +255,12 @@ class Emitter:
             v = lang._lift(arg.args[0])
             v = lang.cast(v, t.args[1]) if op == "Cast" else getattr(lang, _FUNCS[op])(v)
             return self.emit(v.term)
-        a, sa = self.emit(arg)
+        rounding = op in ("Cast", "Round", "Floor", "Ceil")
+        self._rn += rounding
+        try:
+            a, sa = self.emit(arg)
+        finally:
+            self._rn -= rounding
         b = lambda e, h="u": self._once(e, sa, h)   # noqa: E731 - one temporary of a's shape
         if op == "Erf":
             return self.bind(f"tl.erf({a})", sa)

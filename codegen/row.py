@@ -59,8 +59,9 @@ def _min_nan(a, b):
 
 @triton.jit
 def _div0(a, b):
-    # 0 / 0 -> 0 (fully masked rows); everything else is IEEE division
-    return tl.where((a == 0.0) & (b == 0.0), 0.0, a / b)
+    # 0 / 0 -> 0 (fully masked rows); everything else is IEEE division (correctly rounded:
+    # Triton's `/` is div.full.f32 on the GPU)
+    return tl.where((a == 0.0) & (b == 0.0), 0.0, tl.div_rn(a, b))
 
 
 @triton.jit

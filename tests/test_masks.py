@@ -315,3 +315,27 @@ def test_scalar_input_gqa_and_document_mask():
     sc = torch.einsum("bgrid,bgjd->bgrij", Q.double(), K.double()) * 0.3
     keep = ids[:, None, None, :, None] == ids[:, None, None, None, :]
     assert _err(out, torch.softmax(sc.masked_fill(~keep, -math.inf), -1) @ V.double()[:, :, None]) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32])
+def test_mask_tensor_combined_with_index_condition(dtype):
+    """A mask tensor (bool, int or float: nonzero keeps) inside `&` with an index condition:
+    the tensor is read as float32 and must become a condition, not a float operand of `&`."""
+    q, k, v = af.tensor("q", "b h i d"), af.tensor("k", "b h j d"), af.tensor("v", "b h j e")
+    keep = af.tensor("keep", "b i j")
+    i, j = af.index("i"), af.index("j")
+    s = af.sum(q * k, "d") * 0.25
+    sc = af.where(keep & (j <= i), s, af.NEG_INF)
+    m = af.max(sc, "j")
+    p = af.exp(sc - m)
+    prog = af.program("mask_and_causal", o=af.sum(p * v, "j") / af.sum(p, "j"))
+    g = torch.Generator().manual_seed(11)
+    Q, K, V = (torch.randn(2, 2, 21, 8, generator=g) for _ in range(3))
+    keep_b = torch.rand(2, 21, 21, generator=g) > 0.3
+    mask = keep_b[:, None] & (torch.arange(21)[None, :] <= torch.arange(21)[:, None])
+    S = (torch.einsum("bhid,bhjd->bhij", Q.double(), K.double()) * 0.25).masked_fill(~mask, -math.inf)
+    ref = torch.softmax(S, -1).nan_to_num(0.0) @ V.double()
+    keep_t = keep_b.to(dtype) * (3 if dtype == torch.float32 else 1)    # nonzero, not only 1
+    with torch.no_grad():
+        o = af.compile(prog)(q=Q, k=K, v=V, keep=keep_t)
+    torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
