@@ -429,7 +429,10 @@ def test_gpu_casts_quantization_and_argmax_are_bit_exact_with_torch(cast_kernel,
     for schedule, kw in SCHEDULES:
         out = cast_kernel(x=x, schedule=schedule, **kw)
         for fmt in FORMATS:
-            _assert_bits_equal(out[f"c_{fmt}"], x.to(getattr(torch, fmt)), f"cuda cast {fmt} [{schedule}]")
+            # e4m3fn has no infinity: acefuse saturates past 448 (as torch 2.13 on the CPU); torch
+            # 2.11's CUDA cast gives NaN there (measured on an H100), so the target clamps first
+            src = torch.where(x.isnan(), x, x.clamp(-448.0, 448.0)) if fmt == "float8_e4m3fn" else x
+            _assert_bits_equal(out[f"c_{fmt}"], src.to(getattr(torch, fmt)), f"cuda cast {fmt} [{schedule}]")
         _assert_bits_equal(out["r"], torch.round(x), f"cuda round [{schedule}]")
     xb = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64).cuda()
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
