@@ -416,9 +416,23 @@ def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
             else:
                 why.append((s.name, _why(enc, s, known)))
             continue
-        p.rolling[s.name], p.rolling_cost[s.name] = term, cost
+        p.rolling[s.name], p.rolling_cost[s.name] = _canonical_extremum(p, s, term), cost
         ok.append(s)
     return ok, why
+
+
+def _canonical_extremum(p, s, term):
+    """A max/min whose definition reads only elements and final values rolls as
+    ``max(m_A, max_B(body))`` with the definition's own body (the max-split law), never a
+    rewritten body: a later ``exp(body - m)`` computes the body as written, and a max of a
+    differently rounded body (``max_B(x * c) + r * c`` for ``max_B((x + r) * c)``) can fall
+    below it by far more than 1 when the values are large, so the exponential overflows
+    (fuzz seed 1012, program 57)."""
+    init = p.init.get(s.name)
+    if s.op not in ("max", "min") or init is None or init.op not in ("RMax", "RMin") \
+            or any(u.op == "St" and u.args[1].op != "BJ" for u in init.walk()):
+        return term
+    return Term("Max2" if s.op == "max" else "Min2", (Term("St", (s.name, A)), init))
 
 
 _NO_AUX = ("; no auxiliary state (a sum over the folded block of a subterm the rules produce, "

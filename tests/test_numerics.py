@@ -312,3 +312,33 @@ def test_variance_next_to_other_outputs_in_the_loop_schedule():
     ref = X.double().var(-1, unbiased=False)
     o = af.compile(prog)(x=X, schedule="loop", block_j=16)["o2"]
     close(o, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_max_state_rolls_with_its_own_body_so_a_later_shift_stays_below_it():
+    """Fuzz seed 1012, program 57: the max of ``(x + r) * c`` rolled as
+    ``max_B(x * c) + r * c`` (rounded differently from the body a later pass shifts by it);
+    at magnitudes of 1e16 the later ``exp((x + r) * c - m)`` overflowed and the loop schedule
+    returned -inf/inf where the value is finite. A max reading only final values now rolls
+    as ``max(m_A, max_B(body))`` with the definition's own body."""
+    from acefuse.fuzz import make_inputs
+    x = af.tensor("x", "r j")
+    t1 = x + (0.01 * af.index("j"))
+    t2 = af.max(t1, "j")
+    t3 = (x + (t2 + af.log(af.sum(af.exp(t1 - t2), "j")))) * \
+        (af.sum((x - (af.sum(x, "j") / af.size("j"))) ** 3, "j") / af.size("j"))
+    t4 = af.max(t3, "j")
+    prog = af.program("nm_max_body", o0=t4 + af.log(af.sum(af.exp(t3 - t4), "j")))
+    f = af.fuse(prog)
+    for p in f.passes:
+        for s in p.states:
+            if s.op == "max" and all(u.args[1].op == "BJ" for u in p.init[s.name].walk() if u.op == "St"):
+                assert p.rolling[s.name].args[1] == p.init[s.name], (s.name, p.rolling[s.name])
+    inputs = make_inputs(kind="spread_1e4", R=5, J=100, dtype="bfloat16", seed=438004041, w_axes=None)
+    xd = inputs["x"].double()
+    m3 = ((xd - xd.mean(-1, keepdim=True)) ** 3).mean(-1, keepdim=True)
+    ref = torch.logsumexp((xd + torch.logsumexp(xd + 0.01 * torch.arange(xd.shape[-1]), -1, keepdim=True)) * m3, -1)
+    k = af.compile(prog)
+    for sched in ("single", "loop"):
+        o = k(**inputs, schedule=sched, block_j=16)
+        assert torch.isfinite(o).all(), (sched, o)
+        close(o.double(), ref, rtol=2e-2, atol=0)
