@@ -294,3 +294,18 @@ def test_an_infinity_only_rounding_decides_is_free_on_rows_holding_an_infinity()
     assert not v.ok   # row 1: both references agree on +inf, so 0 is wrong
     assert fz.check_output(got[:1], ref64[:1], ref32[:1], b[:1], torch.float32, torch.tensor([True])).ok
     assert not fz.check_output(got[:1], ref64[:1], ref32[:1], b[:1], torch.float32, torch.tensor([False])).ok
+
+
+def test_check_output_accepts_inf_only_where_float32_error_can_reach_the_output_overflow():
+    """GPU fuzz seed 1109: a float16 output whose true value is -65315 (below float16's
+    65504) but whose float32 evaluation as written gives -66329 rounds to -inf; that is
+    accepted, while -inf for a value far from the overflow is still wrong."""
+    ref = torch.tensor([-65315.03], dtype=torch.float64)
+    r32 = torch.tensor([-66329.77], dtype=torch.float32)
+    got = torch.tensor([-math.inf], dtype=torch.float16)
+    b = torch.tensor([65315.0], dtype=torch.float64)
+    assert fz.check_output(got, ref, r32, b, torch.float16).ok
+    assert not fz.check_output(got, ref, r32, b, torch.float32).ok     # float32 holds it: inf is wrong
+    far = torch.tensor([-1000.0], dtype=torch.float64)
+    assert not fz.check_output(got, far, far.float(), far.abs(), torch.float16).ok
+    assert not fz.check_output(-got, ref, r32, b, torch.float16).ok     # the wrong sign
