@@ -422,17 +422,19 @@ def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
 
 
 def _canonical_extremum(p, s, term):
-    """A max/min whose definition reads only elements and final values rolls as
-    ``max(m_A, max_B(body))`` with the definition's own body (the max-split law), never a
-    rewritten body: a later ``exp(body - m)`` computes the body as written, and a max of a
-    differently rounded body (``max_B(x * c) + r * c`` for ``max_B((x + r) * c)``) can fall
-    below it by far more than 1 when the values are large, so the exponential overflows
-    (fuzz seed 1012, program 57)."""
+    """A state whose definition reads only elements and final values rolls by its split law
+    as written, ``s_A + sum_B(body)`` / ``max(m_A, max_B(body))``, with the definition's own
+    body, never a rewritten one. A shift must be computed exactly as the maximum it
+    subtracts: a max of ``(x + r) * c`` rolled as ``max_B(x * c) + r * c`` (fuzz seed 1012,
+    program 57), or a later ``sum_B(exp(mn * r * e - m))`` reassociated from the max's
+    ``mn * e * r`` (seed 1104, program 0), is rounded differently, and at magnitudes of 1e12
+    and more ``exp(body - m)`` overflows where the value is finite."""
     init = p.init.get(s.name)
-    if s.op not in ("max", "min") or init is None or init.op not in ("RMax", "RMin") \
+    comb = {"sum": ("Add", "Sum"), "max": ("Max2", "RMax"), "min": ("Min2", "RMin")}.get(s.op)
+    if comb is None or init is None or init.op != comb[1] \
             or any(u.op == "St" and u.args[1].op != "BJ" for u in init.walk()):
         return term
-    return Term("Max2" if s.op == "max" else "Min2", (Term("St", (s.name, A)), init))
+    return Term(comb[0], (Term("St", (s.name, A)), init))
 
 
 _NO_AUX = ("; no auxiliary state (a sum over the folded block of a subterm the rules produce, "

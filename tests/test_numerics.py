@@ -342,3 +342,30 @@ def test_max_state_rolls_with_its_own_body_so_a_later_shift_stays_below_it():
         o = k(**inputs, schedule=sched, block_j=16)
         assert torch.isfinite(o).all(), (sched, o)
         close(o.double(), ref, rtol=2e-2, atol=0)
+
+
+def test_sum_shifted_by_a_max_rolls_with_the_body_the_max_saw():
+    """GPU fuzz seed 1104, program 0: the later sum's rolling form reassociated its body
+    (``mn * r * e`` against the max's ``mn * e * r``); at 1e12 ``exp(body - m)`` overflowed
+    and the loop schedule returned -inf. States reading only final values now roll by their
+    split law as written."""
+    from acefuse.fuzz import make_inputs
+    x, w = af.tensor("x", "r j"), af.tensor("w", "r j")
+    t1 = af.max(x, "j")
+    t2 = ((x * w) * af.min(x, "j")) * (t1 + af.log(af.sum(af.exp(x - t1), "j")))
+    t3 = af.max(t2, "j")
+    prog = af.program("nm_sum_body", o0=t3 + af.log(af.sum(af.exp(t2 - t3), "j")))
+    f = af.fuse(prog)
+    for p in f.passes:
+        for s in p.states:
+            if all(u.args[1].op == "BJ" for u in p.init[s.name].walk() if u.op == "St"):
+                assert p.rolling[s.name].args[1] == p.init[s.name], (s.name, p.rolling[s.name])
+    inputs = make_inputs(kind="offset_1e4", R=1, J=17, dtype="float32", seed=1924427965, w_axes="rj")
+    xd, wd = inputs["x"].double(), inputs["w"].double()
+    t2d = xd * wd * xd.amin(-1, keepdim=True) * torch.logsumexp(xd, -1, keepdim=True)
+    ref = torch.logsumexp(t2d, -1)
+    k = af.compile(prog)
+    for sched in ("single", "loop"):
+        o = k(**inputs, schedule=sched, block_j=16)
+        assert torch.isfinite(o).all(), (sched, o)
+        close(o.double(), ref, rtol=1e-3, atol=0)
