@@ -84,8 +84,10 @@ def test_square_from_max_discovers_the_shifted_block_sum_and_fuses_in_one_pass()
     assert f.to_json()["fusible"]
 
 
-@pytest.mark.parametrize("name", ["weighted_dev_from_min", "entropy_like", "weighted_var_max_shift",
-                                  "cube_from_max", "dev_times_abs", "max_and_min_shift"])
+@pytest.mark.parametrize("name", ["weighted_dev_from_min", "entropy_like",
+                                  pytest.param("weighted_var_max_shift", marks=pytest.mark.slow),
+                                  "cube_from_max", "dev_times_abs",
+                                  pytest.param("max_and_min_shift", marks=pytest.mark.slow)])
 def test_programs_of_other_shapes_discover_their_auxiliary_states(name):
     prog, expected = _programs()[name]
     f = af.fuse(prog)
@@ -128,8 +130,10 @@ def test_programs_no_auxiliary_state_can_fuse_stay_two_pass_and_say_why(body):
 
 
 # ---- numbers: every schedule, small blocks, float64 reference, at an offset --------------------------
-@pytest.mark.parametrize("name", ["sq_dev_from_max", "weighted_dev_from_min", "entropy_like",
-                                  "weighted_var_max_shift", "cube_from_max", "dev_times_abs"])
+@pytest.mark.parametrize("name", ["sq_dev_from_max", "weighted_dev_from_min",
+                                  pytest.param("entropy_like", marks=pytest.mark.slow),
+                                  pytest.param("weighted_var_max_shift", marks=pytest.mark.slow),
+                                  "cube_from_max", pytest.param("dev_times_abs", marks=pytest.mark.slow)])
 def test_kernels_with_auxiliary_states_match_float64(name):
     prog, _ = _programs()[name]
     k, ran = _check(prog, {"r": 6, "j": 203}, scale=2.0, tol=2e-5, seed=3)

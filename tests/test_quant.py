@@ -260,6 +260,7 @@ def test_quantization_of_a_float8_input_round_trips():
     _assert_bits_equal(out["q"], want, "requantized float8 input")
 
 
+@pytest.mark.slow
 def test_quant_example_script_and_benchmark_smoke():
     import subprocess
     import sys
