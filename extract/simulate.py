@@ -44,8 +44,103 @@ ROWS = 48
 TILES = (4, 4, 4, 3)   # a row of 15 elements in 4 tiles (the last one partial)
 
 
-class _Eval:
-    """Evaluates encoded terms (St/Cnt/Sum over blocks, Elm/Par leaves) on sampled rows."""
+class KernelEval:
+    """Evaluation of encoded terms on arrays with the kernels' numerics conventions
+    (codegen/emit.py), shared by this simulation (numpy, on sampled rows) and the
+    distributed merge (torch, on state tensors: acefuse/distributed/merge.py):
+
+    - a per-row value built from a max, a min or a log that is -inf reads as 0 where it is
+      subtracted (an empty max bounds a shift as 0), and so does such a state;
+    - a min state that is +inf reads as 0 where it is added;
+    - a division whose denominator comes from a state or a reduction gives 0 for 0/0.
+
+    ``ev(t, elems, pol)`` walks the term, tracking polarity (``_child_pols``) and applying
+    the conventions, and evaluates the arithmetic every backend shares. A subclass supplies
+    the rest: ``defs`` (state name -> definition), ``xp`` (the array module: ``where``,
+    ``maximum``, ``minimum``), ``LEAVES`` (operators ``_leaf`` evaluates), ``state``,
+    ``_zero_where``, ``_in_elems``, ``_from_bool`` and ``_func`` (every other operator)."""
+
+    defs: dict
+    xp = np
+    LEAVES: frozenset = frozenset()
+
+    def is_ext(self, q) -> bool:
+        """State q is a max/min or a reference value built from one (codegen/emit.py)."""
+        d = self.defs.get(q)
+        if d is None:
+            return False
+        if d.op in ("max", "min"):
+            return True
+        return d.op == "ref" and any((u.op == "St" and u.args[0] != q and self.is_ext(u.args[0]))
+                                     or u.op == "Log" for u in d.definition.walk())
+
+    def row_only(self, t: Term) -> bool:
+        """emit's ``_row_only``: a per-row value built from a max, a min or a log."""
+        return _row_only(t, self.is_ext)
+
+    def ev(self, t: Term, elems=None, pol=None):
+        """Value of ``t`` (``elems``: the elements of the reduction it is inside, or None;
+        ``pol``: "-" where it is subtracted, "+" where added, None where neither)."""
+        op = t.op
+        if pol == "-" and op != "St" and self.row_only(t):   # the kernels' convention (emit.py)
+            v = self.ev(t, elems, None)
+            return self._zero_where(v == -np.inf, v)
+        if op == "St":
+            q = t.args[0]
+            v = self.state_value(q, t.args[1])
+            d = self.defs.get(q)
+            if pol == "-" and self.is_ext(q):
+                v = self._zero_where(v == -np.inf, v)
+            elif d is not None and d.op == "min" and pol == "+":
+                v = self._zero_where(v == np.inf, v)
+            return self._in_elems(v, elems)
+        if op in self.LEAVES:
+            return self._leaf(t, elems)
+        if op == "Neg":
+            return -self.ev(t.args[0], elems, "-" if (pol or "+") == "+" else "+")
+        pols = _child_pols(t, pol) if op in ("Add", "Sub", "Mul", "Div") else None
+        kids = [self.ev(c, elems, pols[i] if pols else None) for i, c in enumerate(t.children)]
+        a = kids[0]
+        b = kids[1] if len(kids) > 1 else None
+        if op == "Add":
+            return a + b
+        if op == "Sub":
+            return a - b
+        if op == "Mul":
+            return a * b
+        if op == "Div":
+            r = a / b
+            if any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.args[1].walk()):
+                r = self._zero_where((a == 0) & (b == 0), r)
+            return r
+        if op == "Max2":
+            return self.xp.maximum(a, b)
+        if op == "Min2":
+            return self.xp.minimum(a, b)
+        if op == "Where":
+            return self.xp.where(a != 0, b, kids[2])
+        if op == "LAnd":
+            return self._from_bool((a != 0) & (b != 0), a)
+        if op == "LOr":
+            return self._from_bool((a != 0) | (b != 0), a)
+        if op == "LNot":
+            return self._from_bool(a == 0, a)
+        return self._func(op, t, kids)
+
+    def state_value(self, q: str, blk: Term):
+        """State ``q`` over block ``blk``, as the kernel holds it."""
+        return self.state(q, blk)
+
+    def _in_elems(self, v, elems):
+        """A per-row value ``v`` read inside a reduction over ``elems`` (or outside one)."""
+        return v
+
+
+class _Eval(KernelEval):
+    """Evaluates encoded terms (St/Cnt/Sum over blocks, Elm/Par leaves) on sampled rows:
+    (ROWS,) outside a reduction, (ROWS, |elems|) inside one."""
+
+    LEAVES = frozenset({"Num", "Elm", "Par", "Cnt", "Sum", "RMax", "RMin"})
 
     def __init__(self, enc, leaf_vals, par_vals, dtype):
         self.enc = enc
@@ -57,16 +152,6 @@ class _Eval:
         self.states: dict = {}            # (q, block key) -> (ROWS,) value
         self._defmemo: dict = {}
         self.known: frozenset = frozenset()   # states final from earlier passes: read over J
-
-    def is_ext(self, q) -> bool:
-        """State q is a max/min or a reference value built from one (codegen/emit.py)."""
-        d = self.defs.get(q)
-        if d is None:
-            return False
-        if d.op in ("max", "min"):
-            return True
-        return d.op == "ref" and any((u.op == "St" and u.args[0] != q and self.is_ext(u.args[0]))
-                                     or u.op == "Log" for u in d.definition.walk())
 
     def key(self, blk: Term) -> str:
         if blk.op == "BU":
@@ -87,12 +172,20 @@ class _Eval:
             self._defmemo[mk] = self.ev(reblock(d, blk), None, None)
         return self._defmemo[mk]
 
-    def ev(self, t: Term, elems, pol):
-        """Value of ``t``: (ROWS,) outside a reduction, (ROWS, |elems|) inside one."""
+    def state_value(self, q: str, blk: Term):
+        return self.state(q, blk).astype(self.dt)
+
+    def _in_elems(self, v, elems):
+        return v[:, None] if elems is not None else v
+
+    def _zero_where(self, cond, v):
+        return np.where(cond, self.dt(0), v)
+
+    def _from_bool(self, mask, like):
+        return mask.astype(self.dt)
+
+    def _leaf(self, t: Term, elems):
         op, dt = t.op, self.dt
-        if pol == "-" and op != "St" and _row_only(t, self.is_ext):   # the kernels' convention (emit.py)
-            v = self.ev(t, elems, None)
-            return np.where(v == -np.inf, dt(0), v)
         if op == "Num":
             return dt(t.args[0])
         if op == "Elm":
@@ -103,54 +196,27 @@ class _Eval:
                 self.par_vals[t.args[0]].astype(dt)
         if op == "Cnt":
             return dt(len(self.idx(t.args[0])))
-        if op == "St":
-            q = t.args[0]
-            v = self.state(q, t.args[1]).astype(dt)
-            kind = self.defs[q].op
-            if pol == "-" and self.is_ext(q):
-                v = np.where(v == -np.inf, dt(0), v)
-            elif kind == "min" and pol == "+":
-                v = np.where(v == np.inf, dt(0), v)
-            return v[:, None] if elems is not None else v
-        if op in ("Sum", "RMax", "RMin"):
-            ix = self.idx(t.args[0])
-            body = np.broadcast_to(np.asarray(self.ev(t.args[1], ix, None)), (ROWS, len(ix)))
-            if len(ix) == 0:
-                r = {"Sum": 0.0, "RMax": -np.inf, "RMin": np.inf}[op]
-                return np.full(ROWS, r, dtype=dt)
-            fn = {"Sum": np.sum, "RMax": np.max, "RMin": np.min}[op]
-            r = fn(body, axis=1).astype(dt)
-            return r[:, None] if elems is not None else r
-        pols = _child_pols(t, pol) if op in ("Add", "Sub", "Mul", "Div") else None
-        if op == "Neg":
-            return -self.ev(t.args[0], elems, "-" if (pol or "+") == "+" else "+")
-        kids = [self.ev(c, elems, pols[i] if pols else None) for i, c in enumerate(t.children)]
+        # Sum, RMax, RMin over a block
+        ix = self.idx(t.args[0])
+        body = np.broadcast_to(np.asarray(self.ev(t.args[1], ix, None)), (ROWS, len(ix)))
+        if len(ix) == 0:
+            r = {"Sum": 0.0, "RMax": -np.inf, "RMin": np.inf}[op]
+            return np.full(ROWS, r, dtype=dt)
+        fn = {"Sum": np.sum, "RMax": np.max, "RMin": np.min}[op]
+        r = fn(body, axis=1).astype(dt)
+        return r[:, None] if elems is not None else r
+
+    def _func(self, op, t: Term, kids):
+        dt = self.dt
         a = kids[0]
         b = kids[1] if len(kids) > 1 else None
-        if op == "Add":
-            return a + b
-        if op == "Sub":
-            return a - b
-        if op == "Mul":
-            return a * b
-        if op == "Div":
-            r = a / b
-            if any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.args[1].walk()):
-                r = np.where((a == 0) & (b == 0), dt(0), r)
-            return r
         fns = {"Exp": np.exp, "Log": np.log, "Sqrt": np.sqrt, "Abs": np.abs, "Tanh": np.tanh}
         if op in fns:
             return fns[op](a)
         if op == "Rsqrt":
             return dt(1) / np.sqrt(a)
-        if op == "Max2":
-            return np.maximum(a, b)
-        if op == "Min2":
-            return np.minimum(a, b)
         if op == "Pow":
             return np.power(a, dt(t.args[1]))
-        if op == "Where":
-            return np.where(a != 0, b, kids[2])
         if op in _SPECIAL:
             return _SPECIAL[op](np.asarray(a, dtype=np.float64)).astype(dt)
         if op == "Cast":
@@ -161,12 +227,6 @@ class _Eval:
                "CmpEq": np.equal, "CmpNe": np.not_equal}
         if op in cmp:
             return cmp[op](a, b).astype(dt)
-        if op == "LAnd":
-            return ((a != 0) & (b != 0)).astype(dt)
-        if op == "LOr":
-            return ((a != 0) | (b != 0)).astype(dt)
-        if op == "LNot":
-            return (a == 0).astype(dt)
         raise ValueError(f"simulate: no evaluation for operator {op}")
 
 

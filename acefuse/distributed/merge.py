@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from acefuse.rewrite.terms import Term, reblock, pretty
 from acefuse.distributed.base import DistributedError
+from acefuse.extract.simulate import KernelEval
 
 
 # ---- evaluating merges and finalisations on state tensors -------------------------------
@@ -27,16 +28,18 @@ def _blk_key(blk: Term) -> str:
     return {"BA": "A", "BB": "B", "BJ": "J"}[blk.op]
 
 
-class StateEval:
+class StateEval(KernelEval):
     """Evaluates merge forms and outputs on state tensors with torch, following the kernels'
-    conventions (codegen/emit.py, as extract/simulate.py does): a per-row value built from a
-    max, a min or a log that is -inf reads as 0 where it is subtracted; a min that is +inf
-    reads as 0 where it is added; a division whose denominator comes from a reduction gives
-    0 for 0/0.
+    conventions with extract/simulate.py's evaluator (``KernelEval``: a per-row value built
+    from a max, a min or a log that is -inf reads as 0 where it is subtracted; a min that is
+    +inf reads as 0 where it is added; a division whose denominator comes from a reduction
+    gives 0 for 0/0).
 
     Values are tensors laid out over ``P`` (the parallel axes, program order) with a leading
     batch dimension (partial states merged side by side); an axis a value does not range over
     has length 1."""
+
+    LEAVES = frozenset({"Num", "Cnt", "Size", "Idx", "In", "Take"})
 
     def __init__(self, enc, P, env, counts, sizes, inputs=None, offsets=None, takes=None, local=None):
         self.defs = {s.name: s for s in enc.states}
@@ -52,7 +55,12 @@ class StateEval:
         self._memo = {}
         self._ext = None
 
-    def _row_only(self, t) -> bool:
+    @property
+    def xp(self):
+        import torch
+        return torch
+
+    def row_only(self, t) -> bool:
         """emit's ``_row_only`` (a per-row value built from a max, min or log), memoised per
         term and set of extremum states: the walk is the same at every call."""
         from acefuse.codegen.emit import _row_only
@@ -63,15 +71,6 @@ class StateEval:
         if r is None:
             r = _ROW_ONLY[key] = _row_only(t, self._ext.__contains__)
         return r
-
-    def is_ext(self, q) -> bool:
-        d = self.defs.get(q)
-        if d is None:
-            return False
-        if d.op in ("max", "min"):
-            return True
-        return d.op == "ref" and any((u.op == "St" and u.args[0] != q and self.is_ext(u.args[0]))
-                                     or u.op == "Log" for u in d.definition.walk())
 
     def _const(self, v):
         import torch
@@ -99,24 +98,18 @@ class StateEval:
         raise DistributedError(f"state {q} over block {_blk_key(blk)} is not available to the merge "
                                "(an acefuse bug, please report the program)")
 
-    def ev(self, t: Term, pol=None):
+    def _zero_where(self, cond, v):
         import torch
-        from acefuse.codegen.emit import _child_pols
+        return torch.where(cond, torch.zeros_like(v), v)
+
+    def _from_bool(self, mask, like):
+        return mask.to(like.dtype)
+
+    def _leaf(self, t: Term, elems):
+        import torch
         op = t.op
-        if pol == "-" and op != "St" and self._row_only(t):
-            v = self.ev(t, None)
-            return torch.where(v == float("-inf"), torch.zeros_like(v), v)
         if op == "Num":
             return self._const(t.args[0])
-        if op == "St":
-            q = t.args[0]
-            v = self.state(q, t.args[1])
-            d = self.defs.get(q)
-            if pol == "-" and self.is_ext(q):
-                v = torch.where(v == float("-inf"), torch.zeros_like(v), v)
-            elif d is not None and d.op == "min" and pol == "+":
-                v = torch.where(v == float("inf"), torch.zeros_like(v), v)
-            return v
         if op == "Cnt":
             c = self.counts[_blk_key(t.args[0])]
             return c if isinstance(c, torch.Tensor) else self._const(c)
@@ -132,45 +125,20 @@ class StateEval:
             x = self.inputs[name]
             ref = next(iter(self.env.values()))
             return self.layout(x.to(ref.dtype), self.tensors[name])
-        if op == "Take":
-            return self.takes[t]
-        if op == "Neg":
-            return -self.ev(t.args[0], "-" if (pol or "+") == "+" else "+")
-        pols = _child_pols(t, pol) if op in ("Add", "Sub", "Mul", "Div") else None
-        kids = [self.ev(c, pols[i] if pols else None) for i, c in enumerate(t.children)]
+        return self.takes[t]    # Take
+
+    def _func(self, op, t: Term, kids):
+        import torch
         a = kids[0]
         b = kids[1] if len(kids) > 1 else None
-        if op == "Add":
-            return a + b
-        if op == "Sub":
-            return a - b
-        if op == "Mul":
-            return a * b
-        if op == "Div":
-            r = a / b
-            if any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.args[1].walk()):
-                r = torch.where((a == 0) & (b == 0), torch.zeros_like(r), r)
-            return r
         if op in _FUNCS:
             return getattr(torch, _FUNCS[op])(a)
         if op == "Softplus":
             return torch.logaddexp(torch.zeros_like(a), a)
-        if op == "Max2":
-            return torch.maximum(a, b)
-        if op == "Min2":
-            return torch.minimum(a, b)
         if op == "Pow":
             return torch.pow(a, float(t.args[1]))
-        if op == "Where":
-            return torch.where(a != 0, b, kids[2])
         if op in _CMP:
             return getattr(torch, _CMP[op])(a, b).to(a.dtype if a.is_floating_point() else b.dtype)
-        if op == "LAnd":
-            return ((a != 0) & (b != 0)).to(a.dtype)
-        if op == "LOr":
-            return ((a != 0) | (b != 0)).to(a.dtype)
-        if op == "LNot":
-            return (a == 0).to(a.dtype)
         if op == "FloorDiv":
             return torch.where(b == 0, torch.full_like(a, float("nan")), torch.floor(a / b))
         if op == "Mod":
