@@ -148,8 +148,33 @@ def block_atoms(b: Term) -> tuple:
     raise ValueError(f"certify: block {b!r} is not A, B, J or a disjoint union of them")
 
 
+# ---- state values, shared by both models -------------------------------------------------
+class _StateValues:
+    """A state's value over a block, from its definition with the block substituted for A,
+    computed once per (state, block atoms); a definition that refers to itself is refused.
+    Subclasses set ``states`` (name -> StateDef), ``_memo`` and ``_active``, and define
+    ``ev``."""
+
+    def state(self, q: str, blk: Term):
+        k = (q, block_atoms(blk))
+        if k in self._memo:
+            return self._memo[k]
+        if q not in self.states:
+            raise ValueError(f"certify: the claim refers to state {q!r}, but only "
+                             f"{sorted(self.states)} are defined; pass its StateDef in `states`")
+        if k in self._active:
+            raise ValueError(f"certify: the definition of state {q!r} refers to itself")
+        self._active.add(k)
+        try:
+            v = self.ev(substitute(self.states[q].definition, {BLK_A: blk}))
+        finally:
+            self._active.discard(k)
+        self._memo[k] = v
+        return v
+
+
 # ---- the symbolic model: generic blocks --------------------------------------------------
-class _Generic:
+class _Generic(_StateValues):
     """sympy values of terms over arbitrary non-empty blocks (see the module docstring)."""
 
     def __init__(self, states: dict):
@@ -183,24 +208,6 @@ class _Generic:
         if s is None:
             s = self._agg[key] = sp.Dummy(f"{op}_{atom}[{phi}]", real=True)
         return s
-
-    def state(self, q: str, blk: Term):
-        atoms = block_atoms(blk)
-        k = (q, atoms)
-        if k in self._memo:
-            return self._memo[k]
-        if q not in self.states:
-            raise ValueError(f"certify: the claim refers to state {q!r}, but only "
-                             f"{sorted(self.states)} are defined; pass its StateDef in `states`")
-        if k in self._active:
-            raise ValueError(f"certify: the definition of state {q!r} refers to itself")
-        self._active.add(k)
-        try:
-            v = self.ev(substitute(self.states[q].definition, {BLK_A: blk}))
-        finally:
-            self._active.discard(k)
-        self._memo[k] = v
-        return v
 
     def ev(self, t: Term):
         op = t.op
@@ -357,7 +364,7 @@ def symbolic_check(sdict: dict, lhs: Term, rhs: Term):
 
 
 # ---- the concrete model: random blocks ---------------------------------------------------------
-class _Model:
+class _Model(_StateValues):
     """Values of leaves on concrete blocks laid out one after another (A = 1..nA,
     B = nA+1..nA+nB, J = the next nJ elements), for one backend."""
 
@@ -388,23 +395,6 @@ class _Model:
             return self.state(t.args[0], t.args[1])
         raise ValueError(f"certify: unexpected leaf {t!r}; a claim may contain Elm, Par, St, Cnt and Num leaves "
                          "(no pattern variables)")
-
-    def state(self, q: str, blk: Term):
-        k = (q, block_atoms(blk))
-        if k in self._memo:
-            return self._memo[k]
-        if q not in self.states:
-            raise ValueError(f"certify: the claim refers to state {q!r}, but only "
-                             f"{sorted(self.states)} are defined; pass its StateDef in `states`")
-        if k in self._active:
-            raise ValueError(f"certify: the definition of state {q!r} refers to itself")
-        self._active.add(k)
-        try:
-            v = self.ev(substitute(self.states[q].definition, {BLK_A: blk}))
-        finally:
-            self._active.discard(k)
-        self._memo[k] = v
-        return v
 
     def ev(self, t: Term, elem: int = 0):
         """semantics.evaluate, with the value of each reduction computed once (it does not

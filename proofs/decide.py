@@ -49,6 +49,21 @@ def compose(sub: dict, z: sp.Symbol, val) -> bool:
     return True
 
 
+def compose_le(sub: dict, env, lo, hi, va, vb, nonzero) -> bool:
+    """Side condition ``Le(lo, hi)`` (values ``va``, ``vb`` in ``env``) as a substitution: a
+    pattern variable ``hi`` becomes ``va`` plus a fresh gap, else a pattern variable ``lo``
+    becomes ``vb`` minus one (the gap is positive where the variable is ``NonZero`` and the
+    other side is 0). False when neither side can be substituted (no variable, or circular)."""
+    if hi.op == "?":
+        pos = hi.args[0] in nonzero and va == 0
+        if compose(sub, env.leaf(hi, 0), va + gap(pos)):
+            return True
+    if lo.op == "?":
+        pos = lo.args[0] in nonzero and vb == 0
+        return compose(sub, env.leaf(lo, 0), vb - gap(pos))
+    return False
+
+
 def solve_linear_for(d, prefer=()):
     """A plain symbol ``z`` in which ``d`` is linear with a numeric coefficient, or None."""
     syms = sorted((s for s in d.free_symbols if is_plain(s)), key=lambda s: (s not in prefer, s.name))

@@ -32,7 +32,7 @@ import numpy as np
 
 from acefuse.rewrite.terms import Term, REDUCTIONS, substitute
 from acefuse.rules.base import Rule, SELF
-from acefuse.proofs.semantics import is_leaf, _OPS
+from acefuse.proofs.semantics import is_leaf, _OPS, NumpyOps
 
 N_POINTS = 4096
 GOOD_BITS = 4.0      # a side within 4 bits (16 ulps) of float64 is accurate
@@ -50,24 +50,15 @@ class FloatVerdict:
     kind: str = ""          # "range" or "rounding" ("" when safe)
 
 
-class _Vec:
+class _Vec(NumpyOps):
     """numpy backend of one dtype (float32 or float64), vectorised over points."""
 
     def __init__(self, dtype):
         self.dt = dtype
 
     def const(self, v): return self.dt(v)
-    def add(self, a, b): return a + b
-    def sub(self, a, b): return a - b
-    def mul(self, a, b): return a * b
-    def div(self, a, b): return a / b
-    def neg(self, a): return -a
-    def exp(self, a): return np.exp(a)
-    def log(self, a): return np.log(a)
-    def sqrt(self, a): return np.sqrt(a)
     def rsqrt(self, a): return self.dt(1) / np.sqrt(a)
-    def abs(self, a): return np.abs(a)
-    def tanh(self, a): return np.tanh(a)
+
     def max(self, vals):
         out = vals[0]
         for v in vals[1:]:

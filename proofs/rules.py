@@ -299,13 +299,7 @@ class _Prover:
                     unresolved.append(f"{w.op}({a[0]!r})")
             elif w.op == "Le":
                 va, vb = env.ev(a[0]), env.ev(a[1])
-                done = False
-                if a[1].op == "?":
-                    pos = a[1].args[0] in self.nonzero and va == 0
-                    done = decide.compose(sub, env.leaf(a[1], 0), va + decide.gap(pos))
-                if not done and a[0].op == "?":
-                    pos = a[0].args[0] in self.nonzero and vb == 0
-                    done = decide.compose(sub, env.leaf(a[0], 0), vb - decide.gap(pos))
+                done = decide.compose_le(sub, env, a[0], a[1], va, vb, self.nonzero)
                 if not done:
                     done = self._solve_premise(sub, vb - va)
                 if not done:

@@ -95,25 +95,6 @@ def _at(name: str, elem: int) -> str:
     return f"{name}[{elem}]"
 
 
-def _block_configs(names: list[str]) -> list[tuple]:
-    n = len(names)
-    if n == 0:
-        return [()]
-    if n == 1:
-        return [(1,), (2,), (3,)]
-    if n == 2:
-        return [(1, 1), (2, 1), (1, 3), (2, 3)]
-    return [(1,) * n, tuple(2 if i % 2 == 0 else 1 for i in range(n))]
-
-
-def _at(name: str, elem: int) -> str:
-    if elem == 0:
-        return name
-    if elem == OMEGA:
-        return name + "[*]"
-    return f"{name}[{elem}]"
-
-
 def block_configs(names: list[str]) -> list[tuple]:
     """Block sizes tried for the block variables (sizes up to 5: beyond the small cases)."""
     n = len(names)
@@ -180,13 +161,7 @@ class Refuter:
                     unresolved.append(f"NonZero({a[0]!r})")
             elif w.op == "Le":
                 va, vb = env.ev(a[0]), env.ev(a[1])
-                done = False
-                if a[1].op == "?":
-                    pos = a[1].args[0] in self.nonzero and va == 0
-                    done = decide.compose(sub, env.leaf(a[1], 0), va + decide.gap(pos))
-                if not done and a[0].op == "?":
-                    pos = a[0].args[0] in self.nonzero and vb == 0
-                    done = decide.compose(sub, env.leaf(a[0], 0), vb - decide.gap(pos))
+                done = decide.compose_le(sub, env, a[0], a[1], va, vb, self.nonzero)
                 if not done:
                     unresolved.append(f"Le({a[0]!r}, {a[1]!r})")
             elif w.op == "UB":

@@ -71,49 +71,37 @@ def evaluate(t: Term, elem: int, be, leaf, blocks):
     return fn(be, *vals)
 
 
-_OPS = {
-    "Add": lambda be, a, b: be.add(a, b),
-    "Sub": lambda be, a, b: be.sub(a, b),
-    "Mul": lambda be, a, b: be.mul(a, b),
-    "Div": lambda be, a, b: be.div(a, b),
-    "Neg": lambda be, a: be.neg(a),
-    "Exp": lambda be, a: be.exp(a),
-    "Log": lambda be, a: be.log(a),
-    "Sqrt": lambda be, a: be.sqrt(a),
-    "Rsqrt": lambda be, a: be.rsqrt(a),
-    "Abs": lambda be, a: be.abs(a),
-    "Tanh": lambda be, a: be.tanh(a),
-    "Max2": lambda be, a, b: be.max([a, b]),
-    "Min2": lambda be, a, b: be.min([a, b]),
-    "Erf": lambda be, a: be.erf(a),
-    "Sigmoid": lambda be, a: be.sigmoid(a),
-    "Softplus": lambda be, a: be.softplus(a),
-    "Log1p": lambda be, a: be.log1p(a),
-    "Expm1": lambda be, a: be.expm1(a),
-    "Floor": lambda be, a: be.floor(a),
-    "Ceil": lambda be, a: be.ceil(a),
-    "Round": lambda be, a: be.round(a),
-    # selection: where and comparisons (a comparison is 1 or 0; where picks by a nonzero condition)
-    "Where": lambda be, c, a, b: be.where(c, a, b),
-    "CmpLt": lambda be, a, b: be.cmp("CmpLt", a, b),
-    "CmpLe": lambda be, a, b: be.cmp("CmpLe", a, b),
-    "CmpGt": lambda be, a, b: be.cmp("CmpGt", a, b),
-    "CmpGe": lambda be, a, b: be.cmp("CmpGe", a, b),
-    "CmpEq": lambda be, a, b: be.cmp("CmpEq", a, b),
-    "CmpNe": lambda be, a, b: be.cmp("CmpNe", a, b),
-    "LAnd": lambda be, a, b: be.cmp("LAnd", a, b),
-    "LOr": lambda be, a, b: be.cmp("LOr", a, b),
-    "LNot": lambda be, a: be.cmp("LNot", a, None),
-    # exact integer arithmetic (floor division and modulo as Python; int64 two's complement)
-    "FloorDiv": lambda be, a, b: be.intop("FloorDiv", a, b),
-    "Mod": lambda be, a, b: be.intop("Mod", a, b),
-    "BitAnd": lambda be, a, b: be.intop("BitAnd", a, b),
-    "BitOr": lambda be, a, b: be.intop("BitOr", a, b),
-    "BitXor": lambda be, a, b: be.intop("BitXor", a, b),
-    "BitNot": lambda be, a: be.intop("BitNot", a),
-    "Shl": lambda be, a, b: be.intop("Shl", a, b),
-    "Shr": lambda be, a, b: be.intop("Shr", a, b),
-}
+def _call(method: str):
+    """The operator as the backend method ``method`` on its operand values."""
+    def fn(be, *vals):
+        return getattr(be, method)(*vals)
+    fn.__name__ = method
+    return fn
+
+
+def _tagged(method: str, op: str):
+    """The operator as the backend method ``method`` told the operator's name (one method
+    for every comparison, one for every integer operator); the second operand of a unary
+    one is None."""
+    def fn(be, a, b=None):
+        return getattr(be, method)(op, a, b)
+    fn.__name__ = f"{method}_{op}"
+    return fn
+
+
+# operator -> fn(backend, *operand values)
+_OPS = {op: _call(op.lower()) for op in (
+    "Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Tanh",
+    "Erf", "Sigmoid", "Softplus", "Log1p", "Expm1", "Floor", "Ceil", "Round")}
+_OPS["Max2"] = lambda be, a, b: be.max([a, b])
+_OPS["Min2"] = lambda be, a, b: be.min([a, b])
+# selection: where and comparisons (a comparison is 1 or 0; where picks by a nonzero condition)
+_OPS["Where"] = _call("where")
+_OPS.update({op: _tagged("cmp", op) for op in (
+    "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")})
+# exact integer arithmetic (floor division and modulo as Python; int64 two's complement)
+_OPS.update({op: _tagged("intop", op) for op in (
+    "FloorDiv", "Mod", "BitAnd", "BitOr", "BitXor", "BitNot", "Shl", "Shr")})
 
 
 def int_value(op: str, a: int, b: int = 0):
@@ -175,7 +163,29 @@ def _uf(name):
     return _UNINTERPRETED[name]
 
 
-class SympyBackend:
+class _Operators:
+    """+, - and * and negation as Python's operators, which every number system here has."""
+
+    def add(self, a, b): return a + b
+    def sub(self, a, b): return a - b
+    def mul(self, a, b): return a * b
+    def neg(self, a): return -a
+
+
+class NumpyOps(_Operators):
+    """IEEE arithmetic on numpy values (scalars or arrays): division and the elementary
+    functions as numpy computes them. Shared by ``FloatBackend`` and the vectorised float
+    check (proofs/floatcheck.py)."""
+
+    def div(self, a, b): return a / b
+    def exp(self, a): return np.exp(a)
+    def log(self, a): return np.log(a)
+    def sqrt(self, a): return np.sqrt(a)
+    def abs(self, a): return np.abs(a)
+    def tanh(self, a): return np.tanh(a)
+
+
+class SympyBackend(_Operators):
     """Exact arithmetic with sympy; records the domain conditions of partial operators.
 
     ``conditions`` is a list of ``(kind, expr)`` with kind ``"pos"`` (expr > 0),
@@ -193,10 +203,6 @@ class SympyBackend:
             return sp.oo if v > 0 else -sp.oo
         return sp.Integer(int(v)) if v.is_integer() else sp.Rational(v)
 
-    def add(self, a, b): return a + b
-    def sub(self, a, b): return a - b
-    def mul(self, a, b): return a * b
-    def neg(self, a): return -a
     def exp(self, a): return sp.exp(a)
     def abs(self, a): return sp.Abs(a)
     def tanh(self, a): return sp.tanh(a)
@@ -251,14 +257,11 @@ class SympyBackend:
 EXP_LIMIT = 1e6
 
 
-class MpBackend:
+class MpBackend(_Operators):
     """mpmath at 50 significant digits; raises ``Undefined`` outside the real domain."""
 
     def const(self, v): return mpmath.mpf(v)
-    def add(self, a, b): return a + b
-    def sub(self, a, b): return a - b
-    def mul(self, a, b): return a * b
-    def neg(self, a): return -a
+
     def exp(self, a):
         # exp of an exp of random values explodes (mpmath then runs out of memory): beyond
         # EXP_LIMIT the point is outside what a 50-digit check can say anything about
@@ -343,21 +346,11 @@ class MpBackend:
         return mpmath.mpf(r)
 
 
-class FloatBackend:
+class FloatBackend(NumpyOps):
     """IEEE float64, as a kernel computes (inf/nan propagate; the caller checks finiteness)."""
 
     def const(self, v): return np.float64(v)
-    def add(self, a, b): return a + b
-    def sub(self, a, b): return a - b
-    def mul(self, a, b): return a * b
-    def div(self, a, b): return a / b
-    def neg(self, a): return -a
-    def exp(self, a): return np.exp(a)
-    def log(self, a): return np.log(a)
-    def sqrt(self, a): return np.sqrt(a)
     def rsqrt(self, a): return 1.0 / np.sqrt(a)
-    def abs(self, a): return np.abs(a)
-    def tanh(self, a): return np.tanh(a)
     def sum(self, vals): return np.float64(math.fsum(float(v) for v in vals))
     def max(self, vals): return np.float64(max(vals))
     def min(self, vals): return np.float64(min(vals))
