@@ -10,7 +10,6 @@ causal is halved); decode reports GB/s of K+V read.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -20,39 +19,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-HERE = Path(__file__).resolve().parent
+from _common import load, bench, ceilings
+
 D = 128
 SCALE = 1.0 / math.sqrt(D)
 WINDOW = 256
 CAP = 30.0
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / "kernels" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def bench(fn, rep=100):
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def ceilings():
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e9
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192 ** 3 / (bench(lambda: a @ b, rep=300) * 1e-3) / 1e12
-    del x, y, a, b
-    torch.cuda.empty_cache()
-    return copy, mm
 
 
 def visible_pairs(kind, n):
@@ -116,6 +90,36 @@ SWEEP = [dict(block_i=128, block_j=64, num_warps=8, num_stages=3),
          dict(block_i=128, block_j=64, num_warps=4, num_stages=3)]
 
 
+def time_peers(res, peers, args, compile_s=False):
+    """Times each peer on ``args`` into ``res[f"{name}_ms"]``; a peer that fails gets None
+    and its error in ``res[f"{name}_err"]``. With ``compile_s``: also the seconds of its first
+    call (compilation) in ``res[f"{name}_compile_s"]``, and the allocator's cache is emptied
+    after each peer."""
+    for pn, fn in peers.items():
+        try:
+            t0 = time.time()
+            fn(*args)
+            if compile_s:
+                torch.cuda.synchronize()
+                res[f"{pn}_compile_s"] = round(time.time() - t0, 1)
+            res[f"{pn}_ms"] = bench(lambda: fn(*args))
+        except Exception as exc:
+            res[f"{pn}_ms"] = None
+            res[f"{pn}_err"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        if compile_s:
+            torch.cuda.empty_cache()
+
+
+def report(label, res, peers, rate, unit):
+    """One line: acefuse's automatic and best choice, then each peer, as ``rate(ms)`` in
+    ``unit`` (nan where not timed)."""
+    r = lambda ms: rate(ms) if ms else float("nan")  # noqa: E731
+    line = f"{label:28s} acefuse auto {r(res.get('auto_ms')):6.0f} best {r(res.get('best_ms')):6.0f} {unit} [{res.get('best')}]"
+    for pn in peers:
+        line += f" | {pn} {r(res.get(pn + '_ms')):6.0f}"
+    print(line, flush=True)
+
+
 def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(B * N + H)
@@ -174,23 +178,9 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
             best = (t, lab)
     if best:
         res["best_ms"], res["best"] = best
-    for pn, fn in peers.items():
-        try:
-            t0 = time.time()
-            fn(q, k, v)
-            torch.cuda.synchronize()
-            res[f"{pn}_compile_s"] = round(time.time() - t0, 1)
-            res[f"{pn}_ms"] = bench(lambda: fn(q, k, v))
-        except Exception as exc:
-            res[f"{pn}_ms"] = None
-            res[f"{pn}_err"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        torch.cuda.empty_cache()
+    time_peers(res, peers, (q, k, v), compile_s=True)
     rows.append(res)
-    tf = lambda ms: flops / (ms * 1e-3) / 1e12 if ms else float("nan")
-    line = f"{label:28s} acefuse auto {tf(res.get('auto_ms')):6.0f} best {tf(res.get('best_ms')):6.0f} TFLOP/s [{res.get('best')}]"
-    for pn in peers:
-        line += f" | {pn} {tf(res.get(pn + '_ms')):6.0f}"
-    print(line, flush=True)
+    report(label, res, peers, lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOP/s")
     return res
 
 
@@ -229,19 +219,9 @@ def run_decode(label, B, HQ, HKV, L, rows, mods):
              "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True),
              "flex": flex("global", B, HQ, L, gqa=True),
              "compile-plain": torch.compile(plain("global"), dynamic=False)}
-    for pn, fn in peers.items():
-        try:
-            fn(q, k, v)
-            res[f"{pn}_ms"] = bench(lambda: fn(q, k, v))
-        except Exception as exc:
-            res[f"{pn}_ms"] = None
-            res[f"{pn}_err"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    time_peers(res, peers, (q, k, v))
     rows.append(res)
-    gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9 if ms else float("nan")
-    line = f"{label:28s} acefuse auto {gbs(res.get('auto_ms')):6.0f} best {gbs(res.get('best_ms')):6.0f} GB/s [{res.get('best')}]"
-    for pn in peers:
-        line += f" | {pn} {gbs(res.get(pn + '_ms')):6.0f}"
-    print(line, flush=True)
+    report(label, res, peers, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GB/s")
 
 
 def main(argv=None):

@@ -115,26 +115,7 @@ def ok(got, want, tol):
 def timed(fn, reps, device, group=None):
     """Median ms of ``fn`` over ``reps`` calls on this rank (after 3 warm-up calls); ranks
     enter in step."""
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / reps
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return timed_local(fn, reps, device, barrier=lambda: dist.barrier(group=group))
 
 
 def slowest(ms, device):
@@ -159,15 +140,21 @@ def one_gpu(fn, reps, device):
     return t.item()
 
 
-def timed_local(fn, reps, device):
+def timed_local(fn, reps, device, barrier=None):
+    """Median ms of ``fn`` over ``reps`` calls timed with CUDA events (the mean of a wall-clock
+    loop on the CPU), after 3 warm-up calls; ``barrier()``, when given, runs right before the
+    timing starts (after the warm-up has finished on the GPU)."""
     for _ in range(3):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
     if device.type != "cuda":
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) * 1e3 / reps
-    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

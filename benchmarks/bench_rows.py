@@ -11,7 +11,7 @@ ratio of our time to each peer's (>1 means acefuse is faster).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import functools
 import json
 import sys
 import time
@@ -20,37 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
-HERE = Path(__file__).resolve().parent
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / "kernels" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import _common
+from _common import load
 
 
-def bench(fn, rep=200):
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")  # ms
-
-
-def ceilings():
-    n = 1 << 29  # 1 GiB of bf16
-    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    copy = 2 * x.numel() * 2 / (t * 1e-3) / 1e9
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = bench(lambda: a @ b, rep=300)
-    mm = 2 * 8192 ** 3 / (t * 1e-3) / 1e12
-    del x, y, a, b
-    torch.cuda.empty_cache()
-    return copy, mm
+bench = functools.partial(_common.bench, rep=200, warmup=25)   # ms
 
 
 def workloads(rows, cols, dev):
@@ -94,7 +69,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = "cuda"
     props = torch.cuda.get_device_properties(0)
-    copy, mm = ceilings()
+    copy, mm = _common.ceilings(copy_rep=200, mm_rep=300, warmup=25)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     print(f"measured ceilings: copy {copy:.0f} GB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s")
     shapes = [(16384, 8192), (4096, 65536), (256, 262144)]

@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _common import bench, ceilings
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
@@ -74,25 +76,6 @@ def _acefuse():
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def bench(fn, rep):
-    from triton.testing import do_bench
-    fn()
-    sync()
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")   # ms
-
-
-def ceilings(rep):
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)   # 1 GiB
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() * 2 / (bench(lambda: y.copy_(x), rep) * 1e-3) / 1e9
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192 ** 3 / (bench(lambda: a @ b, rep) * 1e-3) / 1e12
-    x = y = a = b = None
-    torch.cuda.empty_cache()
-    return copy, mm
 
 
 # ---- one training step, checked then timed ----------------------------------------------------------
@@ -398,39 +381,41 @@ def ratio(ace, peer):
     return "-"
 
 
-def attention_table(results):
+def impl_table(results, cols, unit, rate, ace_cell, ace_head, err_head):
+    """A markdown table of ``results`` (each with ``impls``: acefuse first, then its peers):
+    the case columns ``cols`` ({header: fn(result) -> text}), acefuse's time (``ace_cell``,
+    under ``ace_head``), each peer's as ms (``rate(result, ms)`` in ``unit``), each peer's
+    ratio to acefuse, and acefuse's max relative error (under ``err_head``)."""
     if not results:
         return []
     peers = [p for p in results[0]["impls"] if p != "acefuse"]
-    L = ["| case | acefuse ms (TFLOP/s) | " + " | ".join(f"{p} ms (TFLOP/s)" for p in peers)
-         + " | " + " | ".join(f"vs {p}" for p in peers) + " | acefuse max rel err vs SDPA |",
-         "|---" * (3 + 2 * len(peers)) + "|"]
+    L = ["| " + " | ".join(cols) + f" | {ace_head} | " + " | ".join(f"{p} ms ({unit})" for p in peers)
+         + " | " + " | ".join(f"vs {p}" for p in peers) + f" | {err_head} |",
+         "|---" * (len(cols) + 2 + 2 * len(peers)) + "|"]
     for res in results:
-        rate = lambda ms: res["flops"] / (ms * 1e-3) / 1e12  # noqa: E731
+        r = lambda ms, res=res: rate(res, ms)  # noqa: E731
         ace = res["impls"]["acefuse"]
-        L.append(f"| {res['case']} | {cell(ace, rate)} | "
-                 + " | ".join(cell(res["impls"][p], rate) for p in peers) + " | "
+        L.append("| " + " | ".join(f(res) for f in cols.values()) + f" | {ace_cell(ace, r)} | "
+                 + " | ".join(cell(res["impls"][p], r) for p in peers) + " | "
                  + " | ".join(ratio(ace, res["impls"][p]) for p in peers) + f" | {max_err(ace, 'max_rel'):.1e} |")
     return L
+
+
+def attention_table(results):
+    return impl_table(results, {"case": lambda res: res["case"]}, "TFLOP/s",
+                      lambda res, ms: res["flops"] / (ms * 1e-3) / 1e12, cell,
+                      "acefuse ms (TFLOP/s)", "acefuse max rel err vs SDPA")
 
 
 def rows_table(results, copy):
-    if not results:
-        return []
-    peers = [p for p in results[0]["impls"] if p != "acefuse"]
-    L = ["| workload | rows x cols | acefuse ms (GB/s, % copy) | " + " | ".join(f"{p} ms (GB/s)" for p in peers)
-         + " | " + " | ".join(f"vs {p}" for p in peers) + " | acefuse max rel err |",
-         "|---" * (4 + 2 * len(peers)) + "|"]
-    for res in results:
-        rate = lambda ms: res["bytes"] / (ms * 1e-3) / 1e9  # noqa: E731
-        ace = res["impls"]["acefuse"]
-        a = cell(ace, rate)
+    def ace_cell(ace, rate):
         if ace.get("ms") and copy:
-            a = f"{ace['ms']:.3f} ({rate(ace['ms']):.0f}, {rate(ace['ms']) / copy:.0%})"
-        L.append(f"| {res['workload']} | {res['shape'][0]}x{res['shape'][1]} | {a} | "
-                 + " | ".join(cell(res["impls"][p], rate) for p in peers) + " | "
-                 + " | ".join(ratio(ace, res["impls"][p]) for p in peers) + f" | {max_err(ace, 'max_rel'):.1e} |")
-    return L
+            return f"{ace['ms']:.3f} ({rate(ace['ms']):.0f}, {rate(ace['ms']) / copy:.0%})"
+        return cell(ace, rate)
+    return impl_table(results, {"workload": lambda res: res["workload"],
+                                "rows x cols": lambda res: f"{res['shape'][0]}x{res['shape'][1]}"}, "GB/s",
+                      lambda res, ms: res["bytes"] / (ms * 1e-3) / 1e9, ace_cell,
+                      "acefuse ms (GB/s, % copy)", "acefuse max rel err")
 
 
 # ---- drivers ------------------------------------------------------------------------------------------
@@ -483,7 +468,7 @@ def main(argv=None):
     af, _, _, _ = _acefuse()
     rep = 30 if args.quick else 100
     props = torch.cuda.get_device_properties(0)
-    copy, mm = ceilings(rep)
+    copy, mm = ceilings(copy_rep=rep, mm_rep=rep)
     try:
         import importlib.metadata as md
         liger_v = md.version("liger-kernel")
