@@ -116,8 +116,9 @@ def check_output(got, ref64, ref32, bound, dtype, inf_input=None, loose=None) ->
     ``inf_input``: where (broadcast to the output) the inputs hold an infinity; there a
     NaN of the reference may come out as any value (documented convention). ``loose``
     (broadcast likewise): where the inputs hold an infinity and the program as written
-    reads a sum that is +-inf or NaN; there any value is accepted (documented convention:
-    real-algebra rewrites move such a sum across shifts and maxima). Likewise where the
+    reads a sum that is +-inf or NaN, or adds a max or min that is +-inf to values over j;
+    there any value is accepted (documented convention: real-algebra rewrites move such a
+    value across shifts and maxima and cancel it). Likewise where the
     inputs hold an infinity and the float64 reference is an infinity the float32 one does
     not reproduce (an infinite input times rounding noise: ``(x + w) * sum_j(w - mean_j w)``)."""
     got = got.detach().to(torch.float64).cpu()

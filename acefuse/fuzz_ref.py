@@ -76,6 +76,10 @@ def _row_only(n) -> bool:
     return ok and found
 
 
+def _has_extremum(n) -> bool:
+    return n.op in ("max", "min") or (n.op not in ("sum",) and any(_has_extremum(k) for k in n.kids))
+
+
 def _shift_conv(n, pol, v):
     """The empty-extremum convention applied to the value ``v`` of ``n`` read with sign ``pol``."""
     if pol == "-" and _row_only(n):
@@ -304,6 +308,14 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
     for k, x in zip(n.kids, vals):
         if k.op == "sum":   # an infinite (or NaN) sum read further: the row is loose
             ctx.loose = ctx.loose | ~torch.isfinite(x)
+    if op in ("add", "sub") and n.shape == "rj":
+        # an infinite per-row extremum added to (or subtracted from, not as a shift) values
+        # over j: real-algebra rewrites move it across maxima and cancel it (max_j(a + s) =
+        # max_j(a) + s, (a + s) - (c + s) = a - c), which the empty-extremum convention
+        # does not survive for s = -inf: the row is loose
+        for k, x in zip(n.kids, vals):
+            if k.shape == "r" and _has_extremum(k):
+                ctx.loose = ctx.loose | ~torch.isfinite(x)
     if op == "add":
         v = vals[0] + vals[1]
         a = (mags[0] + mags[1] + v.abs()) if tr else None
@@ -386,7 +398,8 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
 def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, info=None):
     """{output: (value, error bound)} of the program pair's outputs on ``inputs``.
     ``info`` (a dict), if given, receives ``loose``: [R] bool, the rows where a sum over
-    ``j`` that is +-inf or NaN is read by a further expression (see ``check_output``), and
+    ``j`` that is +-inf or NaN is read by a further expression, or a max or min that is
+    +-inf is added to values over ``j`` (see ``check_output``), and
     ``inf_sel``: the rows where a ``where`` selects an infinite constant (a -inf mask),
     which count like rows whose inputs hold an infinity."""
     with torch.no_grad():

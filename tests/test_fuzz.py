@@ -129,7 +129,7 @@ def _nan_at_one(t):
     (lambda t: t * 2, "wrong-value"),
 ])
 def test_oracle_flags_wrong_kernels(how, cls):
-    for pair in (_softmax_pair(), _lse_var_pair()):
+    for pair in (_softmax_pair(), {"lse": _lse_var_pair()["lse"]}):
         res = _res(pair, [_case(), _case("offset_1e4", seed=4)],
                    compile_fn=lambda p: _Wrong(_compiled(p), how))
         assert res.failures and res.wrong == len(res.failures)
@@ -262,6 +262,68 @@ def test_loose_rows_only_where_an_infinite_sum_is_read_further():
     # a loose row without an infinite input (a sum that overflowed) is still checked
     assert not fz.check_output(wrong, v64, v64.float(), b, torch.float32, torch.zeros(3, 1, dtype=torch.bool),
                                info["loose"][:, None]).ok
+
+
+def _shifted_by_a_masked_max_pair():
+    """GPU fuzz seed 1104, program 11: t = softmax_j(w) + max_j x, then exp(t - max_j t)."""
+    w, x = fz.inp("w", "rj"), fz.inp("x", "rj")
+    d = fz.sub(w, fz.reduce("max", w))
+    d.hi = 0.0
+    e = fz.exp(d)
+    l = fz.reduce("sum", e)
+    l.lo = 1.0
+    t = fz.add(fz.div(e, l), fz.reduce("max", x))
+    s = fz.sub(t, fz.reduce("max", t))
+    s.hi = 0.0
+    return {"o0": fz.exp(s)}
+
+
+def _masked_max_beside_a_scaled_lse_pair():
+    """GPU fuzz seed 1103, program 56: a max over a mask that selects nothing (J = 16 < 40),
+    added to w * logsumexp_j(x), then a softmax shifted by the min."""
+    w, x = fz.inp("w", "rj"), fz.inp("x", "rj")
+    m = fz.reduce("max", x)
+    d = fz.sub(x, m)
+    d.hi = 0.0
+    l = fz.reduce("sum", fz.exp(d))
+    l.lo = 1.0
+    ninf = fz.const(-math.inf)
+    ninf.lo = ninf.hi = -math.inf
+    masked = fz.where(">=", fz.index_j(), fz.const(40.0), fz.mul(x, w), ninf)
+    t = fz.add(fz.mul(w, fz.add(m, fz.log(l))), fz.reduce("max", masked))
+    e = fz.sub(fz.reduce("min", t), t)
+    e.hi = 0.0
+    p = fz.exp(e)
+    s = fz.reduce("sum", p)
+    s.lo = 1.0
+    return {"o0": fz.div(p, s)}
+
+
+def test_loose_rows_where_an_infinite_extremum_is_added_to_elements():
+    """README "Infinite inputs after algebra": a max that is -inf (a fully masked row) added
+    to values over j is cancelled by max_j(a + s) = max_j(a) + s and (a + s) - (c + s) =
+    a - c, so the row is loose; the same max used as a shift (softmax, logsumexp of the
+    masked row) keeps the strict convention."""
+    W, X = torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9, dtype=torch.float64)
+    X[1] = -math.inf
+    info = {}
+    fz.reference(_shifted_by_a_masked_max_pair(), {"w": W, "x": X}, track=True, info=info)
+    assert info["loose"].tolist() == [False, True, False]
+    for pair in (_softmax_pair(), {"lse": _lse_var_pair()["lse"]}):
+        info = {}
+        fz.reference(pair, {"x": X}, track=True, info=info)
+        assert not info["loose"].any()
+
+
+@pytest.mark.parametrize("pair, kind, J", [(_shifted_by_a_masked_max_pair, "masked_tiles", 40),
+                                           (_masked_max_beside_a_scaled_lse_pair, "near_m1e4", 16)])
+def test_infinite_extremum_added_to_elements_is_not_a_wrong_result(pair, kind, J):
+    """Fuzz seeds 1104 (program 11) and 1103 (program 56): before the convention covered
+    these rows, every schedule was reported wrong (0.79 where the convention gives 0; inf);
+    rows without the infinity are still checked against the float64 reference."""
+    cases = [dict(kind=kind, R=4, J=J, dtype=dt, seed=s, w_axes="rj") for dt in ("float32", "bfloat16") for s in (1, 2)]
+    res = _res(pair(), cases)
+    assert res.kernel_runs >= 8 and res.wrong == 0 and res.crashes == 0, res.by_class
 
 
 def test_a_minus_inf_mask_counts_as_an_infinite_input():
