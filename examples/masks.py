@@ -48,7 +48,9 @@ def _scores(q, k):
     return torch.einsum("bhid,bhjd->bhij", q, k) * SCALE
 
 
-def _softmax_ref(s, v, mask=None):
+def softmax_reference(s, v, mask=None):
+    """Softmax attention from float64 scores ``s`` (masked out where ``mask`` is False):
+    ``softmax(s) @ v``, with 0 for a fully masked row (tests/test_attention.py uses it too)."""
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf)
     m = s.amax(-1, keepdim=True)
@@ -65,7 +67,7 @@ def _ij(q, k):
 
 def _masked(cond):
     """A variant whose mask is a function of the query and key indices."""
-    return lambda q, k, v: _softmax_ref(_scores(q, k), v, cond(*_ij(q, k)))
+    return lambda q, k, v: softmax_reference(_scores(q, k), v, cond(*_ij(q, k)))
 
 
 def _none(g, B, H, N, D):
@@ -117,14 +119,14 @@ def _docs(g, B, H, N, D):
 
 GALLERY["document_mask"] = Variant(
     softmax_attention("document_mask", af.where(doc.at(n=i).eq(doc.at(n=j)) & (j <= i), score, af.NEG_INF)), _docs,
-    lambda q, k, v, doc: _softmax_ref(_scores(q, k), v, (doc[:, None, :, None] == doc[:, None, None, :])
+    lambda q, k, v, doc: softmax_reference(_scores(q, k), v, (doc[:, None, :, None] == doc[:, None, None, :])
                                       & _ij(q, k)[1].le(_ij(q, k)[0])))
 
 rel = af.tensor("rel", "h r")            # learned bias per head and relative distance (2N - 1 entries)
 GALLERY["relative_bias"] = Variant(
     softmax_attention("relative_bias", score + rel.at(r=j - i + af.size("i") - 1)),
     lambda g, B, H, N, D: {"rel": torch.randn(H, 2 * N - 1, generator=g)},
-    lambda q, k, v, rel: _softmax_ref(_scores(q, k) + rel[:, (_ij(q, k)[1] - _ij(q, k)[0] + q.shape[2] - 1)][None], v))
+    lambda q, k, v, rel: softmax_reference(_scores(q, k) + rel[:, (_ij(q, k)[1] - _ij(q, k)[0] + q.shape[2] - 1)][None], v))
 
 bucket = af.tensor("bucket", "i j")      # precomputed T5 relative-position buckets (int32)
 t5 = af.tensor("t5", "h u")              # one learned bias per head and bucket
@@ -144,7 +146,7 @@ def _t5_buckets(N, n_buckets=8, max_distance=32):
 GALLERY["t5_buckets"] = Variant(
     softmax_attention("t5_buckets", score + t5.at(u=bucket)),
     lambda g, B, H, N, D: {"bucket": _t5_buckets(N), "t5": torch.randn(H, 8, generator=g)},
-    lambda q, k, v, bucket, t5: _softmax_ref(_scores(q, k) + t5[:, bucket.long()][None], v))
+    lambda q, k, v, bucket, t5: softmax_reference(_scores(q, k) + t5[:, bucket.long()][None], v))
 
 # -- tensors over queries and keys --------------------------------------------------------------
 bias = af.tensor("bias", "b h i j")      # SDPA's float attn_mask, Graphormer's spatial bias
@@ -152,22 +154,22 @@ keep = af.tensor("keep", "b i j")        # SDPA's boolean attn_mask (bool, int o
 GALLERY["additive_mask"] = Variant(
     softmax_attention("additive_mask", score + bias),
     lambda g, B, H, N, D: {"bias": torch.randn(B, H, N, N, generator=g)},
-    lambda q, k, v, bias: _softmax_ref(_scores(q, k) + bias, v))
+    lambda q, k, v, bias: softmax_reference(_scores(q, k) + bias, v))
 GALLERY["boolean_mask"] = Variant(
     softmax_attention("boolean_mask", af.where(keep.ne(0), score, af.NEG_INF)),
     lambda g, B, H, N, D: {"keep": torch.rand(B, N, N, generator=g) > 0.4},
-    lambda q, k, v, keep: _softmax_ref(_scores(q, k), v, keep[:, None]))
+    lambda q, k, v, keep: softmax_reference(_scores(q, k), v, keep[:, None]))
 
 # -- score modifications ------------------------------------------------------------------------
 slope = af.tensor("slope", "h")
 GALLERY["alibi"] = Variant(
     softmax_attention("alibi", af.where(j <= i, score + slope * (j - i), af.NEG_INF)),
     lambda g, B, H, N, D: {"slope": 2.0 ** (-8.0 * (torch.arange(H) + 1) / H)},
-    lambda q, k, v, slope: _softmax_ref(_scores(q, k) + slope[:, None, None] * (_ij(q, k)[1] - _ij(q, k)[0]), v,
+    lambda q, k, v, slope: softmax_reference(_scores(q, k) + slope[:, None, None] * (_ij(q, k)[1] - _ij(q, k)[0]), v,
                                         _ij(q, k)[1] <= _ij(q, k)[0]))
 GALLERY["softcap"] = Variant(
     softmax_attention("softcap", CAP * af.tanh(score / CAP)), _none,
-    lambda q, k, v: _softmax_ref(CAP * torch.tanh(_scores(q, k) / CAP), v))
+    lambda q, k, v: softmax_reference(CAP * torch.tanh(_scores(q, k) / CAP), v))
 
 # -- contractions without a softmax, several contraction axes -------------------------------------
 GALLERY["sigmoid_attention"] = Variant(   # Apple's SigmoidAttn: sigmoid(s - log n), no normalisation
@@ -182,7 +184,7 @@ kr = af.tensor("kr", "b h j c")
 GALLERY["mla_split_scores"] = Variant(
     softmax_attention("mla_split_scores", (af.sum(q * k, "d") + af.sum(qr * kr, "c")) * SCALE),
     lambda g, B, H, N, D: {"qr": torch.randn(B, H, N, 8, generator=g), "kr": torch.randn(B, H, N, 8, generator=g)},
-    lambda q, k, v, qr, kr: _softmax_ref(_scores(q, k) + torch.einsum("bhic,bhjc->bhij", qr, kr) * SCALE, v))
+    lambda q, k, v, qr, kr: softmax_reference(_scores(q, k) + torch.einsum("bhic,bhjc->bhij", qr, kr) * SCALE, v))
 
 # -- paged KV: keys and values gathered from a shared page pool through a page table ---------------
 kc = af.tensor("kc", "h n d")            # the page pool, pages of PAGE rows laid end to end
@@ -210,7 +212,7 @@ def _paged_ref(q, k, v, kc, vc, pages, kvalid):
     slots = pages.long()[:, jj // PAGE] * PAGE + jj % PAGE                 # [B, N]
     kk = kc[:, slots].permute(1, 0, 2, 3)                                # [B, H, N, D]
     vv = vc[:, slots].permute(1, 0, 2, 3)
-    return _softmax_ref(_scores(q, kk), vv, (kvalid != 0)[:, None, None, :])
+    return softmax_reference(_scores(q, kk), vv, (kvalid != 0)[:, None, None, :])
 
 
 GALLERY["paged_kv"] = Variant(af.program("paged_kv", o=af.sum(_pp * vc.at(n=slot), "j") / af.sum(_pp, "j")),

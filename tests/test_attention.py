@@ -1,6 +1,5 @@
 """Attention variants, derived from the plain program and compiled into the
 contraction family, against a float64 torch reference on the CPU (interpreter)."""
-import math
 import runpy
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 import acefuse as af
 
 EX = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "attention.py"))
+MASKS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "masks.py"))
 SCALE, WINDOW, CAP = EX["SCALE"], EX["WINDOW"], EX["CAP"]
 
 
@@ -21,14 +21,7 @@ def reference(q, k, v, bias=None, mask=None, cap=None):
         s = cap * torch.tanh(s / cap)
     if bias is not None:
         s = s + bias
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    o = p @ v
-    return torch.where(l == 0, torch.zeros_like(o), o / l)
+    return MASKS["softmax_reference"](s, v, mask)
 
 
 def _idx(n_i, n_j):
