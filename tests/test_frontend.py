@@ -614,3 +614,163 @@ def test_unsupported_use_splits_the_region_and_warns_once():
     assert [e.op for e in r.taken] == ["torch.nn.functional.layer_norm"], str(r)
     assert [(e.op, e.reason) for e in r.left] == [
         ("torch.nn.functional.cross_entropy", "acefuse cannot import it (per-class weight)")], str(r)
+
+
+# ---- Backend(inner="inductor"): acefuse regions as opaque ops inside Inductor's graph --------------
+class _InductorLM(nn.Module):
+    """Embedding, RMSNorm, RoPE-like elementwise, causal softmax between matmuls, SiLU-mul MLP,
+    LayerNorm, cross-entropy: acefuse takes the norms, the softmax and the loss, Inductor the rest."""
+
+    def __init__(self, V=13, C=8, H=2):
+        super().__init__()
+        self.V, self.C, self.H = V, C, H
+        self.emb = nn.Embedding(V, C)
+        self.rms = nn.Parameter(1 + 0.3 * torch.randn(C))
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.up, self.gate, self.down = nn.Linear(C, 2 * C), nn.Linear(C, 2 * C), nn.Linear(2 * C, C)
+        self.lnf = nn.LayerNorm(C)
+        self.head = nn.Linear(C, V)
+
+    def forward(self, idx, tgt):
+        B, N = idx.shape
+        C, H = self.C, self.H
+        x = self.emb(idx)
+        q, k, v = self.qkv(F.rms_norm(x, (C,), self.rms, eps=1e-6)).split(C, dim=-1)
+        q, k, v = (t.view(B, N, H, C // H).transpose(1, 2) for t in (q, k, v))
+        pos = torch.arange(N, dtype=x.dtype)[:, None]
+        q = q * torch.cos(pos) + q.flip(-1) * torch.sin(pos)          # (RoPE-like: elementwise, Inductor's)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
+        mask = torch.tril(torch.ones(N, N, dtype=torch.bool))
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, N, C))
+        x = x + self.down(F.silu(self.gate(x)) * self.up(x))
+        logits = self.head(self.lnf(x))
+        return F.cross_entropy(logits.view(-1, self.V), tgt.view(-1))
+
+
+def _inductor_lm(seed=0):
+    torch.manual_seed(seed)
+    m = _InductorLM()
+    with torch.no_grad():
+        m.lnf.weight.add_(0.3 * torch.randn(m.C))
+        m.lnf.bias.add_(0.3 * torch.randn(m.C))
+    ref = _InductorLM().double()
+    ref.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    return m, ref
+
+
+def _lm_data(seed, B=2, N=5, V=13):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, N), generator=g), torch.randint(0, V, (B, N), generator=g)
+
+
+def test_backend_inner_is_checked_and_auto_picks_by_device():
+    with pytest.raises(ValueError, match=r"inner is one of 'auto', 'inductor', 'eager'"):
+        af.Backend(inner="aot")
+    be = af.Backend()
+    assert be.inner == "auto" and be.inner_for([torch.ones(2)]) == "eager"
+    assert af.Backend(inner="inductor").inner_for([torch.ones(2)]) == "inductor"
+    assert be.inner_for([torch.empty(2, device="meta")]) == "eager"
+
+
+@pytest.mark.slow
+def test_inductor_inner_trains_with_eager_gradients_and_calls_the_regions():
+    """The graph goes to Inductor with each region one ``acefuse::region`` op (its backward
+    ``acefuse::region_bwd``): the loss and every parameter's gradient match float64 eager,
+    the report lists the regions, and the ops run inside Inductor's compiled graph."""
+    from acefuse.frontend import inductor
+    torch._dynamo.reset()
+    m, ref = _inductor_lm()
+    be = af.Backend(inner="inductor")
+    cm = torch.compile(m, backend=be, dynamic=False)
+    for step, seed in enumerate((1, 2)):        # the second step runs the compiled graph only
+        idx, tgt = _lm_data(seed)
+        m.zero_grad()
+        ref.zero_grad()
+        before = dict(inductor.stats)
+        loss = cm(idx, tgt)
+        loss.backward()
+        lref = ref(idx, tgt)
+        lref.backward()
+        torch.testing.assert_close(loss.double(), lref, atol=1e-5, rtol=1e-5)
+        for n, p in ref.named_parameters():
+            got = dict(m.named_parameters())[n].grad
+            assert got is not None, f"{n}: no gradient"
+            torch.testing.assert_close(got.double(), p.grad, atol=1e-5, rtol=1e-4, msg=n)
+        r = be.report()
+        # (the norms' and the loss's backward kernels are tested in test_training.py; here the
+        # report must name every reduction, the RMSNorm and the softmax taken, as differentiable ops)
+        assert sorted(_short_op(e.op) for e in r.entries) == sorted(
+            ["torch.rms_norm", "Tensor.softmax", "F.layer_norm", "F.cross_entropy"]), str(r)
+        assert {"torch.rms_norm", "Tensor.softmax"} <= {_short_op(e.op) for e in r.taken}, str(r)
+        assert all(e.reason for e in r.left), str(r)
+        regions = {e.region for e in r.taken}
+        graphs = [g for cf in be.functions for g in cf.graphs.values()]
+        assert len(graphs) == 1 and graphs[0].error is None and callable(graphs[0].fn)
+        assert "region_call" in graphs[0].code
+        # one acefuse::region call per region and one acefuse::region_bwd per region, this step
+        assert inductor.stats["region_calls"] - before["region_calls"] == len(regions)
+        assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == len(regions)
+    assert inductor.stats["inductor_compiles"] >= 1
+
+
+@pytest.mark.slow
+def test_inductor_inner_inference_matches_eager():
+    from acefuse.frontend import inductor
+    torch._dynamo.reset()
+    m, ref = _inductor_lm(seed=3)
+    be = af.Backend(inner="inductor")
+    cm = torch.compile(m, backend=be, dynamic=False)
+    idx, tgt = _lm_data(4)
+    with torch.no_grad():
+        before = inductor.stats["region_calls"]
+        loss = cm(idx, tgt)
+        torch.testing.assert_close(loss.double(), ref(idx, tgt), atol=1e-5, rtol=1e-5)
+        assert inductor.stats["region_calls"] - before == len({e.region for e in be.report().taken}) >= 3
+        idx, tgt = _lm_data(5)
+        torch.testing.assert_close(cm(idx, tgt).double(), ref(idx, tgt), atol=1e-5, rtol=1e-5)
+
+
+def _short_op(op):
+    return op.replace("torch.nn.functional.", "F.")
+
+
+def _small_block(x, w, w1, w2):
+    h = F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
+    h = F.silu(h @ w1) * (h @ w2)                      # Inductor's: matmuls, SiLU-mul
+    return torch.softmax(h * 0.5, -1) * 2 + x
+
+
+def test_inductor_inner_small_block_inference_and_training():
+    """The default suite's Inductor case: one graph compiled for inference and for training;
+    outputs and every input's gradient match float64 eager, the regions are listed and run as
+    ``acefuse::region`` (``acefuse::region_bwd``) calls inside Inductor's compiled graphs."""
+    from acefuse.frontend import inductor
+    torch._dynamo.reset()
+    args = [_g(3, 6, 8), 1 + 0.3 * _g(8, seed=1), _g(8, 8, seed=2) / 3, _g(8, 8, seed=3) / 3]
+    be = af.Backend(inner="inductor")
+    cm = torch.compile(_small_block, backend=be, dynamic=False)
+    with torch.no_grad():
+        before = inductor.stats["region_calls"]
+        _close(cm(*args), _small_block(*_f64(args)))
+        assert inductor.stats["region_calls"] - before == 2        # rms_norm, softmax
+    r = be.report()
+    assert sorted(_short_op(e.op) for e in r.taken) == ["torch.rms_norm", "torch.softmax"], str(r)
+    assert not r.left, str(r)
+    g, = [g for cf in be.functions for g in cf.graphs.values()]
+    assert g.error is None and "region_call" in g.code and g.code.count("region_call(") == 2
+    # training: fresh inputs, every input requires grad
+    args = [a.clone().requires_grad_() for a in (_g(3, 6, 8, seed=7), args[1], args[2], args[3])]
+    ref = [a.detach().double().requires_grad_() for a in args]
+    cot = _g(3, 6, 8, seed=9)
+    before = dict(inductor.stats)
+    out = cm(*args)
+    (out * cot).sum().backward()
+    (_small_block(*ref) * cot.double()).sum().backward()
+    _close(out.detach(), _small_block(*ref).detach())
+    for a, b in zip(args, ref):
+        assert a.grad is not None
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-5, rtol=1e-4)
+    assert inductor.stats["region_calls"] - before["region_calls"] == 2
+    assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == 2
+    assert not be.report().left, str(be.report())

@@ -358,9 +358,10 @@ class CompiledFunction:
     Call it like the original; ``.graphs`` maps each shape signature seen to its
     partitioned GraphModule (``print(f.graph_for(*args).code)`` shows the regions)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None, inner="eager"):
         self.gm, self.name, self.signature = gm, name, signature
         self.fn = fn              # captured by Dynamo per call signature (af.compile)
+        self.inner = inner        # "eager": torch runs the rest of the graph; "inductor": Inductor compiles it
         self.graphs: dict = {}
 
     def graph_for(self, *args):
@@ -369,6 +370,8 @@ class CompiledFunction:
         if g is None:
             gm = self.gm if self.fn is None else _capture(self.fn, args)
             g = specialize(gm, args, self.name)
+            if self.inner == "inductor":
+                g = _InductorGraph(g, args, self.name)
             self.graphs[sig] = g
         return g
 
@@ -427,20 +430,63 @@ def compile_fn(fn, *example_inputs):
     return cf
 
 
+class _InductorGraph:
+    """A specialised graph whose regions are ``acefuse::region`` ops (acefuse.frontend.inductor),
+    compiled by Inductor for one call signature; ``af_regions`` and ``af_report`` as
+    specialize's. When Inductor cannot compile it, the same graph runs eagerly (one warning)."""
+
+    def __init__(self, g, args, name):
+        from acefuse.frontend import inductor
+        self.af_regions, self.af_report = g.af_regions, g.af_report
+        self.gm = inductor.op_graph(g)
+        self.error = None
+        try:
+            self.fn = inductor.compile_inductor(self.gm, args)
+        except Exception as e:  # noqa: BLE001 - the regions still run; torch runs the rest eagerly
+            self.error = f"{type(e).__name__}: {_first(e)}"
+            warnings.warn(f"acefuse: Inductor could not compile graph {name!r} ({self.error}); its acefuse "
+                          "regions run, and torch runs the rest eagerly. af.Backend(inner='eager') "
+                          "skips Inductor", AcefuseFallbackWarning, stacklevel=3)
+            stats["fallbacks"] += 1
+            self.fn = self.gm
+        self.code = self.gm.code
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+INNERS = ("auto", "inductor", "eager")
+
+
 class Backend:
     """A ``torch.compile`` backend: ``torch.compile(model, backend=af.Backend())``.
 
     acefuse takes the FX subgraphs it recognises (softmax, log_softmax, logsumexp,
-    layer_norm, rms_norm, cross_entropy, attention and the elementwise code around them);
-    the rest of the graph runs as eager torch ops. Specialised per shape signature.
+    layer_norm, rms_norm, cross_entropy, attention and the elementwise code around them).
+    ``inner`` says what runs the rest of the graph: ``"inductor"`` (Inductor compiles and
+    fuses it, each acefuse region one opaque ``acefuse::region`` op: acefuse.frontend.inductor),
+    ``"eager"`` (torch runs it op by op), ``"auto"`` (the default: Inductor for graphs on a
+    CUDA device, eager on the CPU, where acefuse's kernels run in Triton's interpreter and
+    Inductor's C++ compilation would only add compile time). Specialised per shape signature.
     ``report()`` lists what it took and what it left to torch, over every graph it was
     handed (``af.backend`` is a default instance shared by all its users)."""
 
-    def __init__(self):
+    def __init__(self, inner: str = "auto"):
+        if inner not in INNERS:
+            raise ValueError(f"af.Backend(inner={inner!r}): inner is one of {', '.join(map(repr, INNERS))} "
+                             "(what compiles the part of the graph acefuse does not take)")
+        self.inner = inner
         self.functions: list = []
 
+    def inner_for(self, example_inputs) -> str:
+        """The inner compiler for a graph with these example inputs."""
+        if self.inner != "auto":
+            return self.inner
+        cuda = any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in example_inputs)
+        return "inductor" if cuda else "eager"
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        cf = CompiledFunction(gm, "dynamo")
+        cf = CompiledFunction(gm, "dynamo", inner=self.inner_for(example_inputs))
         self.functions.append(cf)
         return cf
 
@@ -452,7 +498,7 @@ class Backend:
         self.functions.clear()
 
     def __repr__(self):
-        return f"<acefuse Backend: {len(self.functions)} graph(s)>"
+        return f"<acefuse Backend (inner={self.inner!r}): {len(self.functions)} graph(s)>"
 
 
 backend = Backend()
