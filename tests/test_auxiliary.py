@@ -9,6 +9,7 @@ import acefuse as af
 from acefuse.reference import evaluate, random_inputs
 from acefuse.rewrite import schedules
 from acefuse.rewrite.terms import Term, pretty
+from tests.programs import run_schedules
 
 SCHEDULES = [("single", {}), ("loop", {"block_j": 16}), ("split", {"block_j": 16, "nsplit": 3})]
 
@@ -52,11 +53,7 @@ def _check(prog, sizes, offset=0.0, scale=3.0, tol=2e-5, seed=0):
         inputs["x"] = inputs["x"] + offset
     ref = evaluate(prog, {n: t.double() for n, t in inputs.items()})
     ran = []
-    for sched, kw in SCHEDULES:
-        if sched == "split" and not (len(k.fusion.passes) == 1 and k.fusion.passes[0].split_ok):
-            continue
-        out = k(**inputs, schedule=sched, **kw)
-        out = out if isinstance(out, dict) else {next(iter(prog.outputs)): out}
+    for sched, out in run_schedules(k, prog, inputs, SCHEDULES):
         for name, r in ref.items():
             got = out[name].double().numpy()
             assert np.all(np.isfinite(got)), f"{prog.name}.{name} [{sched}]: non-finite output"

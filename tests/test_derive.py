@@ -16,19 +16,13 @@ from acefuse.rewrite.schedules import SCHEDULES
 from acefuse.rules import THEORIES
 from acefuse.extract.numerics import output_cancellation
 from acefuse.proofs.certify import certify, StateDef
+from tests.programs import x, t, m, e, l, mu, var
 
 AB = U(A, B)
 J = Term("BJ")
 
-x = af.tensor("x", "r j")
 w = af.tensor("w", "j")
 b = af.tensor("b", "j")
-t = af.tensor("t", "r")
-m = af.max(x, "j")
-e = af.exp(x - m)
-l = af.sum(e, "j")
-mu = af.mean(x, "j")
-var = af.mean((x - mu) ** 2, "j")
 
 PROGRAMS = {
     "softmax": lambda: af.program("softmax", y=e / l),

@@ -129,14 +129,8 @@ def check(prog, outs, full, inputs, sizes, axis="j", **extra_shard):
 
 
 # ---- programs ---------------------------------------------------------------------------
-x = af.tensor("x", "r j")
-t = af.tensor("t", "r")
+from tests.programs import x, t, m, e, l, mu, var   # noqa: E402 (the row-wise pieces)
 g = af.tensor("g", "j")
-m = af.max(x, "j")
-e = af.exp(x - m)
-l = af.sum(e, "j")
-mu = af.mean(x, "j")
-var = af.mean((x - mu) ** 2, "j")
 jx = af.index("j")
 ROWS = {
     "vocab_ce": af.program("vocab_ce", loss=m + af.log(l) - af.take(x, t, "j")),

@@ -9,6 +9,7 @@ import torch
 
 import acefuse as af
 from acefuse.reference import evaluate, random_inputs
+from tests.programs import run_schedules
 
 SCHEDULES = [("single", {}), ("loop", {"block_j": 8}), ("split", {"block_j": 8, "nsplit": 3})]
 
@@ -19,11 +20,7 @@ def _run_all(prog, sizes, tol=2e-5, scale=3.0, offset=0.0, schedules=SCHEDULES):
     if offset:
         inputs = {n: (t + offset if t.dtype.is_floating_point else t) for n, t in inputs.items()}
     ref = evaluate(prog, {n: t.double() if t.dtype.is_floating_point else t for n, t in inputs.items()})
-    for sched, kw in schedules:
-        if sched == "split" and not (len(k.fusion.passes) == 1 and k.fusion.passes[0].split_ok):
-            continue
-        out = k(**inputs, schedule=sched, **kw)
-        out = out if isinstance(out, dict) else {next(iter(prog.outputs)): out}
+    for sched, out in run_schedules(k, prog, inputs, schedules):
         for name, r in ref.items():
             got = out[name].double().numpy()
             assert got.shape == r.shape
