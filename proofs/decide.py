@@ -64,6 +64,33 @@ def compose_le(sub: dict, env, lo, hi, va, vb, nonzero) -> bool:
     return False
 
 
+def premises(when, env, nonzero, solve_ub, solve_le=None):
+    """The side conditions ``when`` of a rule as a substitution by fresh >= 0 gaps, with the
+    values of ``env``: ``(sub, unresolved)``, ``unresolved`` naming each condition not
+    encoded. Inv and NonZero of a pattern variable hold by its symbol's assumptions; Le by
+    ``compose_le``, else ``solve_le(sub, hi - lo)`` when given; ``UB(m, e, s)`` by
+    ``solve_ub(env, sub, m, e, s)``. Shared by the prover (proofs/rules.py) and the refuter
+    (proofs/search.py)."""
+    sub: dict = {}
+    unresolved = []
+    for w in when:
+        a = w.args
+        if w.op in ("Inv", "NonZero"):
+            if a[0].op != "?":
+                unresolved.append(f"{w.op}({a[0]!r})")
+        elif w.op == "Le":
+            va, vb = env.ev(a[0]), env.ev(a[1])
+            done = compose_le(sub, env, a[0], a[1], va, vb, nonzero)
+            if not done and solve_le is not None:
+                done = solve_le(sub, vb - va)
+            if not done:
+                unresolved.append(f"Le({a[0]!r}, {a[1]!r})")
+        elif w.op == "UB":
+            if not solve_ub(env, sub, *a):
+                unresolved.append(f"UB({a[0]!r}, {a[1]!r}, {a[2]!r})")
+    return sub, unresolved
+
+
 def solve_linear_for(d, prefer=()):
     """A plain symbol ``z`` in which ``d`` is linear with a numeric coefficient, or None."""
     syms = sorted((s for s in d.free_symbols if is_plain(s)), key=lambda s: (s not in prefer, s.name))
@@ -133,15 +160,21 @@ class TooManyCases(Exception):
     pass
 
 
-def is_zero(e) -> bool | None:
-    """True if sympy shows ``e == 0`` (in every max/min case), else None."""
+def _every_case(e, holds) -> bool | None:
+    """True if ``holds(c)`` for every max/min case ``c`` of ``e`` (``cases``), else None
+    (also when there are too many cases to try)."""
     try:
         for c in cases(e):
-            if not _zero_no_minmax(c):
+            if not holds(c):
                 return None
     except TooManyCases:
         return None
     return True
+
+
+def is_zero(e) -> bool | None:
+    """True if sympy shows ``e == 0`` (in every max/min case), else None."""
+    return _every_case(e, _zero_no_minmax)
 
 
 def _zero_no_minmax(e) -> bool:
@@ -162,13 +195,7 @@ def _zero_no_minmax(e) -> bool:
 
 def is_nonneg(e) -> bool | None:
     """True if sympy shows ``e >= 0`` (in every max/min case), else None."""
-    try:
-        for c in cases(e):
-            if not _nonneg_no_minmax(c):
-                return None
-    except TooManyCases:
-        return None
-    return True
+    return _every_case(e, _nonneg_no_minmax)
 
 
 def _nonneg_no_minmax(e) -> bool:
@@ -182,10 +209,4 @@ def _nonneg_no_minmax(e) -> bool:
 
 def is_nonzero(e) -> bool | None:
     """True if sympy shows ``e != 0`` (in every max/min case), else None."""
-    try:
-        for c in cases(e):
-            if not (c.is_nonzero or sp.expand(c).is_nonzero or sp.simplify(c).is_nonzero):
-                return None
-    except TooManyCases:
-        return None
-    return True
+    return _every_case(e, lambda c: c.is_nonzero or sp.expand(c).is_nonzero or sp.simplify(c).is_nonzero)

@@ -289,25 +289,8 @@ class _Prover:
 
     # -- premises -> substitution ----------------------------------------------------
     def _premises(self, env: SymEnv):
-        """Turn Le/UB side conditions into substitutions by fresh >= 0 gaps."""
-        sub: dict = {}
-        unresolved = []
-        for w in self.rule.when:
-            a = w.args
-            if w.op in ("Inv", "NonZero"):
-                if a[0].op != "?":
-                    unresolved.append(f"{w.op}({a[0]!r})")
-            elif w.op == "Le":
-                va, vb = env.ev(a[0]), env.ev(a[1])
-                done = decide.compose_le(sub, env, a[0], a[1], va, vb, self.nonzero)
-                if not done:
-                    done = self._solve_premise(sub, vb - va)
-                if not done:
-                    unresolved.append(f"Le({a[0]!r}, {a[1]!r})")
-            elif w.op == "UB":
-                if not self._ub_premise(env, sub, *a):
-                    unresolved.append(f"UB({a[0]!r}, {a[1]!r}, {a[2]!r})")
-        return sub, unresolved
+        """Turn Le/UB side conditions into substitutions by fresh >= 0 gaps (decide.premises)."""
+        return decide.premises(self.rule.when, env, self.nonzero, self._ub_premise, self._solve_premise)
 
     def _solve_premise(self, sub, d) -> bool:
         """``d >= 0``: solve for a symbol it is linear in (an aggregate or a plain symbol)."""

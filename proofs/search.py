@@ -148,37 +148,23 @@ class Refuter:
         return _Env(blocks, self.inv, self.nonzero)
 
     def _premises(self, env: _Env):
-        """Turn Le/UB side conditions into substitutions by fresh >= 0 gaps."""
-        sub: dict = {}
-        unresolved = []
-        for w in self.rule.when:
-            a = w.args
-            if w.op == "Inv":
-                if a[0].op != "?":
-                    unresolved.append(f"Inv({a[0]!r})")
-            elif w.op == "NonZero":
-                if a[0].op != "?":
-                    unresolved.append(f"NonZero({a[0]!r})")
-            elif w.op == "Le":
-                va, vb = env.ev(a[0]), env.ev(a[1])
-                done = decide.compose_le(sub, env, a[0], a[1], va, vb, self.nonzero)
-                if not done:
-                    unresolved.append(f"Le({a[0]!r}, {a[1]!r})")
-            elif w.op == "UB":
-                m, e, s = a
-                vm = env.ev(m)
-                elems = env.block(s)
-                done = False
-                if e.op == "?":
-                    targets = {env.leaf(e, i) for i in elems}
-                    if not (targets & vm.free_symbols):
-                        done = all(decide.compose(sub, env.leaf(e, i), vm - decide.gap()) for i in elems)
-                if not done and m.op == "?":
-                    top = sp.Max(*[env.ev(e, i) for i in elems])
-                    done = decide.compose(sub, env.leaf(m, 0), top + decide.gap())
-                if not done:
-                    unresolved.append(f"UB({m!r}, {e!r}, {s!r})")
-        return sub, unresolved
+        """Turn Le/UB side conditions into substitutions by fresh >= 0 gaps (decide.premises)."""
+        return decide.premises(self.rule.when, env, self.nonzero, self._ub_premise)
+
+    def _ub_premise(self, env: _Env, sub, m, e, s) -> bool:
+        """``UB(m, e, s)``: every ``e`` over block ``s`` is at most ``m``, by a gap below ``m``
+        for each element of a pattern variable ``e``, or above their max for a variable ``m``."""
+        vm = env.ev(m)
+        elems = env.block(s)
+        done = False
+        if e.op == "?":
+            targets = {env.leaf(e, i) for i in elems}
+            if not (targets & vm.free_symbols):
+                done = all(decide.compose(sub, env.leaf(e, i), vm - decide.gap()) for i in elems)
+        if not done and m.op == "?":
+            top = sp.Max(*[env.ev(e, i) for i in elems])
+            done = decide.compose(sub, env.leaf(m, 0), top + decide.gap())
+        return done
 
     def _search(self, env: _Env, sub, goals, sizes):
         """A point (dict) where some goal fails at 50 digits, with an explanation; or None."""
