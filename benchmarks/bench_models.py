@@ -1,9 +1,16 @@
 """A Llama-shaped model through the frontend on the GPU: training and inference tokens/s of
-``torch.compile(model, backend=af.Backend())`` against eager torch and ``torch.compile``
+``torch.compile(model, backend=af.Backend(inner=...))`` against eager torch and ``torch.compile``
 (Inductor), in one run, on the same inputs (Hugging Face ``LlamaForCausalLM``, random init,
-bf16 weights, SDPA attention).
+bf16 weights, SDPA attention). Implementations (``--impls``, default all):
 
-    python3 benchmarks/bench_models.py [--quick] [--out f.json]     # needs egglog (carry the wheel)
+- ``eager``: torch, op by op (the reference every other one is checked against);
+- ``inductor``: ``torch.compile(backend="inductor")``;
+- ``acefuse``: ``af.Backend(inner="inductor")``: acefuse's regions as opaque ops inside the graph
+  Inductor compiles (the default on CUDA);
+- ``acefuse-eager``: ``af.Backend(inner="eager")``: acefuse's regions, the rest op by op in torch.
+
+    python3 benchmarks/bench_models.py [--quick] [--mode inference|training|both]
+        [--impls eager,inductor,acefuse,acefuse-eager] [--out f.json]   # needs egglog (carry the wheel)
 
 A training step is forward + loss + backward + AdamW step, with a fixed batch. Before timing,
 each implementation's loss (and, for training, the gradient norm of every parameter) is
@@ -42,6 +49,10 @@ def build(cfg):
     return m.to("cuda", torch.bfloat16)
 
 
+IMPLS = ("eager", "inductor", "acefuse", "acefuse-eager")
+INNER = {"acefuse": "inductor", "acefuse-eager": "eager"}
+
+
 def timed(fn, steps):
     for _ in range(3):
         fn()
@@ -58,7 +69,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mode", choices=("inference", "training", "both"), default="both")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help=f"comma-separated, from {', '.join(IMPLS)} (eager always runs first: the reference)")
     args = ap.parse_args(argv)
+    impls = ["eager"] + [i for i in args.impls.split(",") if i and i != "eager"]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        ap.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+    modes = ("inference", "training") if args.mode == "both" else (args.mode,)
     if not torch.cuda.is_available():
         print("bench_models: needs a CUDA GPU")
         return 2
@@ -71,13 +90,14 @@ def main(argv=None):
     ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=g)
     base = build(cfg)
     rows = []
-    for mode in ("inference", "training"):
+    for mode in modes:
         ref = None
-        for impl in ("eager", "inductor", "acefuse"):
+        for impl in impls:
             res = {"mode": mode, "impl": impl}
             model = copy.deepcopy(base)
             model.train(mode == "training")
-            be = af.Backend() if impl == "acefuse" else None
+            be = af.Backend(inner=INNER[impl]) if impl in INNER else None
+            torch._dynamo.reset()
 
             def loss_fn(i, model=model):
                 return model(input_ids=i, labels=i).loss
@@ -126,22 +146,28 @@ def main(argv=None):
                 r = be.report()
                 res["taken"] = len(r.taken)
                 res["left"] = [f"{e.op}: {e.reason[:120]}" for e in r.left]
+                # a graph Inductor could not compile runs its regions and eager torch (warned): say so
+                res["inductor_errors"] = [g.error for cf in be.functions for g in cf.graphs.values()
+                                          if getattr(g, "error", None)]
             rows.append(res)
-            print(f"{mode:9s} {impl:9s} " + (f"{res['tokens_per_s']:9.0f} tokens/s ({res['ms']:.1f} ms/step)"
+            print(f"{mode:9s} {impl:13s} " + (f"{res['tokens_per_s']:9.0f} tokens/s ({res['ms']:.1f} ms/step)"
                                              if "tokens_per_s" in res else
                                              ("WRONG " + str(res) if res.get("wrong") else res.get("error", ""))),
                   f" first call {res.get('first_call_s')} s", flush=True)
             if be is not None:
                 print(f"  acefuse took {res['taken']} regions; left to torch: {len(res['left'])}")
+                for err in res["inductor_errors"]:
+                    print("   - Inductor could not compile a graph (ran eagerly):", err)
                 for line in sorted(set(res["left"])):
                     print("   -", line)
             del model
             torch.cuda.empty_cache()
-    for mode in ("inference", "training"):
+    for mode in modes:
         t = {r["impl"]: r.get("tokens_per_s") for r in rows if r["mode"] == mode}
-        if t.get("acefuse"):
-            print(f"{mode}: acefuse / eager {t['acefuse'] / t['eager']:.2f}x"
-                  + (f", acefuse / inductor {t['acefuse'] / t['inductor']:.2f}x" if t.get("inductor") else ""))
+        for impl in ("acefuse", "acefuse-eager"):
+            if t.get(impl) and t.get("eager"):
+                print(f"{mode}: {impl} / eager {t[impl] / t['eager']:.2f}x"
+                      + (f", {impl} / inductor {t[impl] / t['inductor']:.2f}x" if t.get("inductor") else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), B=B, T=T,
                                                   hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, rows=rows),
