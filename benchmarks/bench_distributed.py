@@ -112,6 +112,23 @@ def ok(got, want, tol):
     return n <= tol[0] and m <= tol[1], f"norm-rel {n:.2e}, max-rel {m:.2e}"
 
 
+def checked_timed(fn, want, tol, reps, device, got=None):
+    """Checks ``got`` (default: ``fn()``) against ``want`` on every rank, and only when every
+    rank's is right times ``fn`` (``timed``; the slowest rank's ms). Returns (ms or None,
+    this rank's errors as text, whether every rank was right)."""
+    good, why = ok(fn() if got is None else got, want, tol)
+    flags = torch.tensor([1 if good else 0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    good = bool(flags.item())
+    ms = slowest(timed(fn, reps, device), device) if good else None
+    return ms, why, good
+
+
+def error_text(e):
+    """An exception for a result row: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def timed(fn, reps, device, group=None):
     """Median ms of ``fn`` over ``reps`` calls on this rank (after 3 warm-up calls); ranks
     enter in step."""
@@ -205,17 +222,13 @@ def part_ce(args, device, dtype, kernels, T, V):
     for name, fn in impls.items():
         row = {"impl": name, "T": T, "V": V, "world": world}
         try:
-            good, why = ok(fn(), want, tol)
-            good = bool(torch.tensor([good], device=device).all())
-            flags = torch.tensor([1 if good else 0], device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-            if not flags.item():
+            ms, why, good = checked_timed(fn, want, tol, args.reps, device)
+            if not good:
                 row["error"] = f"wrong result on some rank ({why} here)"
             else:
-                ms = slowest(timed(fn, args.reps, device), device)
                 row.update(ms=ms, local_GBps=T * sizes[rank] * X.element_size() / ms / 1e6, check=why)
         except Exception as e:  # noqa: BLE001 - reported in the row
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row["error"] = error_text(e)
             if args.verbose:
                 traceback.print_exc()
         rows.append(row)
@@ -269,17 +282,13 @@ def part_cp(args, device, dtype, kernels, lens, shape):
                 if kind == "torch":
                     ms, why, good = torch_cp(Q, K, V, device, args.reps, tol)
                 else:
-                    good, why = ok(fn(), want_z if kind == "zigzag" else want, tol)
-                    flags = torch.tensor([1 if good else 0], device=device)
-                    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-                    good = bool(flags.item())
-                    ms = slowest(timed(fn, args.reps, device), device) if good else None
+                    ms, why, good = checked_timed(fn, want_z if kind == "zigzag" else want, tol, args.reps, device)
                 if not good:
                     row["error"] = f"wrong result on some rank ({why} here)"
                 else:
                     row.update(ms=ms, TFLOPs=flops / ms / 1e9, check=why)
             except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                row["error"] = error_text(e)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
@@ -310,13 +319,8 @@ def torch_cp(Q, K, V, device, reps, tol):
     with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         (full,) = context_parallel_unshard(mesh, [out], [2])
-        good, why = ok(full, want, tol)
-        flags = torch.tensor([1 if good else 0], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        good = bool(flags.item())
-        ms = slowest(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps, device),
-                     device) if good else None
-    return ms, why, good
+        return checked_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), want, tol, reps,
+                             device, got=full)
 
 
 # ---- sharded-KV decode ----------------------------------------------------------------------
@@ -337,19 +341,16 @@ def part_decode(args, device, dtype, kernels, shape):
     rows = [row]
     try:
         fn = (lambda: kern(q=Q, k=k, v=v, process_group=dist.group.WORLD, sharded_axis="j", shard_sizes=sizes))
-        good, why = ok(fn(), want, tol)
-        flags = torch.tensor([1 if good else 0], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if not flags.item():
+        ms, why, good = checked_timed(fn, want, tol, args.reps, device)
+        if not good:
             row["error"] = f"wrong result on some rank ({why} here)"
         else:
-            ms = slowest(timed(fn, args.reps, device), device)
             kv_bytes = 2 * B * H * N * D * K.element_size()
             row.update(ms=ms, GBps_aggregate=kv_bytes / ms / 1e6, check=why)
             base = one_gpu(lambda: kern(q=Q, k=K, v=V), args.reps, device)
             row.update(one_gpu_ms=base, speedup=base / ms, scaling_eff=base / (world * ms))
     except Exception as e:  # noqa: BLE001
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        row["error"] = error_text(e)
         if args.verbose:
             traceback.print_exc()
     return rows

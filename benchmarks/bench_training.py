@@ -179,6 +179,33 @@ def why(r):
     return r.get("error") or r.get("reason") or json.dumps(r.get("errors"))
 
 
+def acefuse_impl(af, prog, kernels, run_kw=None):
+    """acefuse's implementation: ``prog`` compiled on first use (kept in ``kernels``), called
+    with the inputs by name (and ``run_kw``); ``.fallback()`` says whether its gradient fell
+    back to torch autograd (``grad_fallback``)."""
+    run_kw = run_kw or {}
+
+    def acefuse_fn(**inputs):
+        if prog.name not in kernels:
+            kernels[prog.name] = af.compile(prog)
+        return kernels[prog.name](**inputs, **run_kw)
+
+    acefuse_fn.fallback = lambda: getattr(kernels.get(prog.name), "grad_fallback", None)
+    return acefuse_fn
+
+
+def report_case(head, label, impls, rate, unit):
+    """One line per case: ``head``, acefuse's status and errors, each timed implementation as
+    ms and ``rate(ms)`` in ``unit``; then what went wrong (``report_errors`` under ``label``)."""
+    ace = impls["acefuse"]
+    line = f"{head} acefuse {ace['status']:7s} {err_text(ace)}"
+    for name, r in impls.items():
+        if r.get("ms"):
+            line += f" | {name} {r['ms']:.3f} ms {rate(r['ms']):.0f} {unit}"
+    print(line, flush=True)
+    report_errors(label, impls)
+
+
 def report_errors(label, res):
     skipped = [f"{name} ({r['reason']})" for name, r in res.items() if r["status"] == "skipped"]
     if skipped:
@@ -231,13 +258,7 @@ def attention_case(kind, size, smoke, rep, kernels):
     args, wrt = dict(q=q, k=k, v=v), ("q", "k", "v")
     prog = A.causal if causal else A.attention
 
-    def acefuse_fn(q, k, v):
-        if prog.name not in kernels:
-            kernels[prog.name] = af.compile(prog)
-        return kernels[prog.name](q=q, k=k, v=v)
-
-    acefuse_fn.fallback = lambda: getattr(kernels.get(prog.name), "grad_fallback", None)
-    impls = {"acefuse": acefuse_fn}
+    impls = {"acefuse": acefuse_impl(af, prog, kernels)}
     if smoke:   # reference: float64 plain math; peers that need CUDA are skipped
         ref = step(lambda q, k, v: attention_math(q, k, v, A.SCALE, causal), fresh(args, wrt, torch.float64),
                    wrt, cot.double())
@@ -258,13 +279,8 @@ def attention_case(kind, size, smoke, rep, kernels):
     fwd = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
     res = dict(case=f"{kind} B={B} H={H} N={N} D={D}", kind=kind, B=B, H=H, N=N, D=D,
                flops=3.5 * fwd, impls=run_impls(impls, args, wrt, cot, ref, tol, rep))
-    ace = res["impls"]["acefuse"]
-    line = f"{res['case']:34s} acefuse {ace['status']:7s} {err_text(ace)}"
-    for name, r in res["impls"].items():
-        if r.get("ms"):
-            line += f" | {name} {r['ms']:.3f} ms {res['flops'] / (r['ms'] * 1e-3) / 1e12:.0f} TFLOP/s"
-    print(line, flush=True)
-    report_errors(res["case"], res["impls"])
+    report_case(f"{res['case']:34s}", res["case"], res["impls"], lambda ms: res["flops"] / (ms * 1e-3) / 1e12,
+                "TFLOP/s")
     return res
 
 
@@ -336,17 +352,10 @@ def row_case(name, rows, cols, smoke, rep, kernels, run_kw=None, label=""):
     args, wrt, cot = row_inputs(name, prog, rows, cols, dev, dtype)
     run_kw = dict(run_kw or {})
 
-    def acefuse_fn(**inputs):
-        if prog.name not in kernels:
-            kernels[prog.name] = af.compile(prog)
-        return kernels[prog.name](**inputs, **run_kw)
-
-    acefuse_fn.fallback = lambda: getattr(kernels.get(prog.name), "grad_fallback", None)
-
     # reference: the plain math in float64 (CPU) or float32 (GPU) from the same inputs
     rdt = torch.float64 if smoke else torch.float32
     ref = [t.detach() for t in step(plain, fresh(args, wrt, rdt), wrt, cot.to(rdt))]
-    impls = {"acefuse": acefuse_fn, "eager": eager_peer(name)}
+    impls = {"acefuse": acefuse_impl(af, prog, kernels, run_kw), "eager": eager_peer(name)}
     if smoke:
         impls["torch.compile"] = "skipped on the CPU smoke (timing peer)"
     else:
@@ -356,13 +365,8 @@ def row_case(name, rows, cols, smoke, rep, kernels, run_kw=None, label=""):
     nbytes = passes * rows * cols * torch.finfo(dtype).bits // 8
     res = dict(workload=name, shape=[rows, cols], label=label, run_kw=run_kw, bytes=nbytes, passes=passes,
                impls=run_impls(impls, args, wrt, cot, ref, TOL_CPU if smoke else TOL_GPU, rep))
-    ace = res["impls"]["acefuse"]
-    line = f"{name:14s} {rows}x{cols} {label:8s} acefuse {ace['status']:7s} {err_text(ace)}"
-    for pn, r in res["impls"].items():
-        if r.get("ms"):
-            line += f" | {pn} {r['ms']:.3f} ms {nbytes / (r['ms'] * 1e-3) / 1e9:.0f} GB/s"
-    print(line, flush=True)
-    report_errors(f"{name} {rows}x{cols} {label}", res["impls"])
+    report_case(f"{name:14s} {rows}x{cols} {label:8s}", f"{name} {rows}x{cols} {label}", res["impls"],
+                lambda ms: nbytes / (ms * 1e-3) / 1e9, "GB/s")
     return res
 
 
