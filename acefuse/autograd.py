@@ -43,6 +43,7 @@ import warnings
 
 import torch
 
+from acefuse.codegen.compile import bind_inputs
 from acefuse.frontend.runtime import AcefuseFallbackWarning
 
 RUN_KW = ("schedule", "block_i", "block_j", "block_r", "nsplit", "num_warps", "num_stages")
@@ -177,12 +178,7 @@ class BackwardKernel:
         bwd = self.program
         run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs} if inputs.keys() & RUN_KW else {}
         names = self._names
-        if len(args) > len(names):
-            raise TypeError(f"program {bwd.name!r} takes {len(names)} inputs {names}, got {len(args)} positional")
-        for n, a in zip(names, args):
-            if n in inputs:
-                raise TypeError(f"program {bwd.name!r}: input {n!r} given both by position and by name")
-            inputs[n] = a
+        bind_inputs(bwd.name, names, args, inputs, exact=False)
         missing = [n for n in names if n not in inputs]
         if missing:
             raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
@@ -519,17 +515,7 @@ class DifferentiableKernel:
         if not needs:
             return self.kernel(*args, **inputs)
         run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs}
-        if len(args) > len(names):
-            raise TypeError(f"program {self.prog.name!r} takes {len(names)} inputs {names}, got {len(args)} positional")
-        for n, a in zip(names, args):
-            if n in inputs:
-                raise TypeError(f"program {self.prog.name!r}: input {n!r} given both by position and by name")
-            inputs[n] = a
-        missing = [n for n in names if n not in inputs]
-        extra = [n for n in inputs if n not in names]
-        if missing or extra:
-            raise TypeError(f"program {self.prog.name!r} needs inputs {names}"
-                            + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
+        bind_inputs(self.prog.name, names, args, inputs)
         requested = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].requires_grad)
         floats = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].dtype.is_floating_point)
         dk = self._for(requested, floats)

@@ -183,6 +183,26 @@ def refuse_grad(kernel, names, args, inputs):
 grad_hook = refuse_grad   # (kernel, names, args, inputs) -> outputs; replaceable
 
 
+def bind_inputs(name, names, args, inputs, exact=True):
+    """``inputs`` (by name, updated in place and returned) with the positional ``args`` added
+    in the order of ``names``, the inputs of program ``name``. TypeError for more positional
+    arguments than inputs, an input given both by position and by name, and (``exact``) a
+    missing or an unknown input."""
+    if len(args) > len(names):
+        raise TypeError(f"program {name!r} takes {len(names)} inputs {names}, got {len(args)} positional")
+    for n, a in zip(names, args):
+        if n in inputs:
+            raise TypeError(f"program {name!r}: input {n!r} given both by position and by name")
+        inputs[n] = a
+    if exact:
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            raise TypeError(f"program {name!r} needs inputs {names}" + (f"; missing {missing}" if missing else "")
+                            + (f"; unknown {extra}" if extra else ""))
+    return inputs
+
+
 def run_module(module, args, inputs):
     """Call a generated module's launcher. Inputs with an empty axis give the empty
     outputs torch would give (the launcher's ``empty_outputs``) without a launch."""
@@ -327,6 +347,11 @@ class StagedKernel:
         # reduction over another axis of its per-row values) picks its own
         opts = {k: v for k, v in inputs.items() if k not in names}
         first = self.stage1(**{k: v for k, v in inputs.items() if k in self.stage1.program.tensors}, **opts)
+        return self.finish(first, inputs)
+
+    def finish(self, first, inputs):
+        """Stage 2 run on stage 1's result ``first`` (a tensor or {output: tensor}) and the
+        call's ``inputs``: the program's outputs (one tensor, or {output: tensor})."""
         first = first if isinstance(first, dict) else {next(iter(self.stage1.program.outputs)): first}
         second_in = {k: v for k, v in inputs.items() if k in self.stage2.program.tensors}
         second_in.update({h: first[h] for h in self.hidden})

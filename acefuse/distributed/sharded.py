@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 from acefuse.rewrite.terms import Term, reblock, pretty
+from acefuse.codegen.compile import bind_inputs
 from acefuse.distributed.base import (J, A_, B_, EXCHANGES, RUN_KW, DistributedError, DistributedFallbackWarning,
                                       _uses, instantiate)
 from acefuse.distributed.merge import (StateEval, MERGE_OPS, OUTPUT_OPS, _ARITH, _merge2, merge_tree)
@@ -124,17 +125,7 @@ class ShardedKernel:
         name = self.program.name
         opts = {k: inputs.pop(k) for k in list(inputs) if k in RUN_KW}
         names = list(self.program.tensors)
-        if len(args) > len(names):
-            raise TypeError(f"program {name!r} takes {len(names)} inputs {names}, got {len(args)} positional")
-        for n, a in zip(names, args):
-            if n in inputs:
-                raise TypeError(f"program {name!r}: input {n!r} given both by position and by name")
-            inputs[n] = a
-        missing = [n for n in names if n not in inputs]
-        extra = [n for n in inputs if n not in names]
-        if missing or extra:
-            raise TypeError(f"program {name!r} needs inputs {names}" + (f"; missing {missing}" if missing else "")
-                            + (f"; unknown {extra}" if extra else ""))
+        bind_inputs(name, names, args, inputs)
         req = [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if req and torch.is_grad_enabled():
             raise DistributedError(
@@ -462,16 +453,7 @@ class ShardedKernel:
         locally on the replicated stage-1 results."""
         if self.staged is None:
             return out
-        st = self.staged
-        first = out if isinstance(out, dict) else {next(iter(st.stage1.program.outputs)): out}
-        second_in = {k: v for k, v in inputs.items() if k in st.stage2.program.tensors}
-        second_in.update({h: first[h] for h in st.hidden})
-        second = st.stage2(**second_in)
-        second = second if isinstance(second, dict) else {next(iter(st.stage2.program.outputs)): second}
-        res = {k: first[k] for k in first if k not in st.hidden}
-        res.update(second)
-        res = {k: res[k] for k in st.output_names}
-        return res[st.output_names[0]] if len(res) == 1 else res
+        return self.staged.finish(out, inputs)
 
     # -- the ring (context parallelism) -----------------------------------------------------
     def _chunks(self, src, sizes, zigzag):
