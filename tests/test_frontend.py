@@ -599,6 +599,27 @@ def test_sdpa_with_a_mask_built_in_the_graph_takes_the_attention():
     assert [e.op for e in r.taken] == ["torch.nn.functional.scaled_dot_product_attention"] and not r.left, str(r)
 
 
+def two_layers_share_one_mask(q, k, v, w):
+    B, H, N, D = q.shape
+    q_idx, kv_idx = torch.arange(N)[None, None, :, None], torch.arange(N)[None, None, None, :]
+    mask = (kv_idx <= q_idx).expand(B, -1, N, N)        # (transformers 5.17's sdpa_mask, traced)
+    h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    h = torch.tanh(h @ w)                               # (torch: the next layer's q, k, v)
+    return F.scaled_dot_product_attention(h, h * 0.5, h + 1, attn_mask=mask)
+
+
+def test_a_mask_view_shared_by_several_attentions_is_not_a_region_output():
+    """transformers 5.17 builds one causal mask, ``expand``s it once and hands that view to every
+    layer's SDPA: the first attention's region had the view as an output over (query, key), which
+    the attention kernel cannot write ("outputs ['out0'] range over the key axis"), and the
+    attention went to torch (the H100 Llama run with 5.17). Each attention now reads its own copy
+    of the view, so both are attention kernels."""
+    args = [_g(2, 2, 9, 8, seed=s) for s in range(3)] + [_g(8, 8, seed=3) / 3]
+    cf = _check_compiled(two_layers_share_one_mask, *args, regions=2)
+    r = cf.report()
+    assert [e.op for e in r.taken] == ["torch.nn.functional.scaled_dot_product_attention"] * 2 and not r.left, str(r)
+
+
 def norm_then_weighted_loss(x, w, t, cw):
     return F.cross_entropy(F.layer_norm(x, (x.shape[-1],), w), t, weight=cw, reduction="none")
 

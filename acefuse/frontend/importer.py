@@ -151,9 +151,11 @@ class Imported:
             fl.add(torch.float32)
         return max(fl, key=lambda d: torch.finfo(d).bits)
 
-    def program_inputs(self, values: dict) -> dict:
-        """Program inputs by name, from the torch values of the source nodes."""
-        fd = self.compute_dtype(values)
+    def program_inputs(self, values: dict, fd=None) -> dict:
+        """Program inputs by name, from the torch values of the source nodes (``fd``: the
+        compute dtype when the caller knows it: fixed per call signature)."""
+        if fd is None:
+            fd = self.compute_dtype(values)
         return {s.name: s.make(values[s.src], fd) for s in self.inputs}
 
     def torch_outputs(self, outs) -> list:

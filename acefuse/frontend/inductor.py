@@ -157,6 +157,7 @@ class RegionOp:
         m = self.meta.get(self.signature(xs))
         if m is None:
             return [r if r is not None else torch.zeros(()) for r in res]
+        ptrs = {x.data_ptr() for x in xs if x.numel()}
         out = []
         for r, (shape, dtype, stride) in zip(res, m):
             if r is None:
@@ -167,7 +168,8 @@ class RegionOp:
                                    "af.Backend(inner='eager') meanwhile, and please report)")
             if r.dtype != dtype:
                 r = r.to(dtype)
-            if tuple(r.stride()) != stride and r.numel() > 1:
+            if tuple(r.stride()) != stride and r.numel() > 1 or r.numel() and r.data_ptr() in ptrs:
+                # (the recorded layout; and an op's result may not alias its inputs)
                 r = torch.empty_strided(shape, stride, dtype=dtype, device=r.device).copy_(r)
             out.append(r)
         return out

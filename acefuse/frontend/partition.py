@@ -57,6 +57,52 @@ def split_composites(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def unshare_contraction_operands(gm: torch.fx.GraphModule) -> None:
+    """Give each offloaded contraction (attention) its own copy of every view or cast chain
+    between it and an operand when that chain is shared with other users. A mask built once and
+    ``expand``ed once for every layer (transformers 5.17's ``sdpa_mask`` under tracing) would
+    otherwise be an *output* of the first attention's region, over (query, key), which the
+    attention kernel cannot write; views cost nothing in torch, and each region reads its
+    copy as a view of the operand (the operand itself, when computed, is left to torch by the
+    retry in runtime.specialize)."""
+    g = gm.graph
+    changed = False
+    for c in list(g.nodes):
+        if c.op != "call_function" or kind_of(c) != "contraction" or name_of(c) not in OFFLOAD_CONTRACTIONS:
+            continue
+        slots = [("a", i) for i in range(min(len(c.args), 4))] + \
+                [("k", k) for k in ("query", "key", "value", "attn_mask") if k in c.kwargs]
+        for where, i in slots:
+            a = c.args[i] if where == "a" else c.kwargs[i]
+            chain, x = [], a
+            while isinstance(x, torch.fx.Node) and x.op in CALLS and kind_of(x) in ("layout", "cast") and x.args:
+                chain.append(x)
+                x = x.args[0]
+            if not chain or all(len(n.users) == 1 for n in chain):
+                continue
+            env: dict = {}
+            with g.inserting_before(c):
+                for n in reversed(chain):      # from the operand's base up to the contraction's argument
+                    cp = g.node_copy(n, lambda y: env.get(y, y))
+                    cp.meta = dict(n.meta)
+                    env[n] = cp
+            if where == "a":
+                args = list(c.args)
+                args[i] = env[a]
+                c.args = tuple(args)
+            else:
+                kw = dict(c.kwargs)
+                kw[i] = env[a]
+                c.kwargs = kw
+            for n in chain:                    # (the original chain's links only the contraction used)
+                if not n.users:
+                    g.erase_node(n)
+            changed = True
+    if changed:
+        g.lint()
+        gm.recompile()
+
+
 # Contractions acefuse is offered: attention (the contraction kernel family). Plain
 # matmul / linear / einsum / bmm stay with torch (a GEMM library), so attention written
 # with matmuls gets its softmax (and masking, scaling) fused by acefuse between them.

@@ -37,7 +37,8 @@ from acefuse.frontend.errors import FrontendError, UnsupportedOpError
 from acefuse.frontend.graph import capture, propagate, source_line, trace
 from acefuse.frontend.importer import import_nodes
 from acefuse.frontend.lower import kind_of, name_of
-from acefuse.frontend.partition import find_regions, rebuild, region_outputs, split_composites
+from acefuse.frontend.partition import (find_regions, rebuild, region_outputs, split_composites,
+                                        unshare_contraction_operands)
 from acefuse.frontend.report import Report, graph_entries, is_reduction_like
 from acefuse.frontend.kernels import (GradKernelError, clear_cache, get_grad_kernel, get_kernel,  # noqa: F401
                                       stats)
@@ -60,6 +61,12 @@ class CompiledRegion(torch.nn.Module):
         self.grad_error = None
         self.kernel_error = None
         self.calls = {"kernel": 0, "grad": 0, "torch": 0}
+        self._fd = None               # the compute dtype: fixed per specialisation (dtypes are in the signature)
+
+    def _inputs(self, values):
+        if self._fd is None:
+            self._fd = self.imp.compute_dtype(values)
+        return self.imp.program_inputs(values, self._fd)
 
     def _torch(self, srcs):
         self.calls["torch"] += 1
@@ -81,7 +88,7 @@ class CompiledRegion(torch.nn.Module):
             if self.grad is None:
                 return self._torch(srcs)
             try:
-                outs = self.grad(**self.imp.program_inputs(values))
+                outs = self.grad(**self._inputs(values))
             except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
                 _warn(self.imp.nodes, f"its differentiable kernel failed at run time and is disabled "
                                       f"({type(e).__name__}: {e})")
@@ -90,7 +97,7 @@ class CompiledRegion(torch.nn.Module):
             self.calls["grad"] += 1
             return tuple(self.imp.torch_outputs(outs))
         try:
-            outs = self.kernel(**self.imp.program_inputs(values))
+            outs = self.kernel(**self._inputs(values))
         except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
             _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
             self.kernel, self.kernel_error = None, f"{type(e).__name__}: {_first(e)}"
@@ -159,6 +166,7 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
     gm._af_name = name
     propagate(gm, args)
     split_composites(gm)
+    unshare_contraction_operands(gm)
     propagate(gm, args)
     reasons: dict = {}        # node -> why torch computes it (for the report)
     warned: set = set()
