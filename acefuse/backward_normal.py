@@ -281,18 +281,13 @@ class _Normal:
         if self._cands is None:
             self._cands = {}
             d = self.d
-            seen = set()
-            for e in d.prog.outputs.values():
-                for t in e.term.walk():
-                    if t in seen or t.op != "Sum" or t.args[0].op != "Ax" or not d.savable(t):
-                        continue
-                    seen.add(t)
-                    raw = Term("Sum", (t.args[0], d.P(t.args[1])))
-                    p = self.poly(raw)
-                    if len(p) == 1 and list(p.values())[0] == 1.0:
-                        (m,) = p
-                        if len(m) == 1 and m[0][1] == 1:
-                            self._cands.setdefault(m[0][0], t)
+            for t in savable_sums(d):
+                raw = Term("Sum", (t.args[0], d.P(t.args[1])))
+                p = self.poly(raw)
+                if len(p) == 1 and list(p.values())[0] == 1.0:
+                    (m,) = p
+                    if len(m) == 1 and m[0][1] == 1:
+                        self._cands.setdefault(m[0][0], t)
             self.memo.clear()   # normal forms computed while the table was incomplete
         return self._cands
 
@@ -363,15 +358,22 @@ def saved_equations(d) -> list:
             continue
         out.append((("output", k), tuple(e.axes), mul(d.P(t.args[0]), d.safe_recip(t.args[1])),
                     lambda k=k, axes=tuple(e.axes): d.output_input(k, axes)))
+    for t in savable_sums(d):
+        out.append((("saved", t), tuple(d.axes_of(t)), Term("Sum", (t.args[0], d.P(t.args[1]))),
+                    lambda t=t: d.P(t)))
+    return out
+
+
+def savable_sums(d):
+    """Each distinct sum over an axis in the program's outputs (walk order) whose value the
+    forward can save for the backward (``d.savable``)."""
     seen = set()
     for e in d.prog.outputs.values():
         for t in e.term.walk():
             if t in seen or t.op != "Sum" or t.args[0].op != "Ax" or not d.savable(t):
                 continue
             seen.add(t)
-            out.append((("saved", t), tuple(d.axes_of(t)), Term("Sum", (t.args[0], d.P(t.args[1]))),
-                        lambda t=t: d.P(t)))
-    return out
+            yield t
 
 
 _ARITH = ("Add", "Sub", "Mul", "Div", "Neg")
