@@ -795,3 +795,48 @@ def test_inductor_inner_small_block_inference_and_training():
     assert inductor.stats["region_calls"] - before["region_calls"] == 2
     assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == 2
     assert not be.report().left, str(be.report())
+
+
+def _scaled_softmax(x, w):
+    return torch.softmax(x * w, -1)
+
+
+def test_region_op_gradients_are_never_dropped(monkeypatch):
+    """The ops Inductor sees, run eagerly (no Inductor compile): ``acefuse::region``'s autograd
+    formula runs the derived backward kernels; when they fail, or an input needs a gradient the
+    region's backward was not derived for, the gradient is torch autograd of the program, with
+    a warning: every gradient matches float64 eager."""
+    from acefuse.autograd import GradientFallbackWarning
+    from acefuse.frontend import inductor
+    from acefuse.frontend.graph import capture
+    from acefuse.frontend.runtime import specialize
+    x, w = _g(4, 9, seed=11), 1 + 0.3 * _g(9, seed=12)
+    cot = _g(4, 9, seed=13)
+
+    def grads(fn, wants_w, dtype=torch.float32):
+        xs = [x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_(wants_w)]
+        (fn(*xs) * cot.to(dtype)).sum().backward()
+        return [a.grad for a in xs]
+
+    ref = grads(_scaled_softmax, True, torch.float64)
+    with torch.enable_grad():
+        xs = [x.clone().requires_grad_(), w.clone()]           # specialised: only x requires grad
+        og = inductor.op_graph(specialize(capture(_scaled_softmax, xs), xs, "t"))
+    assert "region_call" in og.code
+    entry = inductor._ENTRIES[og.af_regions[0].op_key]
+    gx, gw = grads(og, False)
+    assert gw is None and entry.calls["backward"] == 1 and entry.calls["backward_torch"] == 0
+    torch.testing.assert_close(gx.double(), ref[0], atol=ATOL, rtol=RTOL)
+    with pytest.warns(GradientFallbackWarning, match=r"need gradients its backward was not derived for"):
+        gx, gw = grads(og, True)                              # w requires grad now: torch's gradient
+    assert entry.calls["backward_torch"] == 1
+    torch.testing.assert_close(gx.double(), ref[0], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(gw.double(), ref[1], atol=ATOL, rtol=RTOL)
+
+    def broken(**kw):
+        raise RuntimeError("deliberately broken backward kernel")
+    monkeypatch.setattr(entry.dk, "_bwd_kernel", broken)
+    with pytest.warns(GradientFallbackWarning, match=r"backward kernel failed at .backward\(\).*deliberately broken"):
+        gx, _ = grads(og, False)
+    assert entry.calls["backward_torch"] == 2
+    torch.testing.assert_close(gx.double(), ref[0], atol=ATOL, rtol=RTOL)

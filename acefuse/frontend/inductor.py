@@ -218,7 +218,8 @@ class RegionOp:
                               f"program: {why}", GradientFallbackWarning, stacklevel=2)
             from acefuse.autograd import DifferentiableKernel
             ref = dk or DifferentiableKernel(self.prog, self.kernel, {})
-            got = ref._torch_grads(inputs, cot, names)
+            with _autograd_on():     # (a custom op's implementation runs with autograd dispatch off)
+                got = ref._torch_grads(inputs, cot, names)
             grads = {n: got[f"grad_{n}"] for n in names}
             self.calls["backward_torch"] += 1
         out = []
@@ -229,6 +230,33 @@ class RegionOp:
                 g = g.expand(x.shape)
             out.append(g.to(x.dtype).contiguous())
         return out
+
+
+class _autograd_on:
+    """Autograd recording inside a custom op's implementation, where the dispatcher excludes the
+    autograd keys (torch autograd of the program would otherwise give no graph and silent zero
+    gradients). Checked: raises when recording stays off."""
+
+    def __enter__(self):
+        K = torch._C.DispatchKey
+        self._guards = []
+        if hasattr(K, "AutogradFunctionality") and hasattr(torch._C, "_ForceDispatchKeyGuard"):
+            exc = torch._C._dispatch_tls_local_exclude_set().remove(K.AutogradFunctionality)
+            self._guards.append(torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exc))
+        self._guards.append(torch.enable_grad())
+        for g in self._guards:
+            g.__enter__()
+        if not (torch.ones(1, requires_grad=True) * 2).requires_grad:
+            self.__exit__(None, None, None)
+            raise RuntimeError("acefuse: autograd cannot record inside acefuse::region_bwd in this torch version, "
+                               "so torch's gradient of the region cannot be computed there; use "
+                               "af.Backend(inner='eager') for training")
+        return self
+
+    def __exit__(self, *exc):
+        for g in reversed(self._guards):
+            g.__exit__(*exc)
+        return False
 
 
 def _register():
