@@ -181,3 +181,51 @@ def test_model_trains_through_the_backend(impl, pad):
     regions = [g for cf in be.functions for g in cf.graphs.values()]
     assert sum(reg.calls["grad"] for g in regions for reg in g.af_regions) == len(r.entries)
     assert sum(reg.calls["torch"] for g in regions for reg in g.af_regions) == 0
+
+
+@pytest.mark.slow
+def test_llama_through_inductor_with_acefuse_regions():
+    """Llama (SDPA, a padded row) through ``af.Backend(inner="inductor")``: Inductor compiles the
+    graph with each acefuse region one ``acefuse::region`` op. Inference logits match float64
+    eager with every reduction taken; a training step's loss and every parameter's gradient
+    match float64 eager, and the region ops (forward and backward) run inside the compiled graphs."""
+    from acefuse.frontend import inductor
+    model = _model("llama", "sdpa")
+    ids, mask = _inputs(seed=11)
+    torch._dynamo.reset()
+    be = af.Backend(inner="inductor")
+    with torch.no_grad():
+        before = inductor.stats["region_calls"]
+        got = torch.compile(lambda i, m: model(input_ids=i, attention_mask=m).logits, backend=be, dynamic=False)(ids, mask)
+        _check_logits(model, got, ids, mask)
+    r = be.report()
+    assert len(r.taken) == 4 and not r.left, str(r)         # 3 norms and the attention
+    assert inductor.stats["region_calls"] - before == 4
+    assert all(g.error is None for cf in be.functions for g in cf.graphs.values())
+
+    model.train()
+    labels = ids.masked_fill(mask == 0, -100)
+    torch._dynamo.reset()
+    be = af.Backend(inner="inductor")
+    before = dict(inductor.stats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AcefuseFallbackWarning)   # (a region acefuse cannot differentiate: torch's)
+        loss = torch.compile(lambda i, l: model(input_ids=i, attention_mask=mask, labels=l).loss, backend=be,
+                             dynamic=False)(ids, labels)
+        loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    m64 = model.double()
+    ref = m64(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.double(), atol=ATOL, rtol=RTOL)
+    for n, p in m64.named_parameters():
+        assert got[n] is not None and p.grad.abs().max() > 0, n
+        torch.testing.assert_close(got[n].double(), p.grad, atol=ATOL, rtol=RTOL, msg=lambda m: f"grad {n}: {m}")
+    model.float()
+    r = be.report()
+    assert len(r.entries) == 5 and all(e.reason for e in r.left), str(r)   # + the loss
+    assert [_short(e.op) for e in r.taken].count("Tensor.mean") == 3, str(r)
+    n = len({e.region for e in r.taken})
+    assert inductor.stats["region_calls"] - before["region_calls"] == n
+    assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == n

@@ -72,23 +72,22 @@ class RegionOp:
         return list(bwd.saved) if bwd is not None else []
 
     def forward(self, xs) -> list:
-        inputs = dict(zip(self.names, (x.detach() for x in xs)))
+        # (the op's implementation runs below autograd: its inputs need no detach)
+        inputs = dict(zip(self.names, xs))
         if self.disabled is None:
             try:
-                res = self._kernel_forward(inputs)
-                res = self._fix(xs, res)
-                return res
+                return self._fix(xs, self._kernel_forward(inputs))
             except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
                 self._disable(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         self.calls["torch"] += 1
-        return self._fix(xs, self._torch_forward(inputs), strict=False)
+        return self._fix(xs, self._torch_forward(inputs), fresh=False)
 
     def _kernel_forward(self, inputs) -> list:
-        from acefuse.autograd import _to, wide_dtype
         if self.dk is None:
             out = _as_dict(self.kernel(**inputs), self.keys)
             self.calls["kernel"] += 1
             return [out[k] for k in self.keys]
+        from acefuse.autograd import _to, wide_dtype
         dk = self.dk
         aug, bwd = dk._grad_kernels()
         if bwd is None:            # no derived backward: gradients are torch's (warned by dk)
@@ -156,23 +155,25 @@ class RegionOp:
             self.calls.update(calls)      # (that run is not a call of the model)
         return [torch.empty_strided(s, st, dtype=d, device=xs[0].device) for s, d, st in m]
 
-    def _fix(self, xs, res, strict=True) -> list:
-        """The results in the recorded layout (what Inductor compiled its consumers for)."""
-        m = self.meta.get(self.signature(xs))
+    def _fix(self, xs, res, fresh=True) -> list:
+        """The results in the recorded layout (what Inductor compiled its consumers for). ``fresh``:
+        the results are new tensors (a kernel's), else one may alias an input and is copied."""
+        # (one input signature recorded, the usual case: its layout; each result's shape is checked)
+        m = next(iter(self.meta.values())) if len(self.meta) == 1 else self.meta.get(self.signature(xs))
         if m is None:   # (a graph Inductor loaded from its cache: the kernel's own, contiguous layout)
             return [r.contiguous() if r is not None else torch.zeros((), device=xs[0].device) for r in res]
-        ptrs = {x.data_ptr() for x in xs if x.numel()}
+        ptrs = () if fresh else {x.data_ptr() for x in xs if x.numel()}
         out = []
         for r, (shape, dtype, stride) in zip(res, m):
             if r is None:
                 r = torch.zeros(shape, dtype=dtype, device=xs[0].device)
-            if tuple(r.shape) != shape:
+            if r.shape != shape:
                 raise RuntimeError(f"acefuse: region {self.prog.name!r} gave a result of shape {tuple(r.shape)}, "
                                    f"recorded {shape} for these inputs (a bug; run with "
                                    "af.Backend(inner='eager') meanwhile, and please report)")
             if r.dtype != dtype:
                 r = r.to(dtype)
-            if tuple(r.stride()) != stride and r.numel() > 1 or r.numel() and r.data_ptr() in ptrs:
+            if r.stride() != stride and r.numel() > 1 or ptrs and r.numel() and r.data_ptr() in ptrs:
                 # (the recorded layout; and an op's result may not alias its inputs)
                 r = torch.empty_strided(shape, stride, dtype=dtype, device=r.device).copy_(r)
             out.append(r)
