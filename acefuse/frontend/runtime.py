@@ -12,6 +12,10 @@ rolling loop, split), so whether the fused axis fits one tile needs no new kerne
 Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
 run in torch, with one warning line naming the region, its source line and why.
 
+``Backend(inner="inductor")`` (the default on CUDA) hands each specialised graph to Inductor
+with every region one opaque ``acefuse::region`` op (acefuse.frontend.inductor); the text below
+describes ``inner="eager"``, where torch runs the rest of the graph op by op.
+
 Training: a region whose inputs require grad (grad mode on) runs as a differentiable
 kernel (acefuse.autograd): a ``torch.autograd.Function`` whose forward is the augmented
 forward kernel and whose backward runs the kernels of ``af.backward(program)``, so its
