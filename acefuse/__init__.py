@@ -11,6 +11,7 @@ from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs
                           minimum, where, sum, max, min, mean, take, program, Program, Expr,
                           LanguageError, NEG_INF, erf, sigmoid, softplus, log1p, expm1, floor, ceil,
                           round, cast, clamp, argmax, argmin)
+from acefuse.topk import topk, gather, Stacked
 from acefuse.fuse import Fusion, FuseError, unfused
 from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError
@@ -43,7 +44,11 @@ def compile(prog, *example_inputs, axis=None, **kw):  # noqa: A001 - mirrors tor
         return compile_sharded(prog, axis=axis, **kw)
     from acefuse.codegen.compile import compile_program
     from acefuse.autograd import DifferentiableKernel
-    return DifferentiableKernel(prog, compile_program(prog, axis=axis, **kw), dict(kw, axis=axis))
+    k = DifferentiableKernel(prog, compile_program(prog, axis=axis, **kw), dict(kw, axis=axis))
+    if getattr(prog, "stacked", None):   # af.topk outputs: the k candidates stacked on their new axis
+        from acefuse.topk import StackedKernel
+        return StackedKernel(prog, k)
+    return k
 
 
 def fuse(prog, axis=None, **kw):

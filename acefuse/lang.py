@@ -215,7 +215,14 @@ def _combine(op, *exprs) -> Expr:
     return Expr(Term(op, tuple(e.term for e in exprs)), _union_axes(*exprs), _merge_tensors(*exprs))
 
 
+def _stacked(x):
+    """True for af.topk's Stacked candidates (acefuse/topk.py): functions apply to each one."""
+    return type(x).__name__ == "Stacked" and hasattr(x, "parts")
+
+
 def _unary(op, x) -> Expr:
+    if _stacked(x):
+        return x.map(lambda p: _unary(op, p))
     x = _lift(x)
     return Expr(Term(op, (x.term,)), x.axes, x.tensors)
 
@@ -321,6 +328,8 @@ def tanh(x): return _unary("Tanh", x)
 
 
 def _fn(op, x, fold):
+    if _stacked(x):
+        return x.map(lambda p: _fn(op, p, fold))
     x = _lift(x)
     if x.term.op == "Num":   # a constant: its value (kernels never see a function of a literal)
         v = x.term.args[0]
@@ -405,6 +414,8 @@ def cast(x, dtype="int32"):
         >>> cast(465.0, "float8_e4m3fn"), cast(1e6, "float8_e4m3fn"), cast(-300.7, "int8")
         (Expr(448 | axes ()), Expr(448 | axes ()), Expr(-128 | axes ()))
     """
+    if _stacked(x):
+        return x.map(lambda p: cast(p, dtype))
     if dtype not in CAST_LIMITS and dtype not in FLOAT_CASTS:
         raise LanguageError(f"cast(`{_lift(x)}`, {dtype!r}): the integer type must be one of "
                             f"{sorted(CAST_LIMITS)}, or the float format one of {sorted(FLOAT_CASTS)}")
@@ -450,6 +461,13 @@ def minimum(a, b):
 
 def where(cond, a, b):
     """``a`` where ``cond`` holds, else ``b`` (``b`` may be ``-math.inf`` for masks)."""
+    st = [v for v in (cond, a, b) if _stacked(v)]
+    if st:   # af.topk candidates: one where per candidate
+        if any((v.axis, len(v)) != (st[0].axis, len(st[0])) for v in st):
+            raise LanguageError("where: stacked operands must share their stacked axis and its size")
+        pick = lambda v, r: v.parts[r] if _stacked(v) else v   # noqa: E731
+        return type(st[0])([where(pick(cond, r), pick(a, r), pick(b, r)) for r in range(len(st[0]))],
+                           st[0].axis, st[0].source_axis)
     return _combine("Where", _lift(cond), _lift(a), _lift(b))
 
 
@@ -528,6 +546,8 @@ def take(t: Expr, idx, axis: str) -> Expr:
     position outside the axis reads NaN."""
     if not (isinstance(t, Expr) and t.term.op == "In"):
         raise LanguageError("take: the first argument must be an input tensor (af.tensor)")
+    if _stacked(idx):   # af.topk's indices: one lookup per candidate
+        return idx.map(lambda i: take(t, i, axis))
     idx = _lift(idx)
     if axis not in t.axes:
         raise LanguageError(f"take: {axis!r} is not an axis of tensor {t.term.args[0]!r} "
@@ -550,7 +570,22 @@ class Program:
                                 f"e.g. program({name!r}, y=expr)")
         self.name = name
         self.outputs = {}
+        self.user_outputs = list(outputs)   # as given: a Stacked output (af.topk) is k outputs inside
+        self.stacked = {}                   # {output: (stacked axis, [part names], axis selected along)}
+        flat = {}
         for k, v in outputs.items():
+            if _stacked(v):
+                from acefuse.topk import expand
+                parts = expand(k, v)
+                clash = sorted(set(parts) & set(outputs))
+                if clash:
+                    raise LanguageError(f"program {name!r}: output {clash[0]!r} clashes with the name of a "
+                                        f"candidate of stacked output {k!r}; rename it")
+                self.stacked[k] = (v.axis, list(parts), v.source_axis)
+                flat.update(parts)
+            else:
+                flat[k] = v
+        for k, v in flat.items():
             if not isinstance(v, Expr):
                 if isinstance(v, (int, float)):
                     v = _lift(v)

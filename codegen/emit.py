@@ -142,6 +142,8 @@ class Emitter:
                 return "float('inf')", "scalar"
             if v == float("-inf"):
                 return "float('-inf')", "scalar"
+            if v != v:   # NaN (af.topk's value of a NaN element)
+                return "float('nan')", "scalar"
             return repr(v), "scalar"
         if op == "St":
             name, shape = ctx.state_var(t.args[0], t.args[1], pol)

@@ -1,24 +1,109 @@
-"""Mixture-of-experts routing with one expert per token (Switch Transformer), written plainly:
-the softmax over the experts and the choice of the expert fuse into one pass over the router
-logits (states: the running max and sum of the softmax, and argmax's running max and index).
+"""Mixture-of-experts routing, written plainly.
+
+- Switch Transformer (one expert per token): the softmax over the experts and the choice of
+  the expert fuse into one pass over the router logits (the running max and sum of the
+  softmax, and argmax's running max and index).
+- Top-k softmax routing (Mixtral, k = 2; k = 8 with ``softmax_topk(8)``): softmax over the
+  experts, ``af.topk``, the selected weights renormalised.
+- DeepSeek-V3 routing (``deepseek(k)``): sigmoid scores plus a per-expert bias used only for
+  choosing; the weights are the unbiased scores of the chosen experts, renormalised and scaled.
+  Grouped top-k (``deepseek_grouped``: experts in G groups, each scored by the sum of its top-2
+  biased scores, the best groups kept, then top-k among their experts) runs as three acefuse
+  kernels (group scores; the threshold group; the masked top-k), not one pass.
+
+af.topk is a cascade of 2k reductions (acefuse/topk.py): the rules fuse it into k + 1 passes
+over the experts, and a router row (up to 65536 experts) fits one tile, so the single
+schedule reads it once and runs every pass in registers. One running state of k candidates
+(loop and split schedules in one pass) needs the merge that proofs/topk.py proves; the rules
+do not derive it yet (README, "Top-k").
 
     acefuse derive examples/moe.py
     acefuse run examples/moe.py --check
-
-Top-k for k > 1 (a running state of k candidates) is not supported yet: see README, "Argmax
-and argmin". With k = 1 the renormalised weight is 1; Switch Transformer scales the expert's
-output by its softmax probability, ``exp(m - m) / l = 1 / l``.
 """
 import acefuse as af
 
 x = af.tensor("x", "t e")              # router logits: tokens t, experts e (the reduced axis)
 m = af.max(x, "e")
 l = af.sum(af.exp(x - m), "e")
+# With k = 1 the renormalised weight is 1; Switch Transformer scales the expert's output by its
+# softmax probability, ``exp(m - m) / l = 1 / l``.
 switch_top1 = af.program("switch_top1", expert=af.argmax(x, "e"), gate=1.0 / l)
 
 # the router's z-loss term beside the choice (ST-MoE): logsumexp squared, same pass
 router_z = af.program("router_top1_zloss", expert=af.argmax(x, "e"), gate=1.0 / l,
                       z=(m + af.log(l)) * (m + af.log(l)))
+
+
+def softmax_topk(k, name=None):
+    """softmax over the experts, top-k, the selected weights renormalised (Mixtral's router)."""
+    x = af.tensor("x", "t e")
+    m = af.max(x, "e")
+    p = af.exp(x - m) / af.sum(af.exp(x - m), "e")
+    vals, idx = af.topk(p, k, "e")
+    return af.program(name or f"softmax_top{k}", weights=vals / vals.sum(), experts=idx)
+
+
+def deepseek(k, scale=1.0, name=None):
+    """DeepSeek-V3 routing without groups: choose by sigmoid(x) + bias, weigh by sigmoid(x)."""
+    x = af.tensor("x", "t e")
+    bias = af.tensor("bias", "e")
+    s = af.sigmoid(x)
+    _, idx = af.topk(s + bias, k, "e")
+    w = af.gather(s, idx, "e")                     # the unbiased scores of the chosen experts
+    return af.program(name or f"deepseek_top{k}", weights=w / w.sum() * scale, experts=idx)
+
+
+softmax_top2 = softmax_topk(2)
+deepseek_top2 = deepseek(2, scale=2.5)
+
+
+def _grouped_programs(k, groups, topk_group, group_size, scale):
+    # 1. group scores: the sum of each group's top-2 biased scores (x viewed as [t, g, f])
+    xg = af.tensor("x", "t g f")
+    bg = af.tensor("bias", "g f")
+    top2, _ = af.topk(af.sigmoid(xg) + bg, 2, "f")
+    scores = af.program("ds_group_scores", gs=top2.sum())
+    # 2. the topk_group-th group in the order (value, then the lower group index)
+    gs = af.tensor("gs", "t g")
+    gv, gi = af.topk(gs, topk_group, "g")
+    threshold = af.program("ds_group_threshold", tv=gv[topk_group - 1], ti=gi[topk_group - 1])
+    # 3. top-k over the experts of the kept groups (a group at or before the threshold)
+    x = af.tensor("x", "t e")
+    bias = af.tensor("bias", "e")
+    gval = af.tensor("gs_e", "t e")          # each expert's group score (torch repeats gs per group)
+    tv, ti = af.tensor("tv", "t"), af.tensor("ti", "t")
+    grp = af.index("e") // group_size
+    kept = (gval > tv) | (gval.eq(tv) & (grp <= ti))
+    s = af.sigmoid(x)
+    _, idx = af.topk(af.where(kept, s + bias, af.NEG_INF), k, "e")
+    w = af.gather(s, idx, "e")
+    route = af.program(f"ds_grouped_top{k}", weights=w / w.sum() * scale, experts=idx)
+    return scores, threshold, route
+
+
+def deepseek_grouped(k, groups, topk_group, n_experts, scale=1.0):
+    """DeepSeek-V3 grouped routing as a callable ``route(x, bias) -> (weights, experts)``:
+    three acefuse kernels (group scores, threshold group, masked top-k). Masked experts score
+    -inf (DeepSeek's reference code); ties go to the lower index, groups as experts."""
+    if n_experts % groups:
+        raise ValueError(f"deepseek_grouped: {n_experts} experts do not split into {groups} groups")
+    gsz = n_experts // groups
+    if topk_group * gsz < k:
+        raise ValueError(f"deepseek_grouped: {topk_group} groups of {gsz} experts hold fewer than k = {k}")
+    progs = _grouped_programs(k, groups, topk_group, gsz, scale)
+    k1, k2, k3 = (af.compile(p) for p in progs)
+
+    def route(x, bias, **kw):
+        t = x.shape[0]
+        gs = k1(x=x.reshape(t, groups, gsz), bias=bias.reshape(groups, gsz), **kw)   # one output: a tensor
+        th = k2(gs=gs, **kw)
+        # the row family gathers only along its fused axis: torch repeats each group's score
+        # over its experts ([t, e], one elementwise copy), the kernel compares it per expert
+        gs_e = gs.repeat_interleave(gsz, dim=1)
+        out = k3(x=x, bias=bias, gs_e=gs_e, tv=th["tv"], ti=th["ti"].to(gs.dtype), **kw)
+        return out["weights"], out["experts"]
+    route.kernels = (k1, k2, k3)
+    return route
 
 
 if __name__ == "__main__":
@@ -31,3 +116,8 @@ if __name__ == "__main__":
     p = torch.softmax(logits, -1)
     print("expert", out["expert"].tolist(), "torch", p.argmax(-1).tolist())
     print("gate  ", [round(v, 6) for v in out["gate"].tolist()], "torch", [round(v, 6) for v in p.amax(-1).tolist()])
+    k2 = af.compile(softmax_top2)
+    out = k2(x=logits)
+    w, i = torch.topk(p, 2, dim=-1)
+    print("top-2 experts", out["experts"].tolist(), "torch", i.tolist())
+    print("top-2 weights", out["weights"].tolist(), "torch", (w / w.sum(-1, keepdim=True)).tolist())

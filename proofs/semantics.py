@@ -42,13 +42,18 @@ def is_leaf(t: Term) -> bool:
     return t.op == "Num" and isinstance(t.args[0], Term)
 
 
-def evaluate(t: Term, elem: int, be, leaf, blocks):
+def evaluate(t: Term, elem: int, be, leaf, blocks, memo=None):
     """Value of ``t`` at ambient element ``elem``.
 
     be:     a backend (SympyBackend, MpBackend, FloatBackend)
     leaf:   leaf(term, elem) -> value for the leaves listed in ``is_leaf``
     blocks: blocks(block_term) -> tuple of element indices
+
+    A reduction's value does not depend on the ambient element: it is computed once per call
+    (without that, a cascade of d reductions nested in bodies, af.topk's, costs n**d).
     """
+    if memo is None:
+        memo = {}
     op = t.op
     if is_leaf(t):
         return leaf(t, elem)
@@ -57,17 +62,20 @@ def evaluate(t: Term, elem: int, be, leaf, blocks):
     if op == "Cnt":
         return be.const(len(blocks(t.args[0])))
     if op in REDUCTIONS:
+        if t in memo:
+            return memo[t]
         elems = blocks(t.args[0])
         if not elems:
             raise ValueError(f"reduction {t!r} over an empty block")
-        vals = [evaluate(t.args[1], i, be, leaf, blocks) for i in elems]
-        return {"Sum": be.sum, "RMax": be.max, "RMin": be.min}[op](vals)
+        vals = [evaluate(t.args[1], i, be, leaf, blocks, memo) for i in elems]
+        memo[t] = r = {"Sum": be.sum, "RMax": be.max, "RMin": be.min}[op](vals)
+        return r
     if op == "Cast":
-        return be.cast(evaluate(t.args[0], elem, be, leaf, blocks), t.args[1])
+        return be.cast(evaluate(t.args[0], elem, be, leaf, blocks, memo), t.args[1])
     fn = _OPS.get(op)
     if fn is None:
         raise ValueError(f"cannot evaluate operator {op!r} in {t!r}")
-    vals = [evaluate(a, elem, be, leaf, blocks) for a in t.args]
+    vals = [evaluate(a, elem, be, leaf, blocks, memo) for a in t.args]
     return fn(be, *vals)
 
 

@@ -1,0 +1,252 @@
+"""Top-k selection, written plainly: ``values, indices = af.topk(x, k, axis)``.
+
+The result ranges over the operand's other axes plus a new axis of size k (named ``"k"``
+unless ``kaxis=`` says otherwise), the largest first. It is an ordinary program: the t-th
+candidate is the largest element strictly after the (t-1)-th in the order
+
+    (a, i) before (b, j)  <=>  a > b, or a == b and i < j      (NaN counts as the largest)
+
+so ``v_t = max(where(after_{t-1}, x, -inf), axis)`` and ``i_t = min(where(after_{t-1} &
+x == v_t, index(axis), inf), axis)``: a cascade of 2k reductions over ``axis``, which the
+rules fuse into k + 1 passes of running states (the first pass carries the max and the
+index of its first occurrence: argmax's derived merge; each later one reads the earlier
+candidates as finished values). A row that fits one tile (the single schedule: routers
+with up to 65536 experts) is read from memory once and every pass runs on the tile in
+registers; longer rows read the input once per pass. Carrying all k candidates in one
+running state with a proved merge of two k-candidate states is the next step
+(proofs/topk.py proves that merge; the rules do not derive it yet).
+
+Conventions (torch.topk leaves the order of equal values unspecified; these are fixed):
+
+- equal values: the lowest index first (``torch.sort(x, descending=True, stable=True)``);
+- NaN is larger than every number, +inf included (as torch.sort and torch.topk): NaNs come
+  first, lowest index first, with value NaN;
+- ``k`` must be at most the axis length: a row with fewer than k elements is refused at
+  run time by the compiled kernel (``torch.topk`` raises too).
+
+Indices are int64 outputs (``cast(..., "index")``), exact for axes of up to 2**24 elements.
+``Stacked`` is the container of the k candidates: elementwise arithmetic, ``af.exp`` and the
+other functions of one operand, ``.sum()`` / ``.max()`` / ``.min()`` over the new axis (a
+renormalisation is ``w = vals / vals.sum()``) and lookups ``t.at(a=indices)`` apply to every
+candidate; ``af.program`` writes a Stacked output as one tensor with the new axis last.
+"""
+from __future__ import annotations
+
+import math
+
+from acefuse import lang
+from acefuse.lang import Expr, LanguageError
+
+
+class Stacked:
+    """k expressions over the same axes, read as one tensor with a new last axis of size k
+    (``af.topk``'s values and indices)."""
+
+    __array_priority__ = 1001
+
+    def __init__(self, parts, axis: str, source_axis: str | None = None):
+        parts = [lang._lift(p) for p in parts]
+        self.source_axis = source_axis   # the axis topk selected along (a row must hold k elements)
+        if not parts:
+            raise LanguageError("a stacked expression needs at least one part")
+        if axis in parts[0].axes:
+            raise LanguageError(f"stacked axis {axis!r} is already an axis of `{parts[0]}`; pick another kaxis=")
+        self.parts, self.axis = parts, axis
+
+    def __len__(self):
+        return len(self.parts)
+
+    def __getitem__(self, r) -> Expr:
+        """The r-th candidate (an expression over the other axes)."""
+        return self.parts[r]
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    @property
+    def axes(self) -> tuple:
+        ax: list = []
+        for p in self.parts:
+            ax += [a for a in p.axes if a not in ax]
+        return tuple(ax) + (self.axis,)
+
+    def map(self, fn) -> "Stacked":
+        """``fn`` applied to every candidate."""
+        return Stacked([fn(p) for p in self.parts], self.axis, self.source_axis)
+
+    def _zip(self, other, fn, swap=False):
+        if isinstance(other, Stacked):
+            if other.axis != self.axis or len(other) != len(self):
+                raise LanguageError(f"cannot combine stacked expressions over {self.axis!r} (size {len(self)}) "
+                                    f"and {other.axis!r} (size {len(other)}); they must share the axis and k")
+            pairs = zip(self.parts, other.parts)
+        else:
+            pairs = ((p, other) for p in self.parts)
+        src = self.source_axis or getattr(other, "source_axis", None)
+        return Stacked([fn(b, a) if swap else fn(a, b) for a, b in pairs], self.axis, src)
+
+    def __add__(self, o): return self._zip(o, lambda a, b: a + b)
+    def __radd__(self, o): return self._zip(o, lambda a, b: a + b, True)
+    def __sub__(self, o): return self._zip(o, lambda a, b: a - b)
+    def __rsub__(self, o): return self._zip(o, lambda a, b: a - b, True)
+    def __mul__(self, o): return self._zip(o, lambda a, b: a * b)
+    def __rmul__(self, o): return self._zip(o, lambda a, b: a * b, True)
+    def __truediv__(self, o): return self._zip(o, lambda a, b: a / b)
+    def __rtruediv__(self, o): return self._zip(o, lambda a, b: a / b, True)
+    def __neg__(self): return self.map(lambda p: -p)
+
+    def sum(self) -> Expr:
+        """The sum over the stacked axis (first candidate first)."""
+        out = self.parts[0]
+        for p in self.parts[1:]:
+            out = out + p
+        return out
+
+    def max(self) -> Expr:
+        out = self.parts[0]
+        for p in self.parts[1:]:
+            out = lang.maximum(out, p)
+        return out
+
+    def min(self) -> Expr:
+        out = self.parts[0]
+        for p in self.parts[1:]:
+            out = lang.minimum(out, p)
+        return out
+
+    def __bool__(self):
+        raise LanguageError("a stacked expression has no truth value; use af.where")
+
+    def __repr__(self):
+        return f"Stacked({len(self)} over {self.axis!r}: {', '.join(str(p) for p in self.parts)})"
+
+
+def topk(x, k: int, axis: str, kaxis: str = "k"):
+    """``(values, indices)``: the k largest elements of ``x`` along ``axis`` and their int64
+    indices, the largest first, as ``Stacked`` expressions over ``x``'s other axes plus the new
+    axis ``kaxis`` of size k (written last). Equal values: the lowest index first; NaN counts as
+    larger than every number (module docstring). ``k`` is 1 to 64 (each candidate is two
+    reductions of the cascade).
+
+        >>> vals, idx = topk(lang.tensor("x", "t e"), 2, "e")
+        >>> vals.axes, idx.axes
+        (('t', 'k'), ('t', 'k'))
+    """
+    x = lang._lift(x)
+    lang._reduce("RMax", x, axis, "topk")   # checks the axis
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+        raise LanguageError(f"topk(`{x}`, {k!r}, {axis!r}): k must be an integer from 1 to 64")
+    lang._axes(kaxis, "topk kaxis")
+    if kaxis in x.axes or kaxis == axis:
+        raise LanguageError(f"topk(`{x}`, {k}, {axis!r}): the new axis {kaxis!r} must not be an axis of the "
+                            "operand; pass another name, e.g. kaxis='kk'")
+    inf = math.inf
+    nan = x.ne(x)
+    y = lang.where(nan, inf, x)                                   # NaN ranks as +inf ...
+    j = lang.index(axis)
+    g = lang.where(nan, j - lang.size(axis), j)                   # ... before every +inf (a negative rank)
+    vals, idxs, after = [], [], None
+    for _ in range(k):
+        v = lang.max(y if after is None else lang.where(after, y, -inf), axis)
+        top = y.eq(v) if after is None else after & y.eq(v)
+        i = lang.min(lang.where(top, g, inf), axis)
+        vals.append(lang.where(i < 0, math.nan, v))
+        idxs.append(lang.cast(lang.where(i < 0, i + lang.size(axis), i), "index"))
+        after = (y < v) | (y.eq(v) & (g > i))                     # strictly after (v, i) in the order
+    return Stacked(vals, kaxis, axis), Stacked(idxs, kaxis, axis)
+
+
+def gather(x, idx, axis: str):
+    """The element of ``x`` at position ``idx`` along ``axis`` (``torch.gather`` of one index per
+    row), written as a reduction: ``max(where(index(axis) == idx, x, -inf), axis)``, exact (NaN
+    and -0.0 included). ``x`` may be any expression (``af.sigmoid(x)``), ``idx`` af.topk's
+    indices (then one value per candidate). Unlike ``t.at(axis=idx)``, which reads an input
+    tensor, it is a plain reduction, so the certificate covers it; it reads the row once more
+    per candidate in the loop schedule (not in the single schedule)."""
+    if isinstance(idx, Stacked):
+        return idx.map(lambda i: gather(x, i, axis))
+    x = lang._lift(x)
+    lang._reduce("RMax", x, axis, "gather")
+    return lang.max(lang.where(lang.index(axis).eq(idx), x, -math.inf), axis)
+
+
+# ---- programs with stacked outputs ------------------------------------------------------------
+def part_name(name: str, r: int) -> str:
+    """The name of the r-th candidate of stacked output ``name`` inside the program."""
+    return f"{name}__{r}"
+
+
+def expand(name: str, value: Stacked) -> dict:
+    """{part name: expression} for a stacked output (Program's hook)."""
+    return {part_name(name, r): p for r, p in enumerate(value.parts)}
+
+
+def stack_outputs(prog, out):
+    """A kernel's (or acefuse.reference.evaluate's) outputs with every stacked output of
+    ``prog`` gathered into one tensor, the stacked axis last: always a dict (StackedOutputs),
+    even for one output."""
+    stacked = getattr(prog, "stacked", None) or {}
+    if not stacked:
+        return out
+    if not isinstance(out, dict):
+        raise TypeError(f"program {prog.name!r}: expected a dict of outputs")
+    res = StackedOutputs(prog)
+    done = set()
+    for name in prog.user_outputs:
+        if name in stacked:
+            parts = [out[p] for p in stacked[name][1]]
+            done.update(stacked[name][1])
+            if hasattr(parts[0], "dim"):
+                import torch
+                res[name] = torch.stack(parts, -1)
+            else:
+                import numpy as np
+                res[name] = np.stack(parts, -1)
+        else:
+            res[name] = out[name]
+    return res
+
+
+class StackedOutputs(dict):
+    """{output: tensor} with stacked outputs stacked; a candidate's own name inside the
+    program (``weights__0``) still reads its slice, so generic checks over
+    ``program.outputs`` (acefuse run --check, the example tests) work unchanged."""
+
+    def __init__(self, prog):
+        super().__init__()
+        self._parts = {p: (n, r) for n, (_, parts, _) in prog.stacked.items() for r, p in enumerate(parts)}
+
+    def __missing__(self, key):
+        if key in self._parts:
+            n, r = self._parts[key]
+            return self[n][..., r]
+        raise KeyError(key)
+
+
+class StackedKernel:
+    """A compiled program with stacked outputs: calls the kernel, stacks the candidates."""
+
+    def __init__(self, prog, kernel):
+        self.program, self.kernel = prog, kernel
+        self.min_len = {prog.stacked[n][2]: len(prog.stacked[n][1]) for n in prog.stacked
+                        if prog.stacked[n][2] is not None}
+
+    def __getattr__(self, name):   # fusion, source, path, ... of the kernel
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args, **inputs):
+        for axis, k in self.min_len.items():
+            for t, ax in self.program.tensors.items():
+                v = inputs.get(t)
+                if axis in ax and hasattr(v, "shape") and v.shape[list(ax).index(axis)] < k:
+                    raise ValueError(f"program {self.program.name!r}: top-{k} over axis {axis!r}, but input {t!r} "
+                                     f"has only {v.shape[list(ax).index(axis)]} elements along it; "
+                                     f"use k <= {v.shape[list(ax).index(axis)]}")
+        out = self.kernel(*args, **inputs)
+        if not isinstance(out, dict):   # one output: a program of one part
+            (name,) = [p for n in self.program.user_outputs for p in self.program.stacked.get(n, (None, [n]))[1]]
+            out = {name: out}
+        return stack_outputs(self.program, out)
+
+    def __repr__(self):
+        return f"<acefuse stacked-output kernel {self.program.name!r}: {self.kernel!r}>"
