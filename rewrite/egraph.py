@@ -41,7 +41,9 @@ class Limits:
     seconds: float = 5.0
     # roll an iteration that passes ``nodes`` back, so that extraction works on the last
     # e-graph within the limit (one iteration can grow an e-graph 30-fold: factoring
-    # a zero, 0 = a * 0 for every a, took normal-form extraction from 0.1 s to 30 s)
+    # a zero, 0 = a * 0 for every a, took normal-form extraction from 0.1 s to 30 s).
+    # Each iteration then runs in a push scope that is left open: only for an e-graph
+    # saturated once and discarded (not one whose caller scopes equations by push/pop)
     rollback: bool = False
 
 

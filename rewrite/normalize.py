@@ -10,6 +10,7 @@ when it does strictly less per-element work than what the user wrote.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from acefuse.rewrite.terms import Term, pretty
@@ -81,7 +82,7 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
     eg = EGraph(rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
     for k, t in encoded.items():
         eg.union(Term("Out", (k,)), t)
-    eg.saturate(schedules.NORMALIZE)
+    eg.saturate(schedules.NORMALIZE, dataclasses.replace(schedules.NORMALIZE.limits, rollback=True))
     ex = Extractor(eg.serialized())
     new_outputs, notes = {}, []
     for k, e in prog.outputs.items():

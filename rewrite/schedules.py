@@ -67,7 +67,7 @@ DERIVE = Schedule("derive", (
 NORMALIZE = Schedule("normalize", (
     Phase("normalize", ("reduction", "linearity", "arith", "assoc", "swap", "commute", "factoring", "order", "user"),
           max_iterations=6),
-), Limits(rollback=True))
+))
 
 
 def discovery(schedule: Schedule) -> tuple:
