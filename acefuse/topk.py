@@ -6,11 +6,16 @@ candidate is the largest element strictly after the (t-1)-th in the order
 
     (a, i) before (b, j)  <=>  a > b, or a == b and i < j      (NaN counts as the largest)
 
-so ``v_t = max(where(after_{t-1}, x, -inf), axis)`` and ``i_t = min(where(after_{t-1} &
-x == v_t, index(axis), inf), axis)``: a cascade of 2k reductions over ``axis``, which the
-rules fuse into k + 1 passes of running states (the first pass carries the max and the
-index of its first occurrence: argmax's derived merge; each later one reads the earlier
-candidates as finished values). A row that fits one tile (the single schedule: routers
+written as a cascade of plain reductions over ``axis``: the distinct values in decreasing
+order (``u_0 = max(y)``, ``u_s = max(where(y < u_{s-1}, y, -inf))``, y being x with NaN read
+as +inf), the count of each (``sum(where(y == u_s, 1, 0))``), and the positions of the first
+k - s occurrences of ``u_s`` (each ``min(where(y == u_s & g > previous, g, inf))``, g the
+index, negative for a NaN so NaNs come first). Candidate t is the occurrence ``t - C_s`` of
+the level s with ``C_s <= t < C_{s+1}`` (C_s: the count of the levels before s). Every
+reduction reads at most one earlier one of its own chain, so the terms grow polynomially in
+k (a chain "the next after the previous (value, index) pair" reads the pair twice per step
+and grows as 4**k: k = 8 did not fit in 22 GB). The rules fuse the cascade into about k + 1
+passes of running states (each later pass reads the earlier levels as finished values). A row that fits one tile (the single schedule: routers
 with up to 65536 experts) is read from memory once and every pass runs on the tile in
 registers; longer rows read the input once per pass. Carrying all k candidates in one
 running state with a proved merge of two k-candidate states is the next step
@@ -125,8 +130,8 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
     """``(values, indices)``: the k largest elements of ``x`` along ``axis`` and their int64
     indices, the largest first, as ``Stacked`` expressions over ``x``'s other axes plus the new
     axis ``kaxis`` of size k (written last). Equal values: the lowest index first; NaN counts as
-    larger than every number (module docstring). ``k`` is 1 to 64 (each candidate is two
-    reductions of the cascade).
+    larger than every number (module docstring). ``k`` is 1 to 64 (the cascade has about
+    k(k + 5) / 2 reductions; k = 8 takes minutes to derive).
 
         >>> vals, idx = topk(lang.tensor("x", "t e"), 2, "e")
         >>> vals.axes, idx.axes
@@ -145,14 +150,35 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
     y = lang.where(nan, inf, x)                                   # NaN ranks as +inf ...
     j = lang.index(axis)
     g = lang.where(nan, j - lang.size(axis), j)                   # ... before every +inf (a negative rank)
-    vals, idxs, after = [], [], None
-    for _ in range(k):
-        v = lang.max(y if after is None else lang.where(after, y, -inf), axis)
-        top = y.eq(v) if after is None else after & y.eq(v)
-        i = lang.min(lang.where(top, g, inf), axis)
+    # level s: the s-th largest distinct value u_s (the largest below u_{s-1}), its count c_s, and the
+    # positions of its first k - s occurrences, each the first after the previous one
+    levels, counts, occ = [], [], []
+    for lv in range(k):
+        u = lang.max(y if not levels else lang.where(y < levels[-1], y, -inf), axis)
+        here = y.eq(u)
+        row: list = []
+        for _ in range(k - lv):
+            row.append(lang.min(lang.where(here if not row else here & (g > row[-1]), g, inf), axis))
+        levels.append(u)
+        counts.append(lang.sum(lang.where(here, 1.0, 0.0), axis))
+        occ.append(row)
+    before = [lang.const(0.0)]                                    # C_s: candidates before level s
+    for c in counts[:-1]:
+        before.append(c if len(before) == 1 else before[-1] + c)
+    vals, idxs = [], []
+    for t in range(k):   # candidate t: level s with C_s <= t < C_{s+1}, occurrence t - C_s (<= t - s)
+        v = i = None
+        for lv in reversed(range(t + 1)):
+            pick = occ[lv][t - lv] if lv else occ[0][t]
+            for r in reversed(range(t - lv if lv else 0)):
+                pick = lang.where((t - before[lv]).eq(r), occ[lv][r], pick)
+            if v is None:
+                v, i = levels[lv], pick
+            else:
+                on = before[lv + 1] > t
+                v, i = lang.where(on, levels[lv], v), lang.where(on, pick, i)
         vals.append(lang.where(i < 0, math.nan, v))
         idxs.append(lang.cast(lang.where(i < 0, i + lang.size(axis), i), "index"))
-        after = (y < v) | (y.eq(v) & (g > i))                     # strictly after (v, i) in the order
     return Stacked(vals, kaxis, axis), Stacked(idxs, kaxis, axis)
 
 

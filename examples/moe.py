@@ -11,8 +11,8 @@
   biased scores, the best groups kept, then top-k among their experts) runs as three acefuse
   kernels (group scores; the threshold group; the masked top-k), not one pass.
 
-af.topk is a cascade of 2k reductions (acefuse/topk.py): the rules fuse it into k + 1 passes
-over the experts, and a router row (up to 65536 experts) fits one tile, so the single
+af.topk is a cascade of plain reductions (acefuse/topk.py): the rules fuse it into about k + 1
+passes over the experts, and a router row (up to 65536 experts) fits one tile, so the single
 schedule reads it once and runs every pass in registers. One running state of k candidates
 (loop and split schedules in one pass) needs the merge that proofs/topk.py proves; the rules
 do not derive it yet (README, "Top-k").
