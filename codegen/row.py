@@ -286,9 +286,15 @@ class RowGen:
         L.append("    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)")
         L.append("    rmask = rows < n_rows")
         L.append("    rem = rows.to(tl.int64)")
-        for a in reversed(self.row_axes):
+        for a in reversed(self.row_axes[1:]):
             L.append(f"    idx_{a} = rem % len_{a}")
             L.append(f"    rem = rem // len_{a}")
+        if self.row_axes:
+            # the outermost row axis needs no modulo (rows < n_rows); without one, Triton sees
+            # that consecutive rows are contiguous where that axis has stride 1 (a reduction
+            # over rows: a weight's gradient), and coalesces the tile's loads along it. Rows
+            # past n_rows index past the tensor and are masked (rmask) wherever they are read
+            L.append(f"    idx_{self.row_axes[0]} = rem")
         for a in self.row_axes:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    nj_f = n_j * 1.0")
