@@ -10,7 +10,11 @@ bf16 weights, SDPA attention). Implementations (``--impls``, default all):
 - ``acefuse-eager``: ``af.Backend(inner="eager")``: acefuse's regions, the rest op by op in torch.
 
     python3 benchmarks/bench_models.py [--quick] [--mode inference|training|both]
-        [--impls eager,inductor,acefuse,acefuse-eager] [--out f.json]   # needs egglog (carry the wheel)
+        [--impls eager,inductor,acefuse,acefuse-eager] [--take attention,loss,softmax,norm]
+        [--out f.json]                                                 # needs egglog (carry the wheel)
+
+``--take`` restricts the region kinds acefuse takes (``af.Backend(take=...)``); the rest is
+Inductor's (or eager torch's): which of acefuse's kernels beat Inductor's fusion in the model.
 
 A training step is forward + loss + backward + AdamW step, with a fixed batch. Before timing,
 each implementation's loss (and, for training, the gradient norm of every parameter) is
@@ -70,6 +74,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--mode", choices=("inference", "training", "both"), default="both")
+    ap.add_argument("--take", default=None,
+                    help="comma-separated region kinds acefuse takes (attention, loss, softmax, norm; default all): "
+                         "af.Backend(take=...), the others stay with Inductor / torch")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help=f"comma-separated, from {', '.join(IMPLS)} (eager always runs first: the reference)")
     args = ap.parse_args(argv)
@@ -83,7 +90,9 @@ def main(argv=None):
         return 2
     import acefuse as af
     cfg, B, T = config(args.quick)
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    import transformers
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; transformers {transformers.__version__}"
+          + (f"; acefuse takes {args.take}" if args.take else ""))
     print(f"Llama: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads}/"
           f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}; batch {B} x {T} tokens, bf16")
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -96,7 +105,8 @@ def main(argv=None):
             res = {"mode": mode, "impl": impl}
             model = copy.deepcopy(base)
             model.train(mode == "training")
-            be = af.Backend(inner=INNER[impl]) if impl in INNER else None
+            take = None if args.take is None else [k for k in args.take.split(",") if k]
+            be = af.Backend(inner=INNER[impl], take=take) if impl in INNER else None
             torch._dynamo.reset()
 
             def loss_fn(i, model=model):

@@ -840,3 +840,22 @@ def test_region_op_gradients_are_never_dropped(monkeypatch):
         gx, _ = grads(og, False)
     assert entry.calls["backward_torch"] == 2
     torch.testing.assert_close(gx.double(), ref[0], atol=ATOL, rtol=RTOL)
+
+
+def test_backend_takes_only_the_region_kinds_asked_for():
+    """``Backend(take=...)``: the other regions stay torch ops (Inductor's, with inner='inductor'),
+    listed as left with that reason; the result is eager's."""
+    with pytest.raises(ValueError, match=r"unknown region kinds \['norms'\]; the kinds are attention, loss"):
+        af.Backend(take={"norms"})
+    x, w, t = _g(6, 11), 1 + 0.3 * _g(11, seed=1), torch.tensor([0, 3, 10, 5, 5, 2])
+
+    def fn(x, w, t):
+        return F.cross_entropy(F.rms_norm(x, (11,), w) * 3, t, reduction="none")
+
+    torch._dynamo.reset()
+    be = af.Backend(inner="eager", take="loss")
+    _close(torch.compile(fn, backend=be, dynamic=False)(x, w, t), fn(x.double(), w.double(), t))
+    r = be.report()
+    assert [_short_op(e.op) for e in r.taken] == ["F.cross_entropy"], str(r)
+    assert [(_short_op(e.op), e.reason) for e in r.left] == [
+        ("torch.rms_norm", "not taken: a norm, and the backend takes loss (Backend(take=...))")], str(r)

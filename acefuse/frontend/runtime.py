@@ -162,9 +162,32 @@ def _warn(nodes, why, seen=None):
     warnings.warn(msg, AcefuseFallbackWarning, stacklevel=3)
 
 
-def specialize(gm: torch.fx.GraphModule, args, name="fn"):
+# What a region is, for ``Backend(take=...)``: by the first of its ops that names a kind
+KINDS = ("attention", "loss", "softmax", "norm")
+_KIND_OPS = {"attention": {"scaled_dot_product_attention"}, "loss": {"cross_entropy"},
+             "softmax": {"softmax", "log_softmax", "logsumexp"}}
+
+
+def reduction_kind(n) -> str | None:
+    """What a reduction-like node is, for ``Backend(take=...)``: ``attention`` (an SDPA), ``loss``
+    (cross-entropy), ``softmax`` (softmax, log_softmax, logsumexp: matmul attention's masked
+    softmax too), ``norm`` (layer_norm, rms_norm, and every other reduction: HF's RMSNorm is
+    ``pow().mean()``); None for other nodes (matmuls stay torch's anyway)."""
+    k = kind_of(n) if n.op in ("call_function", "call_method") else None
+    if k not in ("reduce", "contraction"):
+        return None
+    nm = name_of(n)
+    for kind in ("attention", "loss", "softmax"):
+        if nm in _KIND_OPS[kind]:
+            return kind
+    return "norm" if k == "reduce" else None
+
+
+def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
     """Partition ``gm`` for these concrete arguments and compile each region. The result
-    carries ``af_regions`` (the compiled regions) and ``af_report`` (report entries)."""
+    carries ``af_regions`` (the compiled regions) and ``af_report`` (report entries).
+    ``take``: the region kinds acefuse takes (``KINDS``; None: all); the others stay torch ops
+    (with Inductor: Inductor's), reported as left for that reason."""
     stats["specializations"] += 1
     gm = _copy_gm(gm)
     gm._af_name = name
@@ -174,7 +197,15 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn"):
     propagate(gm, args)
     reasons: dict = {}        # node -> why torch computes it (for the report)
     warned: set = set()
-    exclude = split_unsupported(gm, set(), reasons, warned)
+    exclude: set = set()
+    if take is not None:    # reductions of the kinds not taken stay torch ops; regions form around them
+        for n in gm.graph.nodes:
+            rk = reduction_kind(n)
+            if rk is not None and rk not in take:
+                exclude.add(n)
+                reasons.setdefault(n, f"not taken: a {rk}, and the backend takes {', '.join(sorted(take)) or 'none'} "
+                                      "(Backend(take=...))")
+    exclude = split_unsupported(gm, exclude, reasons, warned)
     operands_cut: set = set()
     warned_contr: set = set()
     for attempt in range(4):
@@ -370,8 +401,9 @@ class CompiledFunction:
     Call it like the original; ``.graphs`` maps each shape signature seen to its
     partitioned GraphModule (``print(f.graph_for(*args).code)`` shows the regions)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None, inner="eager"):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None, inner="eager", take=None):
         self.gm, self.name, self.signature = gm, name, signature
+        self.take = take          # the region kinds taken (None: all)
         self.fn = fn              # captured by Dynamo per call signature (af.compile)
         self.inner = inner        # "eager": torch runs the rest of the graph; "inductor": Inductor compiles it
         self.graphs: dict = {}
@@ -381,7 +413,7 @@ class CompiledFunction:
         g = self.graphs.get(sig)
         if g is None:
             gm = self.gm if self.fn is None else _capture(self.fn, args)
-            g = specialize(gm, args, self.name)
+            g = specialize(gm, args, self.name, self.take)
             if self.inner == "inductor":
                 g = _InductorGraph(g, args, self.name)
             self.graphs[sig] = g
@@ -479,15 +511,24 @@ class Backend:
     fuses it, each acefuse region one opaque ``acefuse::region`` op: acefuse.frontend.inductor),
     ``"eager"`` (torch runs it op by op), ``"auto"`` (the default: Inductor for graphs on a
     CUDA device, eager on the CPU, where acefuse's kernels run in Triton's interpreter and
-    Inductor's C++ compilation would only add compile time). Specialised per shape signature.
+    Inductor's C++ compilation would only add compile time). ``take``: the region kinds acefuse
+    takes, from ``KINDS`` (``"attention"``, ``"loss"``, ``"softmax"``, ``"norm"``; None, the
+    default: all); the others stay with torch (Inductor), reported as left. Specialised per shape signature.
     ``report()`` lists what it took and what it left to torch, over every graph it was
     handed (``af.backend`` is a default instance shared by all its users)."""
 
-    def __init__(self, inner: str = "auto"):
+    def __init__(self, inner: str = "auto", take=None):
         if inner not in INNERS:
             raise ValueError(f"af.Backend(inner={inner!r}): inner is one of {', '.join(map(repr, INNERS))} "
                              "(what compiles the part of the graph acefuse does not take)")
+        if take is not None:
+            take = frozenset([take] if isinstance(take, str) else take)
+            bad = sorted(take - set(KINDS))
+            if bad:
+                raise ValueError(f"af.Backend(take={sorted(take)}): unknown region kinds {bad}; the kinds are "
+                                 f"{', '.join(KINDS)}")
         self.inner = inner
+        self.take = take
         self.functions: list = []
 
     def inner_for(self, example_inputs) -> str:
@@ -498,7 +539,7 @@ class Backend:
         return "inductor" if cuda else "eager"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        cf = CompiledFunction(gm, "dynamo", inner=self.inner_for(example_inputs))
+        cf = CompiledFunction(gm, "dynamo", inner=self.inner_for(example_inputs), take=self.take)
         self.functions.append(cf)
         return cf
 
