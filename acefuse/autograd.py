@@ -498,9 +498,15 @@ class DifferentiableKernel:
         with torch.enable_grad():
             leaves = {k: (t.detach().to(cd).requires_grad_(k in want) if t.dtype.is_floating_point else t)
                       for k, t in inputs.items()}
+            wrt = [leaves[k] for k in want]
+            if wrt and not (wrt[0] * 1).requires_grad:
+                # autograd does not record here (inside a custom op's dispatch, below the
+                # Autograd key): every gradient would come out as zeros, silently
+                raise RuntimeError(f"program {self.prog.name!r}: torch's gradient of the program was asked for "
+                                   "where autograd does not record (inside a custom op or under "
+                                   "torch.inference_mode); call it where gradients are recorded")
             outs = evaluate(self.prog, leaves, cd)
             pairs = [(outs[k], g) for k, g in cots.items() if g is not None and outs[k].requires_grad]
-            wrt = [leaves[k] for k in want]
             got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(cd) for _, g in pairs],
                                       allow_unused=True) if pairs and wrt else [None] * len(wrt)
         return {f"grad_{k}": torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(want, got)}
