@@ -332,7 +332,9 @@ class Emitter:
         mb = b(f"{bits} & 2147483647", "cb")
         if dtype == "bfloat16":
             rb = b(f"({mb} + 32767 + (({mb} >> 16) & 1)) & -65536", "cb")
-            r = b(f"tl.where({mb} > 2139095040, {mb}, {rb})", "cb")   # NaN keeps its bits
+            # NaN stays NaN: quieted, so that its upper 16 bits are a NaN too (a payload only in
+            # the low bits would read as inf)
+            r = b(f"tl.where({mb} > 2139095040, {mb} | 4194304, {rb})", "cb")
         else:
             ex = b(f"tl.maximum(({mb} >> 23) - 127, {emin})", "cb")
             n = b(f"({mb}).to(tl.float32, bitcast=True) * (({p + 127} - {ex}) << 23).to(tl.float32, bitcast=True)")
