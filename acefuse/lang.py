@@ -52,7 +52,9 @@ and decoded exactly (NaN included).
 Selection: ``argmax(x, axis)`` / ``argmin(x, axis)`` give the index of the first largest
 (smallest) element as an int64 output (``cast(..., "index")``: an int64 value, written as an
 int64 tensor); they are plain programs (a min over the indices where x equals its max) whose
-one-pass merge the rules derive.
+one-pass merge the rules derive. ``topk(x, k, axis)`` (acefuse/topk.py) gives the k largest
+and their indices over a new axis of size k, as ``Stacked`` candidates: the functions of one
+operand, ``where``, casts and lookups here apply to each candidate.
 """
 from __future__ import annotations
 

@@ -34,10 +34,20 @@ router_z = af.program("router_top1_zloss", expert=af.argmax(x, "e"), gate=1.0 / 
                       z=(m + af.log(l)) * (m + af.log(l)))
 
 
-def softmax_topk(k, name=None):
-    """softmax over the experts, top-k, the selected weights renormalised (Mixtral's router)."""
+def softmax_topk(k, name=None, select="probs"):
+    """softmax over the experts, top-k, the selected weights renormalised (Mixtral's router).
+
+    ``select="logits"`` chooses on the logits instead of the probabilities (the same experts:
+    exp and the division by the positive sum keep the order, except where float32 rounding
+    makes two probabilities equal) and weighs them ``exp(v - m) / sum_r exp(v_r - m)``. Its
+    cascade reads the logits, not the softmax, in every reduction: deriving k = 8 on the
+    probabilities needed more than 24 GB of host memory, on the logits about 10 GB."""
     x = af.tensor("x", "t e")
     m = af.max(x, "e")
+    if select == "logits":
+        vals, idx = af.topk(x, k, "e")
+        w = af.exp(vals - m)
+        return af.program(name or f"softmax_top{k}_logits", weights=w / w.sum(), experts=idx)
     p = af.exp(x - m) / af.sum(af.exp(x - m), "e")
     vals, idx = af.topk(p, k, "e")
     return af.program(name or f"softmax_top{k}", weights=vals / vals.sum(), experts=idx)
