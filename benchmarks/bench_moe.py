@@ -10,7 +10,7 @@ The acefuse kernels are regenerated from the programs (af.compile: derivation, c
 codegen; cached by program) and timed through the generated module's own launcher. For
 k = 8 the program chooses on the logits (``softmax_topk(8, select="logits")``: the same experts
 and weights; the top-8 of the probabilities needs more than 24 GB of host memory to derive);
-deriving it takes one to two minutes on the host CPU and about 10 GB. Bytes counted per call, each once: the
+deriving it takes about 2.5 minutes on the host CPU and 17 GB of host memory. Bytes counted per call, each once: the
 logits read (tokens * experts * element size), the weights written (tokens * k * element size)
 and the expert indices written (tokens * k * 8, int64 as torch.topk). GB/s is those bytes over
 the median time (triton.testing.do_bench on CUDA). Before timing, the experts must equal
