@@ -74,14 +74,16 @@ def _widen(v):
         m = b & 7
         r = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
         r = tl.where((b & 127) == 127, float("nan"), r)
-        return tl.where(b >= 128, -r, r)
+        # the sign bit copied (Triton's -r is 0 - r: -0.0 would come out +0.0)
+        return (r.to(tl.int32, bitcast=True) | ((b & 128) << 24)).to(tl.float32, bitcast=True)
     elif v.dtype == tl.float8e5:
         b = v.to(tl.uint8, bitcast=True).to(tl.int32)
         e = (b >> 2) & 31
         m = b & 3
         r = tl.where(e == 0, m.to(tl.float32) * 1.52587890625e-05, (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True))
         r = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), r)
-        return tl.where(b >= 128, -r, r)
+        # the sign bit copied (Triton's -r is 0 - r: -0.0 would come out +0.0)
+        return (r.to(tl.int32, bitcast=True) | ((b & 128) << 24)).to(tl.float32, bitcast=True)
     else:
         return v.to(tl.float32)
 
