@@ -125,7 +125,7 @@ def main():
                     # stacked for the check only, not in the timed call
                     call = (lambda x=x: raw.run(x=x)) if raw is not None else (lambda x=x: kern.kernel(x=x))
                     out = stack_outputs(kern.program, call())
-                    why = check(x.float().cpu(), k, out["weights"].float().cpu(), out["experts"].cpu())
+                    why = check(x.float().cpu(), k, out["weights"].cpu(), out["experts"].cpu())
                     if why:
                         sys.exit(f"k={k} {dname} {t}x{e}: {why}")
                     t_af = bench(call)
