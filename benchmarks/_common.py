@@ -44,3 +44,26 @@ def ceilings(copy_rep=100, mm_rep=300, warmup=10):
     x = y = a = b = None   # dropped, so that empty_cache() returns their memory
     torch.cuda.empty_cache()
     return copy, mm
+
+
+def timer(dev):
+    """A timing function for ``dev`` (ms per call): the median of triton's do_bench after
+    an untimed call on CUDA; on the CPU (Triton's interpreter, a smoke run) the wall time of
+    two calls after one untimed."""
+    if dev == "cuda":
+        from triton.testing import do_bench
+
+        def bench_cuda(fn):
+            fn()
+            torch.cuda.synchronize()
+            return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return bench_cuda
+
+    def bench_cpu(fn):
+        import time
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t0) / 2 * 1e3
+    return bench_cpu

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from _common import timer
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,23 +40,6 @@ def eager_route(x, k):
     return w / w.sum(-1, keepdim=True), i
 
 
-def timer(dev):
-    if dev == "cuda":
-        from triton.testing import do_bench
-
-        def bench(fn):
-            fn()
-            torch.cuda.synchronize()
-            return do_bench(fn, warmup=25, rep=200, return_mode="median")   # ms
-        return bench
-
-    def bench(fn):   # CPU (interpreter): wall time of a few calls
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t0) / 2 * 1e3
-    return bench
 
 
 def check(x, k, w, i):

@@ -18,10 +18,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from _common import timer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,23 +51,6 @@ def programs():
     return {"fp8_e4m3": (ns["quant_fp8"], eager_fp8), "int8": (ns["quant_int8"], eager_int8)}
 
 
-def timer(dev):
-    if dev == "cuda":
-        from triton.testing import do_bench
-
-        def bench(fn):
-            fn()
-            torch.cuda.synchronize()
-            return do_bench(fn, warmup=25, rep=200, return_mode="median")   # ms
-        return bench
-
-    def bench(fn):   # the CPU smoke run: wall time of a few calls
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t0) / 2 * 1e3
-    return bench
 
 
 def copy_gbs(bench, dev, n):
