@@ -175,7 +175,11 @@ def certify_fusion(f) -> FusionCertificate:
         key = None
     if key is not None and key in _MEMO:
         return _MEMO[key]
-    steps = _program_steps(f) + _pass_steps(f)
+    if getattr(f, "topk_groups", None):   # k-candidate states: acefuse/topk_fuse.py certifies them
+        from acefuse.topk_fuse import certify as certify_topk
+        steps = certify_topk(f)
+    else:
+        steps = _program_steps(f) + _pass_steps(f)
     cert = FusionCertificate(steps)
     if key is not None:
         if len(_MEMO) >= _MEMO_SIZE:   # a fuzzer compiles thousands of programs: stay bounded

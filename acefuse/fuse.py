@@ -255,6 +255,10 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     if not isinstance(prog, Program):
         raise FuseError(f"af.fuse expects a program made with af.program(...), got {type(prog).__name__}")
     axis = _pick_axis(prog, axis)
+    from acefuse.topk_fuse import fuse_topk   # af.topk: one k-candidate state (acefuse/topk_fuse.py)
+    tk = fuse_topk(prog, axis) if not rules else None
+    if tk is not None:
+        return tk
     t0 = time.perf_counter()
     schedule = schedules.validate(schedule or schedules.DERIVE)
     all_rules = default_rules(rules)

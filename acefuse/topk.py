@@ -6,20 +6,27 @@ candidate is the largest element strictly after the (t-1)-th in the order
 
     (a, i) before (b, j)  <=>  a > b, or a == b and i < j      (NaN counts as the largest)
 
-written as a cascade of plain reductions over ``axis``: the distinct values in decreasing
-order (``u_0 = max(y)``, ``u_s = max(where(y < u_{s-1}, y, -inf))``, y being x with NaN read
-as +inf), the count of each (``sum(where(y == u_s, 1, 0))``), and the positions of the first
-k - s occurrences of ``u_s`` (each ``min(where(y == u_s & g > previous, g, inf))``, g the
-index, negative for a NaN so NaNs come first). Candidate t is the occurrence ``t - C_s`` of
-the level s with ``C_s <= t < C_{s+1}`` (C_s: the count of the levels before s). Every
-reduction reads at most one earlier one of its own chain, so the terms grow polynomially in
-k (a chain "the next after the previous (value, index) pair" reads the pair twice per step
-and grows as 4**k: k = 8 did not fit in 22 GB). The rules fuse the cascade into about k + 1
-passes of running states (each later pass reads the earlier levels as finished values). A row that fits one tile (the single schedule: routers
-with up to 65536 experts) is read from memory once and every pass runs on the tile in
-registers; longer rows read the input once per pass. Carrying all k candidates in one
-running state with a proved merge of two k-candidate states is the next step
-(proofs/topk.py proves that merge; the rules do not derive it yet).
+written, for the reference evaluator and the unfused kernel, as a cascade of plain reductions
+over ``axis``: the distinct values in decreasing order (``u_0 = max(y)``, ``u_s = max(where(y <
+u_{s-1}, y, -inf))``, y being x with NaN read as +inf), the count of each, and the positions of
+each value's first occurrences (g the index, negative for a NaN so NaNs come first); candidate
+t is picked from them by the counts.
+
+The fusion does not derive anything from that cascade. Each candidate term is registered
+(``CANDIDATES``, and ``af.gather`` at a candidate's index in ``PAYLOADS``) with its selection
+(``TopKSpec``), and acefuse/topk_fuse.py makes the selection one reduction kind: a state of k
+(value, rank) pairs per row (plus the gathered values, carried with their candidate), whose
+tile definition is k rounds of (max, lowest rank among the maxima, mask it out), and whose
+rolling update and split merge are the merge of two k-candidate states proved for every block
+size by proofs/topk.py (the certificate refuses any other network, so a wrong merge does not
+run). One pass in the single, loop and split schedules; deriving k = 8 takes about a second
+and a few hundred MB (it took 153 s and 17 GB through the cascade). Design choice: a reduction
+kind recognised from the construct, not rules over the cascade, because the cascade's terms
+grow with k while the k-candidate merge is proved once per k by a decision procedure. A
+program outside what topk_fuse covers (an output elementwise over the axis, a reduction that
+reads a candidate, a selection whose operand reads a reduction that is not plain, such as
+top-k of softmax probabilities) goes to the general engine, which fuses the cascade into about
+k + 1 passes as before.
 
 Conventions (torch.topk leaves the order of equal values unspecified; these are fixed):
 
@@ -38,9 +45,30 @@ candidate; ``af.program`` writes a Stacked output as one tensor with the new axi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from acefuse import lang
 from acefuse.lang import Expr, LanguageError
+from acefuse.rewrite.terms import Term
+
+
+@dataclass(frozen=True)
+class TopKSpec:
+    """One ``af.topk`` selection: the k first elements along ``axis`` in the order of (``y``
+    decreasing, then ``g`` increasing). ``y`` is the operand with NaN read as +inf, ``g`` the
+    index (negative for a NaN). Program-level terms."""
+    axis: str
+    y: Term
+    g: Term
+    k: int
+
+
+# The language construct, recognised by the fusion (acefuse/topk_fuse.py): each candidate term
+# af.topk writes is registered with its selection; af.gather at a candidate's index, too.
+# Keyed by the term's identity (hashing a cascade's term walks all of it), the term kept alive.
+CANDIDATES: dict = {}   # id(candidate value / rank term) -> (term, TopKSpec, r, "v" | "i")
+POSITIONS: dict = {}    # id(the index output's term, cast to "index") -> (term, TopKSpec, r)
+PAYLOADS: dict = {}     # id(af.gather's term) -> (term, TopKSpec, r, gathered program term)
 
 
 class Stacked:
@@ -130,8 +158,8 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
     """``(values, indices)``: the k largest elements of ``x`` along ``axis`` and their int64
     indices, the largest first, as ``Stacked`` expressions over ``x``'s other axes plus the new
     axis ``kaxis`` of size k (written last). Equal values: the lowest index first; NaN counts as
-    larger than every number (module docstring). ``k`` is 1 to 64 (the cascade has about
-    k(k + 5) / 2 reductions; k = 8 takes minutes to derive).
+    larger than every number (module docstring). ``k`` is 1 to 64 (one k-candidate state,
+    acefuse/topk_fuse.py; the cascade kept for reference has about k(k + 5) / 2 reductions).
 
         >>> vals, idx = topk(lang.tensor("x", "t e"), 2, "e")
         >>> vals.axes, idx.axes
@@ -150,6 +178,7 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
     y = lang.where(nan, inf, x)                                   # NaN ranks as +inf ...
     j = lang.index(axis)
     g = lang.where(nan, j - lang.size(axis), j)                   # ... before every +inf (a negative rank)
+    spec = TopKSpec(axis, y.term, g.term, k)
     # level s: the s-th largest distinct value u_s (the largest below u_{s-1}), its count c_s, and the
     # positions of its first k - s occurrences, each the first after the previous one
     levels, counts, occ = [], [], []
@@ -179,6 +208,9 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
                 v, i = lang.where(on, levels[lv], v), lang.where(on, pick, i)
         vals.append(lang.where(i < 0, math.nan, v))
         idxs.append(lang.cast(lang.where(i < 0, i + lang.size(axis), i), "index"))
+        CANDIDATES[id(v.term)] = (v.term, spec, t, "v")   # by identity (the term is kept alive)
+        CANDIDATES[id(i.term)] = (i.term, spec, t, "i")
+        POSITIONS[id(idxs[-1].term)] = (idxs[-1].term, spec, t)
     return Stacked(vals, kaxis, axis), Stacked(idxs, kaxis, axis)
 
 
@@ -187,13 +219,18 @@ def gather(x, idx, axis: str):
     row), written as a reduction: ``max(where(index(axis) == idx, x, -inf), axis)``, exact (NaN
     and -0.0 included). ``x`` may be any expression (``af.sigmoid(x)``), ``idx`` af.topk's
     indices (then one value per candidate). Unlike ``t.at(axis=idx)``, which reads an input
-    tensor, it is a plain reduction, so the certificate covers it; it reads the row once more
-    per candidate in the loop schedule (not in the single schedule)."""
+    tensor, it is a plain reduction, so the certificate covers it. At af.topk's indices (same
+    axis) the fusion carries ``x`` at each candidate's position with the candidate (a payload
+    moved whole by the proved merge): no extra pass."""
     if isinstance(idx, Stacked):
         return idx.map(lambda i: gather(x, i, axis))
     x = lang._lift(x)
     lang._reduce("RMax", x, axis, "gather")
-    return lang.max(lang.where(lang.index(axis).eq(idx), x, -math.inf), axis)
+    out = lang.max(lang.where(lang.index(axis).eq(idx), x, -math.inf), axis)
+    sel = POSITIONS.get(id(getattr(idx, "term", None)))
+    if sel is not None and sel[1].axis == axis:
+        PAYLOADS[id(out.term)] = (out.term, sel[1], sel[2], x.term)
+    return out
 
 
 # ---- programs with stacked outputs ------------------------------------------------------------

@@ -773,4 +773,7 @@ def _as_row(e, shape):
 
 def generate(fusion) -> str:
     """The generated module source for a Fusion (row family)."""
+    if getattr(fusion, "topk_groups", None):   # k-candidate states (codegen/topk.py)
+        from acefuse.codegen.topk import generate as generate_topk
+        return generate_topk(fusion)
     return RowGen(fusion).module()

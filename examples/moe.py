@@ -11,11 +11,14 @@
   biased scores, the best groups kept, then top-k among their experts) runs as three acefuse
   kernels (group scores; the threshold group; the masked top-k), not one pass.
 
-af.topk is a cascade of plain reductions (acefuse/topk.py): the rules fuse it into about k + 1
-passes over the experts, and a router row (up to 65536 experts) fits one tile, so the single
-schedule reads it once and runs every pass in registers. One running state of k candidates
-(loop and split schedules in one pass) needs the merge that proofs/topk.py proves; the rules
-do not derive it yet (README, "Top-k").
+af.topk is one reduction kind (acefuse/topk_fuse.py): a running state of k candidates whose
+update and split merge are the merge proved by proofs/topk.py. ``softmax_topk(k,
+select="logits")`` and ``deepseek(k)`` (the gathered scores ride with the candidates) are one
+pass over the experts in every schedule (single, loop, split). Top-k of the softmax
+*probabilities* reads the row's max and sum: it is fused by the general engine (about k + 1
+passes in the loop schedule, one HBM read in the single schedule, which every router row up to
+65536 experts uses); choosing on the logits selects the same experts except where float32
+rounding makes two probabilities equal, so acefuse does not rewrite one into the other.
 
     acefuse derive examples/moe.py
     acefuse run examples/moe.py --check
@@ -39,9 +42,8 @@ def softmax_topk(k, name=None, select="probs"):
 
     ``select="logits"`` chooses on the logits instead of the probabilities (the same experts:
     exp and the division by the positive sum keep the order, except where float32 rounding
-    makes two probabilities equal) and weighs them ``exp(v - m) / sum_r exp(v_r - m)``. Its
-    cascade reads the logits, not the softmax, in every reduction: deriving k = 8 on the
-    probabilities needed more than 24 GB of host memory, on the logits about 10 GB."""
+    makes two probabilities equal) and weighs them ``exp(v - m) / sum_r exp(v_r - m)``: one
+    pass (the max and one k-candidate state), derived in about a second for k = 8."""
     x = af.tensor("x", "t e")
     m = af.max(x, "e")
     if select == "logits":

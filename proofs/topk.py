@@ -188,17 +188,30 @@ def prove_merge(net: Network) -> MergeProof:
 
 
 # ---- the network as acefuse terms ----------------------------------------------------------------
-def network_terms(net: Network, v="v", i="i"):
-    """[(value term, index term)] of the merged state, over ``St(f"{v}{r}", A)``,
-    ``St(f"{i}{r}", A)`` and the same for B (r = 0..k-1): one where per compare-exchange."""
+def network_terms(net: Network, v="v", i="i", payloads=(), a_side=None, b_side=None):
+    """[(value term, index term, *payload terms)] of the merged state, over ``St(f"{v}{r}", A)``,
+    ``St(f"{i}{r}", A)`` and the same for B (r = 0..k-1): one where per compare-exchange.
+
+    ``payloads`` names values that travel with each candidate (``St(f"{p}{r}", blk)``: a
+    function of the candidate's position, e.g. af.gather of another expression at the chosen
+    index). A compare-exchange moves whole slots and its comparator reads only (y, g), so the
+    merged slots are the same elements as without payloads, each with its own payload: the
+    theorem carries over unchanged. ``a_side`` / ``b_side`` replace A's / B's slots by other
+    terms (a rolling update reads B's candidates from the tile)."""
     from acefuse.rewrite.terms import A, B, st
-    slots = [(st(f"{v}{r}", blk), st(f"{i}{r}", blk)) for blk in (A, B) for r in range(net.k)]
+    names = (v, i) + tuple(payloads)
+
+    def side(blk, given):
+        if given is not None:
+            return [tuple(x) for x in given]
+        return [tuple(st(f"{n}{r}", blk) for n in names) for r in range(net.k)]
+    slots = side(A, a_side) + side(B, b_side)
     for r, t in net.comparators:
         p, q = slots[r], slots[t]
         c = before_term(p[0], p[1], q[0], q[1], net.ties)
         slots[r] = tuple(Term("Where", (c, x, y)) for x, y in zip(p, q))
         slots[t] = tuple(Term("Where", (c, y, x)) for x, y in zip(p, q))
-    bot = (Term("Num", (-INF,)), Term("Num", (INF,)))
+    bot = (Term("Num", (-INF,)), Term("Num", (INF,))) + tuple(Term("Num", (-INF,)) for _ in payloads)
     return slots[:net.keep] + [bot] * (net.k - net.keep)
 
 

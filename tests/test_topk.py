@@ -5,6 +5,7 @@ has; softmax and DeepSeek-V3 routing against float64 torch references."""
 import math
 import random
 import runpy
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -144,13 +145,72 @@ def test_topk_tie_convention_nan_and_infinities(top2):
     assert math.isnan(out["values"][2, 0]) and out["values"][2, 1] == math.inf
 
 
-def test_topk_split_schedule_is_refused_with_a_reason(top2):
-    """The cascade fuses into several passes: no split schedule (one running state of k
-    candidates, proofs/topk.py's merge, is not derived yet); the refusal says so."""
+def test_topk_is_one_pass_with_a_split_schedule(top2):
+    """af.topk is one k-candidate state (acefuse/topk_fuse.py): one pass, the proved merge in
+    the rolling update and in the split schedule; explain() says so."""
     prog, kern = top2
-    assert len(kern.fusion.passes) > 1
-    with pytest.raises(ValueError, match="no split schedule"):
-        kern(x=torch.randn(3, 40), schedule="split", block_j=8, nsplit=2)
+    assert len(kern.fusion.passes) == 1 and kern.fusion.passes[0].split_ok
+    text = kern.fusion.explain()
+    assert "fusible, one pass" in text and "topk-merge" in text and "k-candidate state" in text
+    X = torch.randn(3, 40)
+    _check_topk(prog, kern, X, 2, [("split", {"block_j": 8, "nsplit": 2}), ("split", {"block_j": 4, "nsplit": 5})])
+
+
+SCHED_ALL = SCHEDULES + [("split", {"block_j": 8, "nsplit": 3}), ("split", {"block_j": 16, "nsplit": 2})]
+
+
+def _adversarial(t, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(t, e, generator=g) * 10
+    X[0] = torch.randint(0, 3, (e,), generator=g).float()          # many ties
+    X[1, ::5] = math.nan                                             # NaNs, largest, lowest index first
+    X[2, ::3] = math.inf
+    X[2, 1] = math.nan
+    X[3] = -math.inf                                                 # a row of -inf
+    X[4, :] = 1.0
+    X[5, e // 2:] = -math.inf
+    return X
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_topk_every_schedule_every_k_against_torch(k):
+    """k = 1, 2, 4, 8 over 8 to 256 experts, single / loop / split with small tiles, ties,
+    NaN and infinities; deriving is fast (seconds for k = 8, no e-graph)."""
+    x = af.tensor("x", "t e")
+    vals, idx = af.topk(x, k, "e")
+    prog = af.program(f"topk_{k}", values=vals, indices=idx)
+    kern = af.compile(prog)
+    assert kern.fusion.certificate.ok and len(kern.fusion.passes) == 1
+    for e in ((8, 29, 256) if k <= 2 else (8, 256)):
+        if e >= k:
+            _check_topk(prog, kern, _adversarial(6, e, k * 1000 + e), k, SCHED_ALL[:2] + SCHED_ALL[3:4])
+
+
+def test_wrong_merge_in_a_fusion_is_refused_and_does_not_run():
+    """A fusion built with a wrong merge network (keeps k - 1 candidates; equal values by the
+    higher index) fails its certificate, so af.compile runs the unfused kernel instead."""
+    from acefuse.fuse import certified_or_unfused
+    from acefuse.topk_fuse import fuse_topk
+    x = af.tensor("x", "t e")
+    vals, idx = af.topk(x, 2, "e")
+    prog = af.program("topk2_wrong", values=vals, indices=idx)
+    good = ptk.merge_network(2)
+    for bad in (ptk.Network(2, good.comparators, keep=1), ptk.Network(2, good.comparators, ties="highest")):
+        f = fuse_topk(prog, "e", network={2: bad})
+        cert = f.certificate
+        assert not cert.ok and any(c.step in ("rolling", "merge") for c in cert.failures)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            used = certified_or_unfused(f)
+        assert used is not f and not getattr(used, "topk_groups", None)
+        from acefuse.codegen.compile import compile_program
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kern = compile_program(prog, fusion=f)
+        assert kern.fusion is not f
+        X = torch.randint(0, 2, (4, 12)).float()
+        out = stack_outputs(prog, kern(x=X, schedule="loop", block_j=4))
+        assert torch.equal(out["indices"], torch.sort(X, dim=1, descending=True, stable=True)[1][:, :2])
 
 
 def test_topk_language_errors(top2):
@@ -215,10 +275,11 @@ def test_softmax_top2_routing_matches_torch(select):
 def test_deepseek_top2_and_grouped_routing_match_torch():
     kern = af.compile(MOE["deepseek_top2"])
     assert kern.fusion.certificate.ok
+    assert len(kern.fusion.passes) == 1   # the gathered scores ride with the candidates
     X = _logits(6, 32, 3)
     B = torch.randn(32, generator=torch.Generator().manual_seed(4)) * 0.05
     w_ref, i_ref = _deepseek_ref(X, B, 2, 2.5)
-    for sched, kw in SCHEDULES[:2]:
+    for sched, kw in SCHED_ALL:
         out = kern(x=X, bias=B, schedule=sched, **kw)
         assert torch.equal(out["experts"], i_ref), sched
         np.testing.assert_allclose(out["weights"].double().numpy(), w_ref.numpy(), rtol=2e-6, atol=1e-7)
@@ -234,7 +295,7 @@ def test_deepseek_top2_and_grouped_routing_match_torch():
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [4, 8])
 def test_topk_k_up_to_8_matches_torch(k):
-    """k = 8 takes minutes to derive on a CPU and ~14 GB: -m slow only."""
+    """Integer-valued rows (many ties) on every schedule."""
     x = af.tensor("x", "t e")
     vals, idx = af.topk(x, k, "e")
     prog = af.program(f"topk{k}", values=vals, indices=idx)
@@ -250,12 +311,12 @@ def test_topk_k_up_to_8_matches_torch(k):
 
 @pytest.mark.slow
 def test_softmax_top8_matches_torch():
-    """Top-8 chosen on the logits: about 2.5 minutes and 17 GB to derive on this CPU."""
+    """Top-8 chosen on the logits: one pass (max and the 8-candidate state)."""
     X = _logits(5, 64, 11)
     kern = af.compile(MOE["softmax_topk"](8, select="logits"))   # on the probabilities: > 24 GB to derive
     assert kern.fusion.certificate.ok
     w_ref, i_ref = _softmax_ref(X, 8)
-    for sched, kw in SCHEDULES[:2]:
+    for sched, kw in SCHED_ALL:
         out = kern(x=X, schedule=sched, **kw)
         assert torch.equal(out["experts"], i_ref)
         np.testing.assert_allclose(out["weights"].double().numpy(), w_ref.numpy(), rtol=2e-6, atol=1e-7)
