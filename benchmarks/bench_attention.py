@@ -3,6 +3,12 @@ backends), FlexAttention (compiled, with block masks) and torch.compile of the
 plain program, in one run, on the same inputs. Needs only torch and triton.
 
     python benchmarks/bench_attention.py --part prefill|variants|decode [--out f.json]
+        [--path auto|portable|hopper|both] [--ws] [--no-sweep] [--peers sdpa-flash,sdpa-cudnn,flex]
+
+``--path``: which of the generated kernels to time besides the automatic choice: the
+portable one, the Hopper one (TMA descriptors, pipelined key loop; capability 9.0+), or
+both side by side (``both``); ``--ws`` adds the Hopper kernel with its main loop
+warp-specialized. ``--peers`` limits the peers timed (all by default).
 
 Prefill reports TFLOP/s counting 4*B*H*D per visible (query, key) pair (so
 causal is halved); decode reports GB/s of K+V read.
@@ -118,6 +124,19 @@ def report(label, res, peers, rate, unit):
     for pn in peers:
         line += f" | {pn} {r(res.get(pn + '_ms')):6.0f}"
     print(line, flush=True)
+    for key in sorted(k for k in res if k.startswith(("err_", "wrong_")) or k.endswith("_err")):
+        print(f"{'':28s}   {key}: {res[key]}", flush=True)
+
+
+OPTS = dict(paths=(), ws=False, peers=None, sweep=True)   # set from the command line in main()
+
+
+def path_cands():
+    """(label, run() keywords) of the paths asked for with --path/--ws, each tuned on its first call."""
+    out = [(p, dict(path=p)) for p in OPTS["paths"]]
+    if OPTS["ws"]:
+        out.append(("hopper-ws", dict(path="hopper", ws=True)))
+    return out
 
 
 def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
@@ -154,9 +173,12 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
         peers["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True)
     peers["flex"] = flex(kind, B, H, N, slope, gqa=HKV != H)
     peers["compile-plain"] = torch.compile(plain(kind, slope), dynamic=False)
+    if OPTS["peers"] is not None:
+        peers = {pn: fn for pn, fn in peers.items() if pn in OPTS["peers"]}
     res = dict(case=label, kind=kind, B=B, H=H, HKV=HKV, N=N, flops=flops)
-    cands = [("auto", {})] + ([(f"bi{c['block_i']}/bj{c['block_j']}/w{c['num_warps']}/s{c['num_stages']}", c)
-                                for c in SWEEP] if sweep else [])
+    sweep = sweep and OPTS["sweep"]
+    cands = [("auto", {})] + path_cands() + ([(f"bi{c['block_i']}/bj{c['block_j']}/w{c['num_warps']}/s{c['num_stages']}", c)
+                                              for c in SWEEP] if sweep else [])
     best = None
     for lab, kw in cands:
         try:
@@ -174,13 +196,15 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
         t = bench(lambda: mod.run(**inputs, **kw))
         if lab == "auto":
             res["auto_ms"] = t
+        if lab in [c[0] for c in path_cands()]:
+            res[f"{lab}_ms"] = t
         if best is None or t < best[0]:
             best = (t, lab)
     if best:
         res["best_ms"], res["best"] = best
     time_peers(res, peers, (q, k, v), compile_s=True)
     rows.append(res)
-    report(label, res, peers, lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOP/s")
+    report(label, res, [c[0] for c in path_cands()] + list(peers), lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOP/s")
     return res
 
 
@@ -228,7 +252,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="prefill", choices=["prefill", "variants", "decode", "smoke"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--path", default="auto", choices=["auto", "portable", "hopper", "both"],
+                    help="generated kernels timed besides the automatic choice (both: portable and hopper)")
+    ap.add_argument("--ws", action="store_true", help="also time the Hopper kernel with a warp-specialized loop")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at N=4096")
+    ap.add_argument("--peers", default=None, help="comma-separated peers to time (default: all)")
+    ap.add_argument("--sizes", default="1024,4096,16384", help="prefill sequence lengths")
     args = ap.parse_args(argv)
+    OPTS.update(paths={"auto": (), "both": ("portable", "hopper")}.get(args.path, (args.path,)), ws=args.ws,
+                peers=None if args.peers is None else args.peers.split(","), sweep=not args.no_sweep)
     props = torch.cuda.get_device_properties(0)
     copy, mm = ceilings()
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}")
@@ -238,11 +270,12 @@ def main(argv=None):
     if args.part == "smoke":
         run_case("smoke global N=1024", "global", 2, H, H, 1024, 4 * 2 * H * D * 1024 ** 2, rows, mods, sweep=False)
     if args.part == "prefill":
-        for N in (1024, 4096, 16384):
+        for N in (int(n) for n in args.sizes.split(",")):
             B = 16384 // N
             for kind in ("global", "causal"):
                 fl = 4 * B * H * D * visible_pairs(kind, N)
                 run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, fl, rows, mods, sweep=(N == 4096))
+                save(args.out, props, copy, mm, rows)   # each case: a run cut off by a time limit keeps its rows
     if args.part == "variants":
         B, N = 4, 4096
         for kind in ("alibi", "softcap", "sliding_window"):
@@ -252,10 +285,13 @@ def main(argv=None):
     if args.part == "decode":
         for L in (4096, 32768):
             run_decode(f"decode B=8 32q/8kv L={L}", 8, 32, 8, L, rows, mods)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, rows=rows),
-                                             indent=1))
+    save(args.out, props, copy, mm, rows)
     return 0
+
+
+def save(out, props, copy, mm, rows):
+    if out:
+        Path(out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

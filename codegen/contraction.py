@@ -27,6 +27,16 @@ are skipped, tiles where it is always true run without mask arithmetic. Values a
 term lowering live in codegen/contraction_ctx.py, the host launcher in
 codegen/contraction_launch.py.
 
+Two variants of the loop kernel, from the same derived expressions (the emitter writes the
+math of both; only memory movement differs): ``{name}_attn``, portable (pointer loads; the
+interpreter, GPUs before Hopper, the split-KV schedule), and ``{name}_attn_hopper``, whose
+query, key and value tiles are copied by TMA tensor descriptors made in the prologue
+(``tl.make_tensor_descriptor``: zeros past the ends, so no load is masked) and whose fully
+visible loop is a ``tl.range`` pipelined over ``num_stages`` (warp-specialized on request).
+The launcher picks the Hopper kernel on devices of capability 9.0+ for 16-bit inputs laid
+out for TMA (``hopper_ok``), and times its own tile candidates. In both, a positive scale
+of the score leaves the key max (``CContext.canon``): the score tile is multiplied once.
+
 Sum kernels (``SumGen``, codegen/sums.py): a program whose states are all plain sums over the loop axis
 and that the template above cannot classify (an output over a contraction axis) -- the
 stages of a derived backward such as attention's dQ (``sum_j(dS * k)``, loop over keys)
@@ -131,6 +141,11 @@ class ContractionGen(MaskAnalysis):
         self.hoisting = []
         self._hoisted = {}
         self._axes_memo = {}
+        # the Hopper variant of the loop kernel (``kernel_loop(hopper=True)``) reads operands
+        # through TMA tensor descriptors: {tensor: (outer axis, inner axis)} of those it made
+        self.hopper = False
+        self.tma = {}
+        self.tile_start = "start"
         takes = _takes(list(self.leaves.values()) + list(self.outputs.values()))
         # tensors an index is read from (page tables) must be int32/int64; tensors outside the
         # dot products (document ids, masks, biases) may be integers or floats
@@ -220,6 +235,19 @@ class ContractionGen(MaskAnalysis):
         self._hoisted[expr] = (name, shape)
         return name, shape
 
+    def descriptor(self, name, outer, inner, block_outer, block_inner):
+        """The device-side TMA descriptor of ``name`` viewed as an (outer, inner) matrix of this
+        program (its grid axes fixed by the base offset), made once in the prologue; the
+        launcher checks its constraints (inner stride 1, 16-byte aligned base and strides)."""
+        d = f"desc_{name}"
+        if name not in self.tma:
+            self.tma[name] = (outer, inner)
+            n_outer = "n_j" if outer == self.axis else f"len_{outer}"
+            self.hoisting.append(f"    {d} = tl.make_tensor_descriptor({name}_ptr + off_{name}_g, "
+                                 f"shape=[{n_outer}, len_{inner}], strides=[s_{name}_{outer}, 1], "
+                                 f"block_shape=[{block_outer}, {block_inner}])")
+        return d
+
     def row_axes_of(self, name):
         return [a for a in self.tensors[name] if a in self.R]
 
@@ -299,9 +327,11 @@ class ContractionGen(MaskAnalysis):
         forms = list(p.rolling.values()) + list(p.merge.values()) + list(p.init.values())
         return any(t.op == "Cnt" for f in forms for t in f.walk())
 
-    def tile_setup(self, L, start, ind, limit="n_j"):
+    def tile_setup(self, L, start, ind, limit="n_j", full=False):
+        self.tile_start = start
         L.append(f"{ind}cols = {start} + cols0")
-        L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
+        if not full:   # a fully visible tile applies no mask
+            L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
         if self.uses_counts():
             L.append(f"{ind}n_b = tl.sum(((cols < {limit})).to(tl.float32), axis=0)")
 
@@ -369,14 +399,20 @@ class ContractionGen(MaskAnalysis):
         subst = self.unmasked(sites)
         for lo_, hi_, full, what in (("first + BLOCK_J", "a", False, "masked"), ("a", "b", True, "fully visible"),
                                      ("b", "end", False, "masked")):
-            L.append(f"{ind}for start in range({lo_}, {hi_}, BLOCK_J):  # {what} tiles")
-            self.tile_setup(L, "start", ind + "    ", "end")
+            if full and self.hopper:
+                # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
+                L.append(f"{ind}for start in tl.range({lo_}, {hi_}, BLOCK_J, warp_specialize=WS):  # {what} tiles")
+            else:
+                L.append(f"{ind}for start in range({lo_}, {hi_}, BLOCK_J):  # {what} tiles")
+            setup, body = [], []
+            self.tile_setup(setup, "start", ind + "    ", "end", full=full)
             ctx, em = self.region("roll", ind + "    ", full=full, subst=subst if full else None)
-            self.emit_states(p.rolling, em, L, ind + "    ", "_new", comment)
+            self.emit_states(p.rolling, em, body, ind + "    ", "_new", comment)
             for s_ in p.states:
-                L.append(f"{ind}    {s_.name} = {s_.name}_new")
+                body.append(f"{ind}    {s_.name} = {s_.name}_new")
             if self.uses_counts():
-                L.append(f"{ind}    n_a = n_a + n_b")
+                body.append(f"{ind}    n_a = n_a + n_b")
+            L.extend(_used_setup(setup, body) + body)
 
     def store_outputs(self, L, ind="    "):
         ctx, em = self.region("final", ind)
@@ -399,17 +435,30 @@ class ContractionGen(MaskAnalysis):
                 em.line(f"tl.store({ptr}, ({e}).to({o}_ptr.dtype.element_ty), mask={'rmask' if r else '(rows == 0)'})")
         L.extend(em.lines)
 
-    def kernel_loop(self):
+    def kernel_loop(self, hopper=False):
+        """The loop kernel; ``hopper``: its Hopper variant (``{name}_attn_hopper``), the same
+        derived expressions with query, key and value tiles copied by TMA descriptors and
+        the fully visible loop software-pipelined (``tl.range``); None where no operand
+        can be read that way (lookups: paged KV)."""
         self.p = self.f.passes[0]
+        self.hopper, self.tma = hopper, {}
+        self.hoisting, self._hoisted = [], {}
+        kname = f"{self.name}_attn_hopper" if hopper else f"{self.name}_attn"
         L = ["@triton.jit",
-             f"def {self.name}_attn({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
-             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
-             "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state"]
+             f"def {kname}({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
+             "BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr"
+             + (", WS: tl.constexpr):" if hopper else "):"),
+             "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state"
+             + ("\n    # Hopper: tiles copied by TMA descriptors (zeros past the ends), the main loop pipelined"
+                if hopper else "")]
         self.prologue(L)
         body = []
         self.key_loop(body, "0", "n_j")
         self.store_outputs(body)
-        return "\n".join(L + self.hoisting + body)
+        self.hopper = False
+        if hopper and not any(ax[0] == self.axis for ax in self.tma.values()):
+            return None
+        return _drop_dead("\n".join(L + self.hoisting + body))
 
     def kernel_split(self):
         self.p = p = self.f.passes[0]
@@ -467,7 +516,7 @@ class ContractionGen(MaskAnalysis):
         body.append("        n_a = n_a + n_b")
         self.store_outputs(body)
         comb = "\n".join(L + self.hoisting + body)
-        return part, comb
+        return _drop_dead(part), _drop_dead(comb)
 
     def _is_vec(self, s):
         return bool(self.E) and self.E[0] in self.axes_of(s.source)
@@ -482,6 +531,10 @@ class ContractionGen(MaskAnalysis):
                                f"contraction family emits one-pass kernels only ({f.reason})")
         parts = [HEADER.format(name=self.name, axis=self.axis, explain=f.explain().replace('"""', "'''"))]
         parts.append(self.kernel_loop())
+        hop = self.kernel_loop(hopper=True)
+        self.hopper_tma = dict(self.tma) if hop else {}
+        if hop:
+            parts.append(hop)
         split = f.passes[0].split_ok
         if split:
             parts.extend(self.kernel_split())
@@ -490,6 +543,38 @@ class ContractionGen(MaskAnalysis):
 
     def launcher(self, split):
         return contraction_launch.launcher(self, split)
+
+
+def _used_setup(setup, body):
+    """The lines of a tile's setup (``cols``, ``tmask``, ``n_b``) that the tile's body reads:
+    a fully visible tile whose operands come through TMA needs none of them."""
+    import re
+    keep, text = [], "\n".join(body)
+    for ln in reversed(setup):
+        name = ln.split("=")[0].strip()
+        if re.search(rf"\b{name}\b", text):
+            keep.insert(0, ln)
+            text += "\n" + ln
+    return keep
+
+
+def _drop_dead(src: str) -> str:
+    """Drop the prologue's unused values (sizes as floats, offsets of tensors read another
+    way): a top-level assignment ``name = ...`` whose name is assigned once and read nowhere."""
+    import re
+    lines = src.split("\n")
+    while True:
+        text = "\n".join(lines)
+        dead = set()
+        for ln in lines:
+            m = re.match(r"    ([A-Za-z_]\w*) = ", ln)
+            if m and not ln.lstrip().startswith("for "):
+                n = m.group(1)
+                if len(re.findall(rf"\b{n}\b", text)) == 1:
+                    dead.add(ln)
+        if not dead:
+            return text
+        lines = [ln for ln in lines if ln not in dead]
 
 
 def generate(fusion) -> str:

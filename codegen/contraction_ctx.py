@@ -35,6 +35,42 @@ class CContext(Context):
     def join(self, a, b):
         return _cjoin(a, b)
 
+    def canon(self, t: Term) -> Term:
+        """A positive constant factor of a key max moves out of it: ``max_B(s * c)`` is
+        ``max_B(s) * c`` for c > 0, exactly in float too (rounding ``x * c`` is monotone in x),
+        and through ``where(cond, s * c, -inf)``. The score tile is then multiplied once, by
+        ``c * log2(e)`` inside the exp2 (emit.py folds log2(e) into the constant), and the max
+        runs on the raw dot product (the tutorial's ``m_ij = max(m_i, max(qk) * qk_scale)``)."""
+        t = super().canon(t)
+        if t.op == "RMax" and t.args[0].op == "BB":
+            body, c = self._pos_scaled(t.args[1])
+            if c is not None:
+                return Term("Mul", (Term("RMax", (t.args[0], body)), Term("Num", (c,))))
+        return t
+
+    def _pos_scaled(self, u: Term):
+        """(x, c) with ``u = x * c`` for a constant c > 0 (through leaves and a where whose
+        other branch is -inf), else (None, None)."""
+        if u.op == "Elm":
+            return self._pos_scaled(self.leaf(u.args[0]))
+        num = lambda x: x.op == "Num" and not isinstance(x.args[0], Term) and 0 < float(x.args[0]) < float("inf")  # noqa: E731
+        if u.op == "Mul":
+            a, b = u.args
+            if num(b) and not num(a):
+                return a, float(b.args[0])
+            if num(a) and not num(b):
+                return b, float(a.args[0])
+        if u.op == "Where":
+            cond, x, y = u.args
+            ninf = lambda z: z.op == "Num" and not isinstance(z.args[0], Term) and float(z.args[0]) == float("-inf")  # noqa: E731
+            if ninf(y):
+                body, c = self._pos_scaled(x)
+                return (Term("Where", (cond, body, y)), c) if c is not None else (None, None)
+            if ninf(x):
+                body, c = self._pos_scaled(y)
+                return (Term("Where", (cond, x, body)), c) if c is not None else (None, None)
+        return None, None
+
     def state_var(self, q, blk, pol=None):
         e, sh = super().state_var(q, blk, pol)
         if sh == "row" and self.g.ops.get(q) != "ref" and self.g.vec_state(q):
@@ -141,8 +177,13 @@ class CContext(Context):
             raise CodegenError(f"`{pretty(t)}`: the query-side operand of a contraction over {ax!r} must be an "
                                "input tensor over the query rows")
         qn = a.args[0]
-        q = g.hoist(f"tl.load({qn}_ptr + off_{qn}_g + off_{qn}_r[:, None] + dcols[None, :] * s_{qn}_{ax}, "
-                    f"mask=rmask[:, None] & dmask_{ax}[None, :], other=0.0)", "qtile")[0]
+        if g.hopper and len(g.R) == 1 and set(qa) - {g.R[0], ax} <= set(g.G):
+            # one query axis: the query tile is a box of the (rows, ax) matrix of this program
+            desc = g.descriptor(qn, g.R[0], ax, "BLOCK_I", "BLOCK_D")
+            q = g.hoist(f"{desc}.load([pid_r * BLOCK_I, 0])", "qtile")[0]
+        else:
+            q = g.hoist(f"tl.load({qn}_ptr + off_{qn}_g + off_{qn}_r[:, None] + dcols[None, :] * s_{qn}_{ax}, "
+                        f"mask=rmask[:, None] & dmask_{ax}[None, :], other=0.0)", "qtile")[0]
         k = self.key_rows(b, ax, em)
         out, sh = em.bind(f"tl.dot({q}.to(DOT_T), tl.trans({k}.to(DOT_T)), input_precision=PREC)", "tile", "dot_")
         for f in rest:
@@ -159,6 +200,11 @@ class CContext(Context):
         cs, ms = ("dcols", f"dmask_{inner}") if inner in g.C else ("ecols", "emask")
         if t.op == "In":
             n = t.args[0]
+            if g.hopper and set(g.tensors[n]) - {g.axis, inner} <= set(g.G):
+                # Hopper: a TMA copy of the tile; keys past n_j (and columns past the axis'
+                # length) read zeros, so no tile is loaded through a mask
+                desc = g.descriptor(n, g.axis, inner, "BLOCK_J", "BLOCK_D" if inner in g.C else "BLOCK_E")
+                return em.bind(f"{desc}.load([{g.tile_start}, 0])", "ktile", "kt_")[0]
             return em.bind(f"tl.load({n}_ptr + off_{n}_g + cols[:, None] * s_{n}_{g.axis} + {cs}[None, :] * "
                            f"s_{n}_{inner}, mask=(cols[:, None] < n_j) & {ms}[None, :], other=0.0)", "ktile", "kt_")[0]
         n, idx, a = t.args

@@ -163,3 +163,82 @@ def test_attention_is_derived_not_templated():
     assert str(p.rolling["s"]) == "s_A * exp(m_A - m_AB) + sum_B(exp(e1 - m_AB) * v)"
     assert str(p.merge["s"]) == "s_A * exp(m_A - m_AB) + s_B * exp(m_B - m_AB)"
     assert "mul-swap-right" in f.rule_chain("s", "rolling")
+
+
+# ---- issue 15: the Hopper path (TMA descriptors, pipelined key loop), forced in the interpreter ----
+
+def _loop_body(src, kernel, what="# fully visible tiles"):
+    """The fully visible key loop of ``kernel`` in a generated module's source."""
+    body = src.split(f"def {kernel}(")[1].split("\n\n\n")[0]
+    return body.split(what)[1].split("    for start in")[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,shape", [("attention", (1, 2, 37, 29, 16)), ("causal", (2, 1, 70, 70, 32)),
+                                        ("causal", (1, 1, 40, 100, 24)), ("gqa", (1, 2, 21, 21, 16))])
+def test_hopper_path_computes_what_the_portable_path_does(kernels, name, shape, dtype):
+    """The Hopper kernel is generated from the same derived expressions; only the memory
+    movement differs (tiles past the ends read zeros from the descriptors): within tolerance
+    of float64 at odd sizes, and the portable kernel's values up to summation order."""
+    B, H, NI, NJ, D = shape
+    g = torch.Generator().manual_seed(NI * NJ + D)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (NI, NJ, NJ))
+    kern = _kernel(kernels, name)
+    i, j = _idx(NI, NJ)
+    if name == "gqa":   # 2 query heads per key/value head
+        k, v = k[:, :1], v[:, :1]
+        args = dict(q=q.view(B, 1, 2, NI, D), k=k, v=v)
+        ref = reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)).view(B, 1, 2, NI, D)
+    else:
+        args = dict(q=q, k=k, v=v)
+        ref = reference(q, k, v, mask=(j <= i) if name == "causal" else None)
+    assert set(kern.module.HOPPER) >= {"k", "v"}
+    portable = kern(**args, path="portable")
+    hopper = kern(**args, path="hopper")
+    _check(hopper, ref, dtype)
+    # the same arithmetic on the same tiles: equal up to float32 summation order in the
+    # interpreter's dot (and one rounding of the 16-bit output)
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[dtype]
+    assert (hopper.double() - portable.double()).abs().max().item() <= ulp * max(1.0, ref.abs().max().item())
+
+
+def test_hopper_path_is_chosen_by_capability_and_layout(kernels, monkeypatch):
+    kern = _kernel(kernels, "attention")
+    mod = kern.module
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    dev = torch.device("cpu")
+    ins = dict(q=q, k=k, v=v)
+    monkeypatch.delenv("ACEFUSE_HOPPER", raising=False)
+    assert not mod.hopper_ok(ins, dev, torch.float32)       # no TMA on the CPU unless forced
+    monkeypatch.setenv("ACEFUSE_HOPPER", "1")
+    assert mod.hopper_ok(ins, dev, torch.float32)
+    # a non-contiguous head axis, or rows whose stride is not a multiple of 16 bytes: portable
+    assert not mod.hopper_ok(dict(ins, k=k.transpose(-1, -2).contiguous().transpose(-1, -2)), dev, torch.float32)
+    assert not mod.hopper_ok(dict(ins, v=torch.randn(1, 2, 33, 17)[..., :16]), dev, torch.float32)
+    monkeypatch.setenv("ACEFUSE_HOPPER", "0")
+    assert not mod.hopper_ok(ins, dev, torch.float32)
+    with pytest.raises(ValueError, match="path='portable'"):
+        kern(**ins, path="hopper")
+
+
+def test_generated_loop_reads_like_the_tutorial(kernels):
+    """Issue 15: the score tile is multiplied once (by scale * log2(e), inside the exp2; the
+    max runs on the raw dot product and scales one value per row), fully visible tiles apply
+    no mask, and the Hopper kernel's loads there are TMA copies (no masked loads)."""
+    src = _kernel(kernels, "causal").source
+    for kernel in ("causal_attn", "causal_attn_hopper"):
+        body = _loop_body(src, kernel)
+        dot = body.split(" = tl.dot(")[0].split()[-1]
+        assert body.count(f"{dot} * ") == 1, body
+        assert "tmask" not in body and "tl.where(" not in body
+    hop = _loop_body(src, "causal_attn_hopper")
+    assert "tl.load(" not in hop and "desc_k.load([start, 0])" in hop and "desc_v.load([start, 0])" in hop
+    assert "tl.range(a, b, BLOCK_J, warp_specialize=WS)" in src
+    head = src.split("def causal_attn(")[1].split("BIG = ")[0]
+    assert "len_b_f" not in head and "nj_f" not in head   # no dead temporaries
+
+
+def test_paged_kv_has_no_hopper_kernel():
+    """Key rows read through a lookup (paged KV) are gathered, not boxes: no TMA kernel."""
+    kern = af.compile(MASKS["GALLERY"]["paged_kv"].program, axis="j")
+    assert "def paged_kv_attn_hopper(" not in kern.source and kern.module.HOPPER == {}
