@@ -221,6 +221,29 @@ def test_hopper_path_is_chosen_by_capability_and_layout(kernels, monkeypatch):
         kern(**ins, path="hopper")
 
 
+def test_a_failing_hopper_kernel_falls_back_visibly(kernels, monkeypatch):
+    """The automatic choice survives a Triton that cannot build the Hopper kernel: a warning
+    names the error, the portable kernel runs (and keeps running); path='hopper' raises."""
+    kern = _kernel(kernels, "attention")
+    mod = kern.module
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise RuntimeError("no TMA in this Triton")
+            return launch
+    monkeypatch.setenv("ACEFUSE_HOPPER", "1")
+    monkeypatch.setattr(mod, "attention_attn_hopper", Broken())
+    monkeypatch.setattr(mod, "_NO_HOPPER", [])
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    with pytest.warns(UserWarning, match="Hopper kernel failed .*no TMA in this Triton"):
+        o = kern(q=q, k=k, v=v)
+    _check(o, reference(q, k, v), torch.float32)
+    assert mod._NO_HOPPER and torch.equal(kern(q=q, k=k, v=v), o)
+    with pytest.raises(Exception, match="no TMA"):
+        kern(q=q, k=k, v=v, path="hopper")
+
+
 def test_generated_loop_reads_like_the_tutorial(kernels):
     """Issue 15: the score tile is multiplied once (by scale * log2(e), inside the exp2; the
     max runs on the raw dot product and scales one value per row), fully visible tiles apply
