@@ -53,20 +53,19 @@ class CContext(Context):
         other branch is -inf), else (None, None)."""
         if u.op == "Elm":
             return self._pos_scaled(self.leaf(u.args[0]))
-        num = lambda x: x.op == "Num" and not isinstance(x.args[0], Term) and 0 < float(x.args[0]) < float("inf")  # noqa: E731
+        pos = lambda x: _const(x) is not None and 0 < _const(x) < float("inf")  # noqa: E731
         if u.op == "Mul":
             a, b = u.args
-            if num(b) and not num(a):
-                return a, float(b.args[0])
-            if num(a) and not num(b):
-                return b, float(a.args[0])
+            if pos(b) and not pos(a):
+                return a, _const(b)
+            if pos(a) and not pos(b):
+                return b, _const(a)
         if u.op == "Where":
             cond, x, y = u.args
-            ninf = lambda z: z.op == "Num" and not isinstance(z.args[0], Term) and float(z.args[0]) == float("-inf")  # noqa: E731
-            if ninf(y):
+            if _const(y) == float("-inf"):
                 body, c = self._pos_scaled(x)
                 return (Term("Where", (cond, body, y)), c) if c is not None else (None, None)
-            if ninf(x):
+            if _const(x) == float("-inf"):
                 body, c = self._pos_scaled(y)
                 return (Term("Where", (cond, x, body)), c) if c is not None else (None, None)
         return None, None
@@ -277,6 +276,11 @@ class CContext(Context):
             f = self.leaf(f.args[0])
         v = self.key_rows(f, g.E[0], em) if f.op in ("In", "Take") else em.emit(f)[0]
         return em.bind(f"tl.dot({pe}.to(DOT_T), {v}.to(DOT_T){accs}, input_precision=PREC)", "rvec", "pv")
+
+
+def _const(t: Term):
+    """The value of a literal constant, else None."""
+    return float(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
 
 
 def _cjoin(a, b):
