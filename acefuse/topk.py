@@ -24,15 +24,22 @@ and a few hundred MB (it took 153 s and 17 GB through the cascade). Design choic
 kind recognised from the construct, not rules over the cascade, because the cascade's terms
 grow with k while the k-candidate merge is proved once per k by a decision procedure. A
 program outside what topk_fuse covers (an output elementwise over the axis, a reduction that
-reads a candidate, a selection whose operand reads a reduction that is not plain, such as
-top-k of softmax probabilities) goes to the general engine, which fuses the cascade into about
-k + 1 passes as before.
+reads a candidate) goes to the general engine, which fuses the cascade into about k + 1
+passes as before. Top-k of a strictly increasing function of a score (softmax probabilities
+``exp(x - m) / l``) is selected on the score, one pass (proofs/monotone.py proves it).
 
 Conventions (torch.topk leaves the order of equal values unspecified; these are fixed):
 
 - equal values: the lowest index first (``torch.sort(x, descending=True, stable=True)``);
 - NaN is larger than every number, +inf included (as torch.sort and torch.topk): NaNs come
   first, lowest index first, with value NaN;
+- top-k of a strictly increasing chain ``f(u)`` of a score u (proofs/monotone.py; e.g. softmax
+  probabilities of logits): candidates are ordered by the exact (real) value of ``f(u)`` on the
+  float inputs and the finished row constants; where float32 rounding makes two distinct exact
+  values equal, the larger exact value (the larger score) comes first; equal exact values: the
+  lowest index first. The values are the program's expression at the chosen candidates (bit
+  for bit). A row whose normaliser is NaN (a NaN or +inf logit: every value NaN) gives
+  candidates 0..k-1 with value NaN, as the program written plainly does;
 - ``k`` must be at most the axis length: a row with fewer than k elements is refused at
   run time by the compiled kernel (``torch.topk`` raises too).
 

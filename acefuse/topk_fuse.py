@@ -23,14 +23,16 @@ construct without the e-graph and without the cascade:
   program falls back to its unfused kernel;
 * the other reductions over the axis must be plain (their bodies read no reduction over
   it): their updates are the split law (``sum-split``, ``max-split``, ``min-split``);
-* a selection whose operand reads plain reductions (top-k of softmax probabilities, which
-  read the row's max and sum) takes a second pass, after them, with their final values;
-  in the ``single`` schedule (a row that fits one tile: routers with up to 65536 experts)
-  both passes run on the tile in registers, one HBM read. The rewrite "top-k of
-  ``exp(x - m) / l`` selects what top-k of x selects" holds over the reals but not in
-  float32 (rounding makes distinct logits' probabilities equal, and then the lower index
-  wins), so it is not used: choose on the logits (``softmax_topk(k, select="logits")``)
-  for one pass in every schedule;
+* a selection whose operand reads reductions over the axis and is a strictly increasing
+  chain over a reduction-free score (top-k of softmax probabilities ``exp(x - m) / l``;
+  proofs/monotone.py decides and proves it) is made on the score: one k-candidate state on
+  x, the chain's row constants carried beside it (every reduction of such a program is
+  derived by the general engine, one sub-fusion: the online-softmax max and sum with their
+  certified corrections), and candidate r's value is the chain at the r-th score from the
+  finished states (rank r - n where the normaliser is NaN: every value NaN, index order).
+  Order by exact value: a float32 rounding tie goes to the larger score (README);
+* any other selection whose operand reads plain reductions takes a second pass, after them,
+  with their final values (one HBM read in the ``single`` schedule);
 * outputs are functions of the candidates, payloads, plain reductions and per-row values.
 
 Why a reduction kind, not rules over the cascade: the cascade's terms grow with k (deriving
@@ -93,6 +95,12 @@ def _fusion_class():
         def explain(self, chains: bool = True, timings: bool = False) -> str:
             return explain(self, chains)
 
+        def rule_chain(self, name: str, form: str = "rolling") -> list:
+            eng = getattr(self, "engine", None)
+            if (name, form) not in self._chains and eng is not None and any(s.name == name for s in eng.states):
+                return eng.rule_chain(name, form)
+            return super().rule_chain(name, form)
+
         def to_json(self) -> dict:
             d = super().to_json()
             d["topk"] = [{"k": g.k, "axis": g.spec.axis, "states": [g.names(r) for r in range(g.k)],
@@ -122,7 +130,9 @@ def explain(f, chains=True) -> str:
                 if s.name in p.merge:
                     L.append(f"    merge    {s.name}_AB = {pretty(p.merge[s.name])}")
                 if chains:
-                    L.append(f"             rules: {_SPLIT_RULE[s.op]}")
+                    L.append(f"             rules: {' -> '.join(f.rule_chain(s.name, 'rolling'))}")
+                    if s.name in p.merge and f.rule_chain(s.name, "merge") != f.rule_chain(s.name, "rolling"):
+                        L.append(f"             merge rules: {' -> '.join(f.rule_chain(s.name, 'merge'))}")
                 continue
             g = groups[s.name]
             if g.gid in shown:
@@ -143,6 +153,13 @@ def explain(f, chains=True) -> str:
                      f"{g.net.keep}")
             if chains:
                 L.append(f"             rules: {MERGE_RULE} (proofs/topk.py, for all block sizes)")
+            for ms in getattr(f, "monotone", ()):
+                if ms.uspec == g.spec:
+                    L.append(f"    monotone selection: af.topk of `{pretty(ms.analysis.selected)}` is made on its "
+                             f"score `{pretty(ms.analysis.score)}`, because the chain "
+                             f"{' -> '.join(x.name for x in ms.analysis.facts())} is strictly increasing with "
+                             "these row constants (proofs/monotone.py: " + ms.proof.summary
+                             + "); each candidate's value is that expression at its score, from the finished states")
         if not p.split_ok:
             L.append("  split schedule: not available for this pass")
     L.append("outputs:")
@@ -151,10 +168,11 @@ def explain(f, chains=True) -> str:
     return "\n".join(L)
 
 
-def fuse_topk(prog, axis: str, network=None):
+def fuse_topk(prog, axis: str, network=None, monotone=True):
     """The k-candidate fusion of ``prog`` over ``axis`` (a Fusion), or None when the program
     uses no af.topk over ``axis`` or falls outside what this module covers (module docstring).
-    ``network``: {k: proofs.topk.Network} to use instead of the proved one (mutation tests)."""
+    ``network``: {k: proofs.topk.Network} to use instead of the proved one (mutation tests).
+    ``monotone=False``: never select on the score of a monotone chain (the two-pass form)."""
     from acefuse.topk import CANDIDATES, PAYLOADS
     from acefuse.proofs.topk import merge_network
     from acefuse.fuse import FusionPass
@@ -163,6 +181,9 @@ def fuse_topk(prog, axis: str, network=None):
 
     def is_red(t):
         return t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] == axis
+
+    mono = _monotone_specs(prog, axis, is_red) if monotone and axis is not None else {}
+    engine_reds: list = []     # reductions of a monotone program: derived by the general engine
 
     groups: dict = {}          # spec -> Group
     plain: dict = {}           # reduction term -> state name
@@ -205,10 +226,12 @@ def fuse_topk(prog, axis: str, network=None):
             if inside:
                 raise Outside
             _, spec, r, slot = hit
+            if spec in mono:   # selected on the score (proofs/monotone.py): f at the r-th candidate
+                return _mono_candidate(mono[spec], group_of(mono[spec].uspec), r, slot, lower)
             return Term("St", (group_of(spec).name(slot, r), J))
         hit = PAYLOADS.get(id(t))
         if hit is not None and hit[1].axis == axis:
-            if inside:
+            if inside or hit[1] in mono:   # a payload of a monotone selection: the two-pass form
                 raise Outside
             _, spec, r, f = hit
             grp = group_of(spec)
@@ -216,6 +239,12 @@ def fuse_topk(prog, axis: str, network=None):
                 grp.payloads.append(f)
             return Term("St", (grp.name(f"p{grp.payloads.index(f)}_", r), J))
         if is_red(t):
+            if mono:   # every reduction goes to the general engine (one sub-fusion, below)
+                if any(id(u) in CANDIDATES or id(u) in PAYLOADS for u in _walk_once(t.args[1])):
+                    raise Outside
+                if t not in engine_reds:
+                    engine_reds.append(t)
+                return Term("St", (f"__r{engine_reds.index(t)}", J))
             return Term("St", (plain_state(t), J))
         if not t.children:
             return t
@@ -231,9 +260,20 @@ def fuse_topk(prog, axis: str, network=None):
             grp.y, grp.g = lower(grp.spec.y, True), lower(grp.spec.g, True)
             grp.f = [lower(f, True) for f in grp.payloads]
     except Outside:
-        return None
+        return fuse_topk(prog, axis, network, monotone=False) if mono else None
     if len(groups) > 8 or any(grp.k > 64 for grp in groups.values()):
         return None
+    engine = None
+    if mono:
+        engine = _engine_fusion(prog, axis, engine_reds)
+        if engine is None:
+            return fuse_topk(prog, axis, network, monotone=False)
+        ph = {Term("St", (f"__r{i}", J)): engine.encoding.outputs[f"r{i}"] for i in range(len(engine_reds))}
+        outputs = {k: substitute(t, ph) for k, t in outputs.items()}
+        for grp in groups.values():
+            grp.y, grp.g = substitute(grp.y, ph), substitute(grp.g, ph)
+            grp.f = [substitute(f, ph) for f in grp.f]
+        plain_defs[:] = [s for p in engine.passes for s in p.refs + p.states]
 
     def reads(t):
         return {u.args[0] for u in t.walk() if u.op == "St"}
@@ -256,6 +296,14 @@ def fuse_topk(prog, axis: str, network=None):
         if not pl and not grps:
             continue
         p = FusionPass(len(passes) + 1, [], [], known=tuple(sorted(known)))
+        if engine is not None and pl:   # the general engine's derived forms (certified with it)
+            ep = engine.passes[0]
+            p.refs = list(ep.refs)
+            p.init.update(ep.init)
+            p.rolling.update(ep.rolling)
+            p.merge.update(ep.merge)
+            p.states += list(ep.states)
+            pl = []
         for s in pl:
             comb = _COMBINE[s.op]
             red = s.definition.op
@@ -275,12 +323,20 @@ def fuse_topk(prog, axis: str, network=None):
         passes[-1].merge.clear()   # the split schedule runs one pass
     enc = Encoding(prog.name, axis, states, {}, outputs, {k: e.axes for k, e in prog.outputs.items()},
                    dict(prog.tensors), unfused_passes=_cascade_depth(prog, axis), elementwise_outputs=())
+    if engine is not None:   # the engine's forms read its leaves (Elm / Par terms)
+        enc.leaves, enc.leaf_of = dict(engine.encoding.leaves), dict(engine.encoding.leaf_of)
     notes = [f"top-k: `{pretty(g.spec.y)}` over {axis!r}, k = {g.k}, as one state of {g.k} candidates "
              f"({', '.join(g.slots())} each; order: value decreasing, then rank `{pretty(g.spec.g)}` "
              f"increasing); update and merge: the proved merge of two {g.k}-candidate states "
              f"({len(g.net.comparators)} compare-exchanges, proofs/topk.py)"
              + (f"; payloads (af.gather at its indices): {', '.join(pretty(f) for f in g.payloads)}" if g.payloads else "")
              for g in groups.values()]
+    for ms in mono.values():
+        notes.append(f"monotone selection: top-k of `{pretty(ms.analysis.selected)}` selects what top-k of its "
+                     f"score `{pretty(ms.analysis.score)}` selects ({ms.proof.summary}; "
+                     "proofs/monotone.py); the values are the program's expression at the chosen scores")
+    if engine is not None:
+        notes += [n for n in engine.normal_form if n not in notes]
     if second:
         notes.append(f"the selection over `{pretty(second[0].spec.y)}` reads "
                      f"{', '.join(sorted(reads(second[0].y) | reads(second[0].g)))}: a second pass after "
@@ -290,12 +346,116 @@ def fuse_topk(prog, axis: str, network=None):
                "" if len(passes) <= 1 else "the selection reads reductions of the same axis: a second pass",
                [], [], seconds=time.perf_counter() - t0, normal_form=notes)
     f.topk_groups = list(groups.values())
+    f.monotone = list(mono.values())
+    f.engine = engine
     for p in passes:
         for s in p.states:
-            rule = [MERGE_RULE] if s.op == "topk" else [_SPLIT_RULE[s.op]]
-            f._chains[(s.name, "rolling")] = rule
-            f._chains[(s.name, "merge")] = rule
+            if engine is not None and s.op != "topk":
+                continue   # derived by the engine: TopKFusion.rule_chain asks it
+            for step in ("rolling", "merge"):
+                f._chains[(s.name, step)] = [MERGE_RULE] if s.op == "topk" else [_SPLIT_RULE[s.op]]
     return f
+
+
+# ---- top-k of a monotone function of a score (proofs/monotone.py) --------------------------------
+class MonoSpec:
+    """A selection ``af.topk(f(u))`` made on the score u: the analysis, its proof, u's spec."""
+
+    def __init__(self, spec, analysis, proof, uspec):
+        self.spec, self.analysis, self.proof, self.uspec = spec, analysis, proof, uspec
+
+
+def _monotone_specs(prog, axis, is_red):
+    """{spec: MonoSpec} for every selection over ``axis`` whose operand reads reductions over
+    it and is a proved strictly increasing chain over a reduction-free score."""
+    from acefuse.topk import CANDIDATES, TopKSpec
+    from acefuse.rewrite.encode import _Axes
+    from acefuse.proofs import monotone
+    from acefuse import lang
+    axes_of = _Axes(dict(prog.tensors))
+    specs = []
+    for e in prog.outputs.values():
+        for u in _walk_once(e.term):
+            hit = CANDIDATES.get(id(u))
+            if hit is not None and hit[1].axis == axis and hit[1] not in specs:
+                specs.append(hit[1])
+    out = {}
+    for spec in specs:
+        y = spec.y
+        if not (y.op == "Where" and y.args[0].op == "CmpNe" and y.args[2] == y.args[0].args[0]):
+            continue
+        p = y.args[2]
+        if not any(is_red(u) for u in _walk_once(p)):
+            continue   # selected in one pass as it is
+        a = monotone.analyse(p, axis, lambda t: axis in axes_of(t), is_red)
+        proof = monotone.prove(a)
+        if not proof.ok:
+            continue
+        order = [ax for t in prog.tensors.values() for ax in t]
+        ue = lang.Expr(a.score, tuple(dict.fromkeys(ax for ax in order if ax in axes_of(a.score))),
+                       {n: ax for n, ax in prog.tensors.items()
+                        if any(v.op == "In" and v.args[0] == n for v in _walk_once(a.score))})
+        nan = ue.ne(ue)
+        j = lang.index(axis)
+        uy = lang.where(nan, float("inf"), ue)
+        ug = lang.where(nan, j - lang.size(axis), j)
+        out[spec] = MonoSpec(spec, a, proof, TopKSpec(axis, uy.term, ug.term, spec.k))
+    return out
+
+
+def _mono_candidate(ms, grp, r, slot, lower):
+    """Candidate r of ``topk(f(u))`` from the r-th candidate of the score's state: the rank
+    as it is, or r - n in a row whose normaliser is NaN (every f(u_j) NaN: index order); the
+    value f at the chosen score (+inf for a NaN, as y reads it), evaluated as the program
+    writes f (the same operations, the finished row constants)."""
+    a = ms.analysis
+    rank = Term("St", (grp.name("i", r), J))
+    if a.normalisers:
+        ks = [lower(n) for n in a.normalisers]
+        k = ks[0]
+        for x in ks[1:]:
+            k = Term("Add", (k, x))
+        rank = Term("Where", (Term("CmpNe", (k, k)), Term("Sub", (Term("Num", (float(r),)),
+                                                                 Term("Size", (grp.spec.axis,)))), rank))
+    if slot == "i":
+        return rank
+    val = Term("St", (grp.name("v", r), J))
+    for node, pos, _ in reversed(a.chain):
+        args = list(node.args)
+        args[pos] = val
+        val = Term(node.op, tuple(args))
+    val = lower(val)
+    return Term("Where", (Term("CmpLt", (rank, Term("Num", (0.0,)))), Term("Num", (float("inf"),)), val))
+
+
+_ENGINE: dict = {}
+
+
+def _engine_fusion(prog, axis, reds):
+    """The general engine's fusion of the reductions ``reds`` (outputs ``r0``, ``r1``, ...), or
+    None unless it is one pass (the online-softmax max and sum: derived, proved, certified)."""
+    from acefuse import lang
+    from acefuse.rewrite.encode import _Axes
+    if not reds:
+        return None
+    key = (axis, tuple(reds), tuple(sorted((k, tuple(v)) for k, v in prog.tensors.items())))
+    if key not in _ENGINE:
+        axes_of = _Axes(dict(prog.tensors))
+        order = [ax for t in prog.tensors.values() for ax in t]
+        outs = {}
+        for i, t in enumerate(reds):
+            names = {v.args[0] for v in _walk_once(t) if v.op == "In"}
+            outs[f"r{i}"] = lang.Expr(t, tuple(dict.fromkeys(ax for ax in order if ax in axes_of(t))),
+                                      {n: ax for n, ax in prog.tensors.items() if n in names})
+        from acefuse.fuse import fuse
+        try:
+            sub = fuse(lang.program(f"{prog.name}_rows", **outs), axis)
+        except Exception:   # noqa: BLE001 - the two-pass form is used instead
+            sub = None
+        ok = (sub is not None and len(sub.passes) == 1 and sub.fusible and not sub.encoding.elementwise_outputs
+              and all(f"r{i}" in sub.encoding.outputs for i in range(len(reds))))
+        _ENGINE[key] = sub if ok else None
+    return _ENGINE[key]
 
 
 def _net(gid, r, slot, side, net):
@@ -381,6 +541,11 @@ def certify(f) -> list:
             if s.op == "topk":
                 g = groups[s.name]
                 if g.gid not in proofs:
+                    for ms in getattr(f, "monotone", ()):
+                        if ms.uspec == g.spec:
+                            from acefuse.proofs.monotone import prove as prove_monotone
+                            mp = prove_monotone(ms.analysis)
+                            out.append(cert(g.gid, "selection", mp.ok, mp.detail))
                     res = prove_merge(g.net)
                     init, rolling, merge = group_forms(g)
                     proofs[g.gid] = (res, rolling, merge)
@@ -396,6 +561,14 @@ def certify(f) -> list:
                     out.append(Certificate(s.name, "certified" if ok else "failed", ok, ok,
                                            0.0 if ok else float("inf"), res.counterexample if not res.ok else None,
                                            detail, 0.0, step))
+            elif getattr(f, "engine", None) is not None:   # derived by the general engine: its certificate
+                ec = f.engine.certificate
+                mine = [c for c in ec.steps if c.state == s.name and c.step in ("rolling", "merge")]
+                out += mine
+                if not mine or any(not (s.name in forms) or forms[s.name] != ef[s.name]
+                                   for forms, ef in ((p.rolling, f.engine.passes[0].rolling),
+                                                     (p.merge, f.engine.passes[0].merge)) if s.name in ef):
+                    out.append(cert(s.name, "rolling", False, "the kernel's form is not the engine's certified form"))
             else:
                 name = _SPLIT_RULE[s.op]
                 if name not in rules:

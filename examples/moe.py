@@ -14,11 +14,12 @@
 af.topk is one reduction kind (acefuse/topk_fuse.py): a running state of k candidates whose
 update and split merge are the merge proved by proofs/topk.py. ``softmax_topk(k,
 select="logits")`` and ``deepseek(k)`` (the gathered scores ride with the candidates) are one
-pass over the experts in every schedule (single, loop, split). Top-k of the softmax
-*probabilities* reads the row's max and sum: it is fused by the general engine (about k + 1
-passes in the loop schedule, one HBM read in the single schedule, which every router row up to
-65536 experts uses); choosing on the logits selects the same experts except where float32
-rounding makes two probabilities equal, so acefuse does not rewrite one into the other.
+pass over the experts in every schedule (single, loop, split). So is top-k of the softmax
+*probabilities* (``softmax_topk(k)``, written plainly): ``exp(x - m) / l`` is a strictly
+increasing function of x with row constants m and l (proofs/monotone.py), so the selection is
+made on x, the online-softmax max and sum carried beside it, and the chosen probabilities are
+computed from the finished states. Where float32 rounding makes two probabilities equal, the
+larger logit comes first (the documented convention; torch.topk would take the lower index).
 
     acefuse derive examples/moe.py
     acefuse run examples/moe.py --check
@@ -40,10 +41,10 @@ router_z = af.program("router_top1_zloss", expert=af.argmax(x, "e"), gate=1.0 / 
 def softmax_topk(k, name=None, select="probs"):
     """softmax over the experts, top-k, the selected weights renormalised (Mixtral's router).
 
-    ``select="logits"`` chooses on the logits instead of the probabilities (the same experts:
-    exp and the division by the positive sum keep the order, except where float32 rounding
-    makes two probabilities equal) and weighs them ``exp(v - m) / sum_r exp(v_r - m)``: one
-    pass (the max and one k-candidate state), derived in about a second for k = 8."""
+    Written plainly, one pass: acefuse selects on the logits because the probabilities are a
+    proved strictly increasing function of them (README, "Top-k of a monotone function").
+    ``select="logits"`` writes that choice explicitly and weighs the experts
+    ``exp(v - m) / sum_r exp(v_r - m)``: one pass (the max and one k-candidate state)."""
     x = af.tensor("x", "t e")
     m = af.max(x, "e")
     if select == "logits":
