@@ -153,9 +153,14 @@ def _to_axes(t: torch.Tensor, axes, target_axes, shape):
 class BackwardKernel:
     """The compiled stages of an ``af.backward`` program."""
 
-    def __init__(self, bwd, kernels):
+    def __init__(self, bwd, kernels, riders=None):
         self.program = bwd
         self.kernels = kernels   # one per stage
+        # {stage: stage whose kernel computes its sums over rows in the same pass} (codegen/riders.py)
+        self._riders = dict(riders or {})
+        self._rider_hosts = set(self._riders.values())
+        # hosts before their riders (stages read only the call's inputs: any order is right)
+        self._order = sorted(range(len(kernels)), key=lambda i: i in self._riders)
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
         self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
@@ -193,8 +198,16 @@ class BackwardKernel:
             if n in inputs:   # (a cotangent no requested gradient reads is not an input)
                 inputs[n] = inputs[n].contiguous()
         out, out_axes = {}, {}
-        for k, tnames, keep, onames, oaxes in self._stages:
-            res = _as_dict(_run_stage(k, {n: inputs[n] for n in tnames}, run_kw), onames)
+        for i in self._order:
+            k, tnames, keep, onames, oaxes = self._stages[i]
+            if i in self._riders and all(n in out for n in keep):
+                continue   # its sums over rows came with another stage's pass
+            kin = {n: inputs[n] for n in tnames}
+            if i in self._rider_hosts and "schedule" not in run_kw:
+                res = _as_dict(_run_stage(k, {**kin, "riders": True}, run_kw), onames)
+                self._fold_riders(i, res, inputs, out, out_axes)
+            else:
+                res = _as_dict(_run_stage(k, kin, run_kw), onames)
             for n in keep:   # a stage lays its outputs out in its own axis order (its inputs' declarations)
                 out[n], out_axes[n] = res[n], oaxes[n]
         for gname, (part, red) in self._finish.items():   # the second step: a sum over grid axes
@@ -219,6 +232,25 @@ class BackwardKernel:
             grads[f"grad_{name}"] = torch.zeros([sizes[a] for a in axes], dtype=ref.dtype if ref is not None
                                                 else torch.float32, device=ref.device if ref is not None else None)
         return grads
+
+    def _fold_riders(self, host, res, inputs, out, out_axes):
+        """The partial sums the host stage's kernel wrote for its riders' outputs, folded
+        over the programs (absent when the kernel ran another schedule: the rider stage
+        then runs itself)."""
+        from acefuse.codegen.riders import fold
+        for i, h in self._riders.items():
+            if h != host:
+                continue
+            k, tnames, keep, _, oaxes = self._stages[i]
+            if not all(n in res for n in keep):
+                continue
+            # the type the rider stage's own kernel writes: its first float input's
+            order = getattr(getattr(k, "module", None), "TENSORS", tnames)
+            ref = next((inputs[n] for n in order if n not in self.program.index_inputs
+                        and inputs[n].dtype.is_floating_point), None)
+            dt = ref.dtype if ref is not None and ref.dtype.itemsize > 1 else torch.float32
+            for n in keep:
+                out[n], out_axes[n] = fold(res[n], dt), oaxes[n]
 
     def _sizes(self, inputs) -> dict:
         sizes = {}
@@ -296,7 +328,13 @@ def compile_stage(stage, compile_one=None, **kw):
 
 def compile_backward(bwd, **kw) -> BackwardKernel:
     kw.pop("axis", None)
-    return BackwardKernel(bwd, [compile_stage(s, **kw) for s in bwd.stages])
+    kernels = [compile_stage(s, **kw) for s in bwd.stages]
+    from acefuse.codegen.compile import compile_program
+    from acefuse.codegen.riders import attach
+    # sums over rows that ride another stage's pass (kernels compiled here: a caller's own
+    # compile_one, the frontend's disk cache, keeps its stages apart)
+    riders = attach(bwd.stages, kernels, kw) if kw.get("compile_one") in (None, compile_program) else {}
+    return BackwardKernel(bwd, kernels, riders)
 
 
 class _Function(torch.autograd.Function):

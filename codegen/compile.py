@@ -263,7 +263,7 @@ def load_module(path: Path, name: str):
 
 
 def compile_program(prog, axis=None, rules=(), allow_unproved=False, fusion=None,
-                    allow_uncertified=False):
+                    allow_uncertified=False, riders=None):
     """Fuse (or take ``fusion``), gate on the fusion's certificate, generate, cache, load.
 
     A fusion whose certificate (every step from the program as written to the kernel's
@@ -302,9 +302,12 @@ def compile_program(prog, axis=None, rules=(), allow_unproved=False, fusion=None
             raise FuseError(f"program {prog.name!r}: {why} cannot be generated as a chain of one-pass "
                             f"kernels ({exc}); {out}please report the program") from exc
     family = contraction if contraction.is_contraction(f) else row
-    src = family.generate(f)
+    if riders and family is not row:
+        raise ValueError(f"program {prog.name!r}: riders need a row-family kernel")
+    src = row.generate(f, riders=riders) if riders else family.generate(f)
+    extra = {"riders": sorted((k, _sx(v)) for k, v in riders.items())} if riders else {}
     h = cache_key(f, family.__name__.rsplit(".", 1)[-1], allow_unproved=allow_unproved,
-                  allow_uncertified=allow_uncertified, unfused_fallback=f is not fused)
+                  allow_uncertified=allow_uncertified, unfused_fallback=f is not fused, **extra)
     path = cached_source(prog.name, h, src)
     mod = load_module(path, f"acefuse_gen_{prog.name}_{h}")
     return Kernel(f, src, path, mod)

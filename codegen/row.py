@@ -244,8 +244,12 @@ class Context:
 class RowGen:
     """Generates the module for one Fusion."""
 
-    def __init__(self, fusion, dtype_out_of=None):
+    def __init__(self, fusion, dtype_out_of=None, riders=None):
         self.f = fusion
+        # {name: body}: sums over every row axis of bodies elementwise over (rows, fused axis),
+        # computed beside the program's own outputs by the persistent single-tile kernel
+        # (``kernel_riders``): a weight's gradient read in the same pass as the input's
+        self.riders = dict(riders or {})
         self.counter = [0]
         enc = fusion.encoding
         self.enc = enc
@@ -408,6 +412,41 @@ class RowGen:
         self.emit_elem_outputs(em, L)
         return "\n".join(L)
 
+    def kernel_riders(self):
+        """The single-tile kernel, persistent over row blocks, that also sums each rider's
+        body over the rows it visits: each program writes one partial row per rider
+        (``ws_<rider>[program, :]``, float32), which the caller folds with the sum's merge
+        (``s_AB = s_A + s_B``) over the programs."""
+        names = list(self.riders)
+        L = ["@triton.jit", f"def {self.name}_riders({', '.join(self.sig())}, "
+             f"{', '.join('ws_' + q for q in names)}, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
+             "    # the whole fused axis fits one tile; a program visits every G-th block of rows"]
+        L.append("    cols_w = tl.arange(0, BLOCK_J)")
+        for q in names:
+            L.append(f"    racc_{q} = tl.zeros([BLOCK_J], tl.float32)")
+        L.append("    for blk in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):")
+        B = []
+        self.prologue(B, grid_rows="blk")
+        self.tile_setup(B, "0", "    ")
+        ctx, em = self.region("single", "    ")
+        for p in self.f.passes:
+            self.emit_init(p, em, B, "    ")
+            self.emit_refs(p, em, B)
+        self.emit_row_outputs(em, B)
+        self.emit_elem_outputs(em, B)
+        for q, body in self.riders.items():
+            em.comment(f"rider {q}: this block's rows of sum over rows of {pretty(body)}")
+            e, sh = em.emit(body)
+            if sh in ("row", "col", "scalar"):
+                e = f"({em._bcast(e, sh, 'tile')}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
+            em.line(f"racc_{q} += tl.sum(tl.where(tmask, {e}, 0.0), axis=0)")
+        B.extend(em.lines)
+        em.lines.clear()
+        L.extend("    " + ln for ln in "\n".join(B).split("\n"))
+        for q in names:
+            L.append(f"    tl.store(ws_{q} + tl.program_id(0) * n_j + cols_w, racc_{q}, mask=cols_w < n_j)")
+        return "\n".join(L)
+
     def kernel_loop(self):
         L = ["@triton.jit", f"def {self.name}_loop({', '.join(self.sig())}, BLOCK_R: tl.constexpr, "
              "BLOCK_J: tl.constexpr):"]
@@ -507,6 +546,8 @@ class RowGen:
         parts = [HEADER.format(name=self.name, axis=self.axis,
                                explain=f.explain().replace('"""', "'''"))]
         parts.append(self.kernel_single())
+        if self.riders:
+            parts.append(self.kernel_riders())
         parts.append(self.kernel_loop())
         split = len(f.passes) == 1 and f.passes[0].split_ok
         if split:
@@ -526,6 +567,7 @@ class RowGen:
             f"ROW_AXES = {self.row_axes!r}",
             f"SPLIT = {split!r}",
             f"STATES = {names!r}",
+            f"RIDERS = {list(self.riders)!r}   # sums over the rows computed in the single-tile pass (riders=True)",
             f"STORE_DTYPES = {self.store_dtypes()!r}   # outputs kept in the type they are cast to",
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
@@ -590,9 +632,11 @@ class RowGen:
             "",
             "",
             "def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, num_warps=None, out_dtypes=None,",
-            "        **inputs):",
+            "        riders=False, **inputs):",
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",
-            "    returns the output tensor, or a dict of them when the program has several.\"\"\"",
+            "    returns the output tensor, or a dict of them when the program has several.",
+            "    riders=True: a dict that also holds each rider's partial sums (float32, one row per",
+            "    program) when the single-tile schedule runs; without them otherwise.\"\"\"",
             "    inputs, sizes, ref, dev = _prepare(args, inputs)",
             "    odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32",
             "    n_j = sizes[AXIS]",
@@ -640,7 +684,14 @@ class RowGen:
             "        bj = max(bj, 16)",
             "        br = block_r or max(1, min(_np2(n_rows), 4096 // bj if bj < 4096 else 1))",
             "        nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16)",
-            f"        {self.name}_single[(triton.cdiv(n_rows, br),)](*argv, BLOCK_R=br, BLOCK_J=bj, num_warps=nw, **fp)",
+            "        if riders and RIDERS:",
+            "            # persistent: a few programs per SM, each folding its rows' sums in registers",
+            "            g = min(triton.cdiv(n_rows, br), programs // 2 if on_gpu else 4)",
+            "            ws = {q: torch.empty((g, n_j), device=dev, dtype=torch.float32) for q in RIDERS}",
+            f"            {self.name}_riders[(g,)](*argv, *ws.values(), BLOCK_R=br, BLOCK_J=bj, num_warps=nw, **fp)",
+            "            outs.update(ws)",
+            "        else:",
+            f"            {self.name}_single[(triton.cdiv(n_rows, br),)](*argv, BLOCK_R=br, BLOCK_J=bj, num_warps=nw, **fp)",
             "    elif schedule == 'loop':",
             "        bj = block_j or min(_np2(n_j), 4096 if on_gpu else 2048)",
             "        br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))",
@@ -664,7 +715,7 @@ class RowGen:
             "    for o in sdt:",
             "        if (out_dtypes or {}).get(o, sdt[o]) != sdt[o]:",
             "            outs[o] = outs[o].to(out_dtypes[o])",
-            "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
+            "    return outs if riders or len(OUTPUTS) > 1 else outs[next(iter(OUTPUTS))]",
         ]
         return "\n".join(lines)
 
@@ -771,9 +822,10 @@ def _as_row(e, shape):
     raise CodegenError(f"a state update came out with shape {shape} ({e}); expected one value per row")
 
 
-def generate(fusion) -> str:
-    """The generated module source for a Fusion (row family)."""
+def generate(fusion, riders=None) -> str:
+    """The generated module source for a Fusion (row family); ``riders``: {name: body}, sums
+    over every row axis computed in the same pass (``RowGen.kernel_riders``)."""
     if getattr(fusion, "topk_groups", None):   # k-candidate states (codegen/topk.py)
         from acefuse.codegen.topk import generate as generate_topk
         return generate_topk(fusion)
-    return RowGen(fusion).module()
+    return RowGen(fusion, riders=riders).module()
