@@ -271,7 +271,7 @@ class _Deriv:
                 if not self.live(child):
                     continue
                 c = c()
-                c = self.reduce_to(c, child)
+                c = self.reduce_to(c, child, t)
                 if _val(c) != 0:
                     contribs.setdefault(child, []).append(c)
         return grads
@@ -297,10 +297,16 @@ class _Deriv:
             return []
         return list(t.children)
 
-    def reduce_to(self, c: Term, child: Term) -> Term:
+    def reduce_to(self, c: Term, child: Term, node: Term | None = None) -> Term:
+        """The contribution ``c`` to ``child``'s adjoint from ``node``, summed over the axes of
+        ``node`` (and of ``c``) that ``child`` does not range over. An axis of ``node`` that ``c``
+        does not range over holds ``c`` at each of its positions: the sum is ``c * size(a)``
+        (``sum_j(x - mean_j x)``: ``x - mean_j x`` gets the adjoint ``grad_o``, constant along
+        j, and ``mean_j x`` gets ``-size(j) grad_o``, not ``-grad_o``)."""
         target = self.axes_of(child)
-        for a in self.ordered(self.axes_of(c) - target):
-            c = self.rsum(a, c)
+        have = self.axes_of(c)
+        for a in self.ordered((have | (self.axes_of(node) if node is not None else set())) - target):
+            c = self.rsum(a, c) if a in have else mul(c, Term("Size", (a,)))
         return c
 
     def rsum(self, axis: str, t: Term) -> Term:
@@ -523,7 +529,12 @@ def _expr(d: _Deriv, t: Term, own: str) -> Expr:
     gradient has."""
     used = {s.args[0] for s in t.walk() if s.op == "In"} | {s.args[0] for s in t.walk() if s.op == "Take"}
     axes = d.ordered(d.axes_of(t))
-    if not set(axes) <= {a for n in used for a in d.tensors[n]}:
+    # the axes whose lengths it needs: its own, those it takes a size or an index of (a mean's
+    # gradient ``grad_o / size(j)`` ranges over r only, yet needs j's length), and those of
+    # ``own``, along which the gradient is expanded to ``own``'s shape (``sum_j(x + x)``
+    # differentiates to ``2 grad_o`` over r: the kernel needs j's length to expand it)
+    need = set(axes) | {s.args[0] for s in t.walk() if s.op in ("Size", "Idx")} | set(d.tensors[own])
+    if not need <= {a for n in used for a in d.tensors[n]}:
         used.add(own)
     return Expr(t, axes, {n: d.tensors[n] for n in d.tensors if n in used})
 
