@@ -132,3 +132,28 @@ def test_rider_bodies_only_take_sums_over_exactly_the_row_axes():
     assert rd.rider_bodies(first, fusion, af.program("m", gw=af.max(x, "r"))) is None
     assert rd.rider_bodies(first, fusion, af.program("o", gw=af.sum(x * t, "r"))) is None
     assert rd.rider_bodies(first, fusion, af.program("n", gw=af.sum(x, "j"))) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_riders_on_the_gpu(dtype):
+    """The persistent rider kernel on CUDA (many programs, each folding several row blocks):
+    layernorm gradients against float64 autograd from the same (rounded) inputs."""
+    k = af.compile(_layernorm())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R, N = 3001, 1000
+    leaves = {"x": torch.randn(R, N, device="cuda", generator=g).to(dtype) * 2 + 0.5,
+              "w": torch.randn(N, device="cuda", generator=g).to(dtype),
+              "b": torch.randn(N, device="cuda", generator=g).to(dtype)}
+    got = {n: t.clone().requires_grad_() for n, t in leaves.items()}
+    y = k(**got)
+    cot = torch.randn(y.shape, device="cuda", generator=g).to(dtype)
+    y.backward(cot)
+    assert _bk(k)._riders
+    ref = {n: t.double().requires_grad_() for n, t in leaves.items()}
+    _ref_layernorm(**ref).backward(cot.double())
+    rtol, stol = (TOL if dtype == torch.float32 else (1.6e-2, 4e-3))
+    for n in leaves:
+        a, r = got[n].grad.double(), ref[n].grad
+        assert ((a - r).abs() <= rtol * r.abs() + stol * r.abs().max()).all(), \
+            f"grad of {n} ({dtype}): max error {(a - r).abs().max().item()}"
