@@ -9,16 +9,22 @@ bf16 weights, SDPA attention). Implementations (``--impls``, default all):
   Inductor compiles (the default on CUDA);
 - ``acefuse-eager``: ``af.Backend(inner="eager")``: acefuse's regions, the rest op by op in torch.
 
-    python3 benchmarks/bench_models.py [--quick] [--mode inference|training|both]
+    python3 benchmarks/bench_models.py [--quick | --size tiny|quick|full] [--mode inference|training|both]
         [--impls eager,inductor,acefuse,acefuse-eager] [--take attention,loss,softmax,norm]
         [--out f.json]                                                 # needs egglog (carry the wheel)
+
+``--size``: ``quick`` (hidden 1024, 4 layers, 16/4 heads, batch 4 x 1024), ``full`` (issue 12's
+realistic size: hidden 2048, 4 layers, 16/4 heads, batch 4 x 2048), ``tiny`` (the CPU smoke run:
+float32 on the CPU, acefuse's kernels in Triton's interpreter; correctness checks, no meaningful
+times); ``--layers`` overrides the layer count. Without a GPU only ``--size tiny`` runs.
 
 ``--take`` restricts the region kinds acefuse takes (``af.Backend(take=...)``); the rest is
 Inductor's (or eager torch's): which of acefuse's kernels beat Inductor's fusion in the model.
 
 A training step is forward + loss + backward + AdamW step, with a fixed batch. Before timing,
 each implementation's loss (and, for training, the gradient norm of every parameter) is
-compared with eager's on the same weights; a mismatch is reported, never timed. The
+compared with eager's on the same weights; a mismatch is reported, never timed (and the exit
+status is 1). The
 backend's report (what acefuse took, what it left to torch and why) is printed.
 """
 from __future__ import annotations
@@ -34,44 +40,59 @@ from pathlib import Path
 import torch
 
 
-def config(quick):
+# --size: (hidden, intermediate, layers, heads, KV heads, vocab), batch, sequence
+SIZES = {"tiny": ((64, 128, 2, 4, 2, 128), 2, 16),            # the CPU smoke run (Triton's interpreter)
+         "quick": ((1024, 2816, 4, 16, 4, 32000), 4, 1024),
+         "full": ((2048, 5632, 4, 16, 4, 32000), 4, 2048)}    # issue 12's realistic size
+
+
+def config(size="quick", layers=None):
+    """(LlamaConfig, batch, sequence) for a ``--size`` (``size=True``/``False``: quick/full, as before)."""
     import transformers as tf
-    if quick:
-        return tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096), 4, 1024
-    return tf.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096), 4, 2048
+    if isinstance(size, bool):
+        size = "quick" if size else "full"
+    (h, inter, nl, nh, nkv, vocab), B, T = SIZES[size]
+    return tf.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers or nl,
+                          num_attention_heads=nh, num_key_value_heads=nkv,
+                          max_position_embeddings=max(4096, T)), B, T
 
 
-def build(cfg):
+def build(cfg, device="cuda", dtype=torch.bfloat16):
     import transformers as tf
     torch.manual_seed(0)
     cfg._attn_implementation = "sdpa"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m = tf.LlamaForCausalLM(cfg)
-    return m.to("cuda", torch.bfloat16)
+    return m.to(device, dtype)
 
 
 IMPLS = ("eager", "inductor", "acefuse", "acefuse-eager")
 INNER = {"acefuse": "inductor", "acefuse-eager": "eager"}
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, steps):
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / steps
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="the same as --size quick")
+    ap.add_argument("--size", choices=tuple(SIZES), default=None, help="model and batch size (default full)")
+    ap.add_argument("--layers", type=int, default=None, help="override the size's layer count")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 for --size tiny)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mode", choices=("inference", "training", "both"), default="both")
     ap.add_argument("--take", default=None,
@@ -85,19 +106,26 @@ def main(argv=None):
     if bad:
         ap.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
     modes = ("inference", "training") if args.mode == "both" else (args.mode,)
-    if not torch.cuda.is_available():
-        print("bench_models: needs a CUDA GPU")
+    size = args.size or ("quick" if args.quick else "full")
+    cuda = torch.cuda.is_available()
+    if not cuda and size != "tiny":
+        print("bench_models: needs a CUDA GPU (without one: --size tiny, the CPU smoke run)")
         return 2
+    if not cuda:
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
     import acefuse as af
-    cfg, B, T = config(args.quick)
+    cfg, B, T = config(size, args.layers)
     import transformers
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; transformers {transformers.__version__}"
-          + (f"; acefuse takes {args.take}" if args.take else ""))
-    print(f"Llama: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads}/"
-          f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}; batch {B} x {T} tokens, bf16")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=g)
-    base = build(cfg)
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (smoke run)'}; torch {torch.__version__}; "
+          f"transformers {transformers.__version__}" + (f"; acefuse takes {args.take}" if args.take else ""))
+    print(f"Llama ({size}): hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads}/"
+          f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}; batch {B} x {T} tokens, {str(dtype)[6:]}")
+    g = torch.Generator(device=dev).manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=g)
+    base = build(cfg, dev, dtype)
     rows = []
     for mode in modes:
         ref = None
@@ -124,7 +152,7 @@ def main(argv=None):
                     loss.backward()
                     grads = torch.stack([p.grad.float().norm() for p in model.parameters()])
                     model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
+                _sync()
                 res["first_call_s"] = round(time.perf_counter() - t0, 1)
                 if ref is None:
                     ref = (loss.float().item(), grads)
@@ -147,7 +175,7 @@ def main(argv=None):
                             fn(ids).backward()
                             opt.step()
                             opt.zero_grad(set_to_none=True)
-                    sec = timed(step, args.steps)
+                    sec = timed(step, args.steps or (2 if size == "tiny" else 10))
                     res["ms"] = sec * 1e3
                     res["tokens_per_s"] = B * T / sec
             except Exception as exc:
@@ -171,7 +199,8 @@ def main(argv=None):
                 for line in sorted(set(res["left"])):
                     print("   -", line)
             del model
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
     for mode in modes:
         t = {r["impl"]: r.get("tokens_per_s") for r in rows if r["mode"] == mode}
         for impl in ("acefuse", "acefuse-eager"):
@@ -179,10 +208,14 @@ def main(argv=None):
                 print(f"{mode}: {impl} / eager {t[impl] / t['eager']:.2f}x"
                       + (f", {impl} / inductor {t[impl] / t['inductor']:.2f}x" if t.get("inductor") else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), B=B, T=T,
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name() if cuda else "cpu", size=size,
+                                                  take=args.take, B=B, T=T,
                                                   hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, rows=rows),
                                              indent=1))
-    return 0
+    bad = [f"{r['mode']} {r['impl']}" for r in rows if r.get("wrong") or r.get("error")]
+    if bad:
+        print("bench_models: wrong or failed:", ", ".join(bad))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -563,6 +563,124 @@ def test_narrowing_cast_inside_a_region_rounds_where_eager_does():
     assert (got.double() - ref.double()).abs().max() <= 2 * torch.finfo(torch.float16).eps * ref.abs().max()
 
 
+class _Allocated(torch.utils._python_dispatch.TorchDispatchMode):
+    """The (op, dtype, shape) of every tensor an ATen op creates under it (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self.made.append((func.overloadpacket.__name__, t.dtype, tuple(t.shape)))
+        return out
+
+
+def _float32_made(made, shape):
+    return [m for m in made if m[1] == torch.float32 and m[2] == tuple(shape)]
+
+
+def _bf16_ulp(t):
+    """One unit in the last place of bfloat16 values (8 significant bits)."""
+    return torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(t.double().abs().clamp_min(1e-30))))
+
+
+def test_bf16_rms_norm_reads_bf16_and_rounds_where_eager_does():
+    """Issue 12: HF's RMSNorm in bfloat16 is one region (the float32 widening, the norm, the
+    rounding back and the weight), whose kernel reads x in bfloat16 (no float32 copy of x is
+    made) and writes the bfloat16 output itself, rounded where eager rounds."""
+    x, w = _g(37, 300, scale=3).bfloat16(), (_g(300, seed=1).abs() + 0.5).bfloat16()
+    cf = aff.compile_fn(llama_rms_norm, x, w)
+    rec = _Allocated()
+    with rec, warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        got = cf(x, w)
+    r, = cf.regions
+    assert "cast(" in repr(r.program) and r.calls["kernel"] == 1, r.program
+    assert not _float32_made(rec.made, x.shape), rec.made        # neither a widened input nor a wide output
+    assert not [m for m in rec.made if m[0] in ("_to_copy", "copy_", "clone") and m[1] != torch.uint8], rec.made
+    assert got.dtype == torch.bfloat16
+    eager = llama_rms_norm(x, w)
+    x64 = x.double()
+    h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = (w.double() * h.bfloat16().double()).bfloat16().double()   # float64, rounded where eager rounds
+    assert ((got.double() - ref).abs() <= _bf16_ulp(ref)).all()
+    assert (got == eager).double().mean() > 0.99                     # bit-exact but for rare 1-ulp ties
+
+
+def residual_rms_norm(a, b, w):          # Llama's residual add, then the next norm
+    r = a + b
+    return r, llama_rms_norm(r, w)
+
+
+def test_bf16_residual_add_then_rms_norm_rounds_the_sum_as_eager():
+    """The bfloat16 sum is an output and, read back in float32 by the norm, the rounded value
+    eager reads (``cast``), not the float32 sum."""
+    a, b = _g(9, 64, seed=2).bfloat16(), _g(9, 64, seed=3).bfloat16()
+    w = (_g(64, seed=4).abs() + 0.5).bfloat16()
+    cf = aff.compile_fn(residual_rms_norm, a, b, w)
+    rec = _Allocated()
+    with rec, warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        r, y = cf(a, b, w)
+    assert len(cf.regions) == 1 and not _float32_made(rec.made, a.shape), rec.made
+    assert r.dtype == y.dtype == torch.bfloat16
+    assert torch.equal(r, a + b)                                       # rounded to nearest even, as eager
+    r64 = (a + b).double()
+    h = r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = (w.double() * h.bfloat16().double()).bfloat16().double()
+    assert ((y.double() - ref).abs() <= _bf16_ulp(ref)).all()
+    assert (y == residual_rms_norm(a, b, w)[1]).double().mean() > 0.99
+
+
+def bf16_logits_loss(h, W, y):           # HF's loss: logits.float(), then cross_entropy over a view
+    logits = (h @ W).float()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+
+
+def test_cross_entropy_reads_bf16_logits_without_a_float32_copy():
+    h, W = _g(2, 5, 16).bfloat16(), _g(16, 40, seed=1).bfloat16()
+    y = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    cf = aff.compile_fn(bf16_logits_loss, h, W, y)
+    rec = _Allocated()
+    with rec, warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        got = cf(h, W, y)
+    r, = cf.regions
+    # the logits' .float() and view are the chain of a region input, replayed without the cast
+    assert [s.chain for s in r.imp.inputs if s.chain and s.chain[0][0] == "to"] == \
+        [(("to", torch.float32), ("reshape", (10, 40)))]
+    assert not _float32_made(rec.made, (10, 40)) and not _float32_made(rec.made, (2, 5, 40)), rec.made
+    logits = (h @ W).double()
+    ref = F.cross_entropy(logits.view(-1, 40), y.view(-1))
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    # training: the gradient flows through the widening, as eager's
+    hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+    cf(hh, WW, y).backward()
+    h2, W2 = h.clone().requires_grad_(), W.clone().requires_grad_()
+    bf16_logits_loss(h2, W2, y).backward()
+    torch.testing.assert_close(hh.grad.double(), h2.grad.double(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(WW.grad.double(), W2.grad.double(), atol=1e-2, rtol=1e-2)
+
+
+def test_region_calls_work_out_their_plan_once():
+    """Per-call work is cached (issue 12): the adapters' layout steps and the call's plan (which
+    source feeds which input through which chain, the output types) are made on the first call."""
+    x, w = _g(5, 32).bfloat16(), (_g(32, seed=1) + 1).bfloat16()
+    cf = aff.compile_fn(llama_rms_norm, x, w)
+    cf(x, w)
+    r, = cf.regions
+    feeds, run, kw = r._plan
+    assert [chain for _, _, chain in feeds] == [(), ()]                 # x's widening cast is not replayed
+    assert all(o._steps is not None for o in r.imp.outputs)
+    plan = r._plan
+    torch.testing.assert_close(cf(x, w), llama_rms_norm(x, w), atol=0, rtol=0)
+    assert r._plan is plan and r.calls["kernel"] == 2
+
+
 def _rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -795,6 +913,37 @@ def test_inductor_inner_small_block_inference_and_training():
     assert inductor.stats["region_calls"] - before["region_calls"] == 2
     assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == 2
     assert not be.report().left, str(be.report())
+
+
+def test_inductor_inner_bf16_norm_op_reads_bf16_and_trains():
+    """``acefuse::region`` of a bfloat16 residual add + RMSNorm: the op takes the bfloat16 sources
+    as they are (no widening adapter in the graph Inductor compiles) and writes bfloat16, equal
+    to eager; in training (widened inputs, derived backward) every gradient is eager's."""
+    from acefuse.frontend import inductor
+    torch._dynamo.reset()
+    a, b = _g(3, 4, 32, seed=2).bfloat16(), _g(3, 4, 32, seed=3).bfloat16()
+    w = (_g(32, seed=4).abs() + 0.5).bfloat16()
+    be = af.Backend(inner="inductor")
+    cm = torch.compile(residual_rms_norm, backend=be, dynamic=False)
+    with torch.no_grad():
+        r, y = cm(a, b, w)
+    er, ey = residual_rms_norm(a, b, w)
+    assert torch.equal(r, er) and y.dtype == torch.bfloat16
+    assert (y == ey).double().mean() > 0.99 and ((y.double() - ey.double()).abs() <= _bf16_ulp(ey)).all()
+    g, = [g for cf in be.functions for g in cf.graphs.values()]
+    reg, = g.af_regions
+    entry = inductor._ENTRIES[reg.op_key]
+    assert entry.plan is not None and all(c == () for c in entry.plan[0].values()), entry.plan
+    # training: the same function, inputs requiring grad
+    args = [t.clone().requires_grad_() for t in (a, b, w)]
+    ref = [t.detach().clone().requires_grad_() for t in (a, b, w)]
+    cot = _g(3, 4, 32, seed=5).bfloat16()
+    r, y = cm(*args)
+    ((r + y).float() * cot.float()).sum().backward()
+    r2, y2 = residual_rms_norm(*ref)
+    ((r2 + y2).float() * cot.float()).sum().backward()
+    for x, xr in zip(args, ref):
+        torch.testing.assert_close(x.grad.double(), xr.grad.double(), atol=0.05, rtol=0.02)
 
 
 def _scaled_softmax(x, w):

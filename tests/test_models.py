@@ -229,3 +229,27 @@ def test_llama_through_inductor_with_acefuse_regions():
     n = len({e.region for e in r.taken})
     assert inductor.stats["region_calls"] - before["region_calls"] == n
     assert inductor.stats["region_bwd_calls"] - before["region_bwd_calls"] == n
+
+
+@pytest.mark.slow
+def test_bf16_llama_regions_make_no_copies_and_the_benchmarks_smoke_run():
+    """Issue 12 at the model level (a tiny bfloat16 Llama, inner='eager'): no region call makes a
+    float32 copy or runs a cast for its norms (each norm, its rounding and its weight are one
+    kernel), and no cast is left around a norm region in the graph; ``benchmarks/bench_models.py
+    --size tiny`` (the CPU smoke run) and ``region_overhead.py`` run end to end."""
+    import sys
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import bench_models
+        import region_overhead
+        rows, info = region_overhead.measure("tiny", "eager", "inference", None, calls=2)
+        norms = [r for r in rows if r["region"].endswith("_mean")]
+        assert len(norms) == 5 and info["regions"] == 8, rows          # 2 layers x 2 + the final norm; 2 SDPA, loss
+        for r in norms:
+            assert not r["copies"] and not r["graph_casts"], r
+        assert bench_models.main(["--size", "tiny", "--mode", "both", "--impls", "eager,acefuse-eager",
+                                  "--steps", "1"]) == 0
+    finally:
+        sys.path.remove(bench)

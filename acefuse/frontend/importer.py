@@ -2,6 +2,7 @@
 that turn torch arguments into program inputs and kernel outputs back into torch layout."""
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -11,7 +12,8 @@ import acefuse.lang as L
 from acefuse.frontend import ir
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
 from acefuse.frontend.graph import op_name, propagate, source_line, trace
-from acefuse.frontend.lower import TV, Ctx, lower_node
+from acefuse.frontend.lower import TV, Ctx, lower_node, _ROUNDING, _rounds_in_kernel
+from acefuse.frontend.ir import un
 
 _IDENT = re.compile(r"[^A-Za-z0-9_]")
 
@@ -59,15 +61,36 @@ class InputSpec:
                 dtype = step[1]
         return dtype
 
-    def make(self, t: torch.Tensor, fdtype) -> torch.Tensor:
-        t = apply_chain(t, self.chain)
+    def direct_chain(self, dtype) -> tuple:
+        """The view chain without its float-widening casts (``x.to(torch.float32)`` of a bfloat16
+        ``x``): a kernel reads the narrower type and widens each element on load, exactly, so
+        the widened copy is never made. ``dtype``: the source tensor's."""
+        out = []
+        for step in self.chain:
+            if step[0] == "to":
+                new = step[1]
+                if dtype.is_floating_point and new.is_floating_point and \
+                        torch.finfo(new).bits > torch.finfo(dtype).bits:
+                    continue
+                dtype = new
+            out.append(step)
+        return tuple(out)
+
+    def make(self, t: torch.Tensor, fdtype, chain=None) -> torch.Tensor:
+        """The program input from the source tensor ``t``: the chain replayed, dims of size 1
+        dropped, converted for its role. ``fdtype``: the kernel's float type, or None to keep a
+        float input in its own type (the kernel widens it on load); ``chain``: the chain to
+        replay (``direct_chain``'s) instead of the recorded one."""
+        t = apply_chain(t, self.chain if chain is None else chain)
         t = t[tuple(0 if s == 1 else slice(None) for s in t.shape)] if 1 in t.shape else t
         if self.role == "index":
             if self.extra and self.extra[0] == "clamp":
                 t = t.clamp(0, self.extra[1] - 1)
             return t if t.dtype in (torch.int32, torch.int64) else t.long()
         if self.extra and self.extra[0] == "ne":
-            return (t != self.extra[1]).to(fdtype)
+            return (t != self.extra[1]).to(fdtype or torch.float32)
+        if fdtype is None:     # read as it is (an integer or bool value becomes a float32 one)
+            return t if t.dtype.is_floating_point else t.to(torch.float32)
         if t.dtype != fdtype:   # (a narrower float input is widened exactly, as torch promotes it)
             t = t.to(fdtype)
         return t
@@ -80,18 +103,26 @@ class OutputSpec:
         self.name, self.node = name, node
         self.dim_names, self.shape, self.dtype, self.expr_axes = dim_names, shape, dtype, expr_axes
         self.stride = stride      # torch's strides for this value (None: any layout)
+        self._steps = None        # (permutation or None, view shape, expand?): fixed once expr_axes is
+
+    def _layout(self):
+        present = [n for n in self.dim_names if n is not None and n in self.expr_axes]
+        perm = [self.expr_axes.index(n) for n in present] if list(self.expr_axes) != present else None
+        view = tuple(s if (n is not None and n in self.expr_axes) else 1
+                     for n, s in zip(self.dim_names, self.shape))
+        self._steps = (perm, view, view != tuple(self.shape))
+        return self._steps
 
     def to_torch(self, t: torch.Tensor) -> torch.Tensor:
-        present = [n for n in self.dim_names if n is not None and n in self.expr_axes]
-        if list(self.expr_axes) != present:
-            t = t.permute([self.expr_axes.index(n) for n in present])
-        view = [s if (n is not None and n in self.expr_axes) else 1
-                for n, s in zip(self.dim_names, self.shape)]
-        t = t.reshape(view)
-        if list(view) != list(self.shape):
+        perm, view, expand = self._steps or self._layout()   # (worked out once: the program fixes them)
+        if perm is not None:
+            t = t.permute(perm)
+        if t.shape != view:
+            t = t.reshape(view)
+        if expand:
             t = t.expand(self.shape).contiguous()
         t = t.to(self.dtype) if t.dtype != self.dtype else t
-        if self.stride is not None and tuple(t.stride()) != self.stride and t.numel() > 1:
+        if self.stride is not None and t.stride() != self.stride and t.numel() > 1:
             # the layout torch gives (x.transpose(1, 2).contiguous() is contiguous: a later
             # .view() relies on it), not the kernel's axis order
             out = torch.empty_strided(self.shape, self.stride, dtype=t.dtype, device=t.device)
@@ -151,12 +182,60 @@ class Imported:
             fl.add(torch.float32)
         return max(fl, key=lambda d: torch.finfo(d).bits)
 
-    def program_inputs(self, values: dict, fd=None) -> dict:
+    def program_inputs(self, values: dict, fd=None, chains=None) -> dict:
         """Program inputs by name, from the torch values of the source nodes (``fd``: the
-        compute dtype when the caller knows it: fixed per call signature)."""
+        compute dtype when the caller knows it: fixed per call signature). ``chains``
+        (``direct_plan``'s): float inputs are read in their own types through these chains."""
+        if chains is not None:
+            return {s.name: s.make(values[s.src], None, chains[s.name]) for s in self.inputs}
         if fd is None:
             fd = self.compute_dtype(values)
         return {s.name: s.make(values[s.src], fd) for s in self.inputs}
+
+    def direct_plan(self, values: dict, kernel, fd):
+        """How a call of ``kernel`` reads its inputs in their own types and writes each output in
+        eager's type: ``(chains, out_dtypes)`` (``chains``: each input's view chain without its
+        widening casts; ``out_dtypes``: the launcher's option), or None where the call takes the
+        widening path (``compute_dtype``): a region with a contraction (the attention kernels
+        pick their dot operands' type from their inputs'), a launcher without ``out_dtypes``.
+
+        Exactness: widening a float16/bfloat16 value to float32 is exact wherever it happens,
+        and the kernels compute in float32 and round each output once, so reading the narrower
+        input changes no result. An output is written in its own type when the kernel rounds
+        to it as torch's ``.to()`` does: on the GPU (Triton's stores round to nearest even), or
+        when the program rounds it itself (an output that ends with a cast); otherwise (Triton's
+        CPU interpreter truncates) an output narrower than ``fd`` is written in ``fd`` and torch
+        rounds it, as before. Integer and bool outputs are written in float32 (exact)."""
+        from acefuse.frontend.lower import kind_of
+        if any(kind_of(n) == "contraction" for n in self.nodes):
+            return None
+        mod = getattr(kernel, "module", None)
+        run = getattr(mod, "run", None)
+        try:
+            if run is None or "out_dtypes" not in inspect.signature(run).parameters:
+                return None
+        except (TypeError, ValueError):
+            return None
+        chains, cuda = {}, False
+        for s in self.inputs:
+            t = values[s.src]
+            if not isinstance(t, torch.Tensor):
+                return None
+            cuda = cuda or t.device.type == "cuda"
+            chains[s.name] = s.direct_chain(t.dtype)
+        store = getattr(mod, "STORE_DTYPES", None) or {}
+        odt = {}
+        for o in self.outputs:
+            d = o.dtype
+            if o.name in store:          # written in its cast's type by the kernel
+                continue
+            if not d.is_floating_point:
+                odt[o.name] = torch.float32
+            elif cuda or torch.finfo(d).bits >= torch.finfo(fd).bits:
+                odt[o.name] = d
+            else:
+                odt[o.name] = fd
+        return chains, odt
 
     def torch_outputs(self, outs) -> list:
         if not isinstance(outs, dict):
@@ -187,7 +266,13 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
         if not isinstance(v, TV):
             raise UnsupportedOpError(op_name(o), source_line(o),
                                      f"it returns a {type(v).__name__}, not a tensor")
-        outs.append((o, v, cx.n(v)))
+        n = cx.n(v)
+        if v.meta.dtype in _ROUNDING and _rounds_in_kernel(cx, TV(n, v.dims, v.meta)):
+            # a float16/bfloat16 output computed in float32 is rounded by the program itself
+            # (af.cast: round to nearest even, bit-exact with torch's `.to()`), so the kernel
+            # writes it in its type on the GPU and in Triton's CPU interpreter (which truncates) alike
+            n = un(_ROUNDING[v.meta.dtype], n)
+        outs.append((o, v, n))
     # name axes and tensors
     axes = set()
     for _, v, n in outs:

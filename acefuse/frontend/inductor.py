@@ -1,10 +1,12 @@
 """acefuse regions inside Inductor: ``Backend(inner="inductor")``.
 
 Each compiled region of a specialised graph (runtime.specialize) becomes a call of
-``region_call(key, *sources)``: the region's input adapters (views, size-1 squeezes, widening
-casts), one opaque custom op ``acefuse::region(key, inputs)`` that runs the acefuse kernel on
-the program's inputs, and the output adapters (permutes, reshapes, the output dtype and
-torch's strides). The rewritten graph goes to Inductor (``compile_fx``), which traces the
+``region_call(key, *sources)``: the region's input adapters (views, size-1 squeezes; widening
+casts only in training), one opaque custom op ``acefuse::region(key, inputs)`` that runs the
+acefuse kernel on the program's inputs, and the output adapters (permutes, reshapes, the output
+dtype and torch's strides). For inference the op takes float16/bfloat16 sources as they are (the
+kernel widens on load) and its launcher writes each output in eager's type
+(``Imported.direct_plan``): no widened copy of an input, no float32 output narrowed by torch. The rewritten graph goes to Inductor (``compile_fx``), which traces the
 adapters into ATen ops and compiles and fuses everything acefuse did not take (matmuls'
 neighbours, RoPE, SiLU-mul, residual adds); the region stays one opaque call.
 
@@ -50,12 +52,21 @@ class RegionOp:
     ``names`` order), its outputs (``keys``) and, in training (``dk``: the differentiable
     kernel), the saved values the backward reads after them."""
 
-    def __init__(self, key, region, dk=None):
+    def __init__(self, key, region, dk=None, plan=None):
         self.key, self.region = key, region
         self.imp = region.imp
         self.prog = region.program
         self.kernel = region.kernel
         self.dk = dk
+        # (chains, out_dtypes): the op reads float inputs in their own types and writes eager's
+        # output types (Imported.direct_plan); None: inputs widened by the adapters
+        self.plan = plan
+        self._out_kw = {"out_dtypes": plan[1]} if plan is not None else {}
+        # on the GPU the launcher itself (Kernel.__call__'s grad and empty-input checks are moot:
+        # the op's implementation runs below autograd; an empty input takes the kernel's path)
+        cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda"
+                   for v in (s.meta.get("af_val") for s in self.imp.sources))
+        self._run = self.kernel.module.run if plan is not None and cuda else self.kernel
         self.names = list(self.prog.tensors)
         self.keys = list(self.prog.outputs)
         self.n_out = len(self.keys)
@@ -84,7 +95,8 @@ class RegionOp:
 
     def _kernel_forward(self, inputs) -> list:
         if self.dk is None:
-            out = _as_dict(self.kernel(**inputs), self.keys)
+            run = self._run if all(t.numel() for t in inputs.values()) else self.kernel
+            out = _as_dict(run(**inputs, **self._out_kw), self.keys)
             self.calls["kernel"] += 1
             return [out[k] for k in self.keys]
         from acefuse.autograd import _to, wide_dtype
@@ -324,14 +336,29 @@ def region_call(key, *srcs):
     adapters (traced by AOTAutograd into ATen ops around one ``acefuse::region`` call)."""
     e = _entry(key)
     imp = e.imp
-    pins = imp.program_inputs(dict(zip(imp.sources, srcs)))
+    chains = e.plan[0] if e.plan is not None else None
+    pins = imp.program_inputs(dict(zip(imp.sources, srcs)), chains=chains)
     res = torch.ops.acefuse.region(key, [pins[n] for n in e.names])
     return tuple(imp.torch_outputs(dict(zip(e.keys, res[:e.n_out]))))
 
 
-def _key(region, dk) -> str:
+def _plan(region, dk):
+    """The region op's direct plan (Imported.direct_plan) for inference; None in training (the
+    augmented forward and the backward read widened inputs) or where the region has none."""
+    if dk is not None or region.kernel is None:
+        return None
+    imp = region.imp
+    vals = {s: s.meta.get("af_val") for s in imp.sources}
+    try:
+        return imp.direct_plan(vals, region.kernel, imp.compute_dtype(vals))
+    except Exception:  # noqa: BLE001 - the widening adapters always work
+        return None
+
+
+def _key(region, dk, plan=None) -> str:
     imp = region.imp
     h = hashlib.sha256()
+    h.update(repr(plan).encode())
     h.update(repr(region.program).encode())
     h.update(repr(region.program.key()).encode())
     h.update(repr(sorted(dk.wrt) if dk is not None and dk.wrt is not None else (dk is not None)).encode())
@@ -360,9 +387,10 @@ def op_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             gm.add_submodule(n.target, region.fallback)
             continue
         dk = region.grad if region.grad is not None else None
-        key = _key(region, dk)
+        plan = _plan(region, dk)
+        key = _key(region, dk, plan)
         if key not in _ENTRIES:
-            _ENTRIES[key] = RegionOp(key, region, dk)
+            _ENTRIES[key] = RegionOp(key, region, dk, plan)
         region.op_key = key
         with g.inserting_before(n):
             call = g.call_function(region_call, (key,) + tuple(n.args))

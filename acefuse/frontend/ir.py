@@ -65,6 +65,7 @@ class N:
     idx (Axis)               the index along an axis
     un (fn, x)               exp log sqrt rsqrt abs tanh neg lnot erf sigmoid softplus log1p
                              expm1 floor ceil round int32 int64 (a cast to that type)
+                             bfloat16 float16 (rounded to that format, as torch's ``.to()``)
     bin (op, a, b)           add sub mul div max2 min2 lt le gt ge eq ne land lor
     where (c, a, b)          a where c holds, else b
     pow (x, p)               x ** p, p a Python number
@@ -101,7 +102,8 @@ _UN = {"exp": L.exp, "log": L.log, "sqrt": L.sqrt, "rsqrt": L.rsqrt, "abs": L.ab
        "neg": lambda x: -x, "lnot": lambda x: x.eq(0.0),   # not: == 0 (also on a float mask)
        "erf": L.erf, "sigmoid": L.sigmoid, "softplus": L.softplus, "log1p": L.log1p, "expm1": L.expm1,
        "floor": L.floor, "ceil": L.ceil, "round": L.round,
-       "int32": lambda x: L.cast(x, "int32"), "int64": lambda x: L.cast(x, "int64")}
+       "int32": lambda x: L.cast(x, "int32"), "int64": lambda x: L.cast(x, "int64"),
+       "bfloat16": lambda x: L.cast(x, "bfloat16"), "float16": lambda x: L.cast(x, "float16")}
 _BIN = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
         "div": lambda a, b: a / b, "max2": L.maximum, "min2": L.minimum,
         "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,

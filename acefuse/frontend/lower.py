@@ -91,6 +91,7 @@ class Ctx:
         self.vals: dict = {}
         self.leaves: dict = {}        # key -> (Leaf, role, extra, [Axis])
         self.node = None
+        self._has_contraction = None  # (whether the region holds a contraction: _rounds_in_kernel)
 
     # -- reading arguments ------------------------------------------------------------
     def val(self, a):
@@ -430,18 +431,41 @@ def _cast(cx):
     src = x.meta.dtype
     if m.dtype == src:
         return TV(x.n, x.dims, m)
+    rounds = _ROUNDING.get(src)
+    if rounds and m.dtype.is_floating_point and torch.finfo(m.dtype).bits > torch.finfo(src).bits \
+            and _rounds_in_kernel(cx, x):
+        # a computed float16/bfloat16 value widened: eager holds it rounded to its type, and so
+        # does the kernel, exactly (a residual add in bf16 read back in float32 by an RMSNorm)
+        return TV(un(rounds, x.n), x.dims, m)
     if m.dtype == torch.bool:
         return TV(bin_("ne", x.n, num(0)), x.dims, m)
     if m.dtype in (torch.int32, torch.int64):
         return TV(un("int32" if m.dtype == torch.int32 else "int64", x.n) if src.is_floating_point else x.n,
                   x.dims, m)
     if m.dtype.is_floating_point and src.is_floating_point and torch.finfo(m.dtype).bits < torch.finfo(src).bits:
+        if m.dtype in _ROUNDING and _rounds_in_kernel(cx, x):
+            # rounded here, as eager rounds (HF's RMSNorm: `(x * rsqrt(var)).to(input_dtype)`),
+            # bit-exact (af.cast); an output that ends with it is written in that dtype
+            return TV(un(_ROUNDING[m.dtype], x.n), x.dims, m)
         raise Unsupported(f"a cast from {src} to {m.dtype} of a computed value rounds it there (eager "
                           "rounds at this point); acefuse kernels round only their outputs, so the "
                           "region ends before this cast")
     if not m.dtype.is_floating_point:
         raise Unsupported(f"a cast to {m.dtype} of a computed value")
     return TV(x.n, x.dims, m)
+
+
+_ROUNDING = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _rounds_in_kernel(cx, x) -> bool:
+    """Whether a float16/bfloat16 rounding of computed value ``x`` is a program operator (af.cast):
+    in a region without contractions (the attention kernels take no cast between their matmuls,
+    so such a region ends before the cast instead), of a value that is not already so rounded."""
+    if getattr(cx, "_has_contraction", None) is None:
+        cx._has_contraction = any(kind_of(n) == "contraction" for n in cx.region)
+    exact = x.n.op in ("in", "num", "take") or x.n.op == "un" and x.n.args[0] in _ROUNDING.values()
+    return not cx._has_contraction and not exact
 
 
 @op("cast", "dropout")

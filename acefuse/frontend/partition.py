@@ -135,7 +135,19 @@ def _allowed(n, region_of, find, exclude):
             return False
         if nm in ("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as") and inside:
             sv = src.meta.get("af_val")
-            return is_pure_view(tuple(sv.shape), tuple(v.shape))
+            return is_pure_view(tuple(sv.shape), tuple(v.shape)) or _leaf_view(src, region_of)
+    return True
+
+
+def _leaf_view(n, region_of) -> bool:
+    """``n`` (inside a region) is an input re-viewed or cast only (``logits.float()`` before a
+    cross-entropy's ``view(-1, V)``): the import replays its chain on the input, so any view of it
+    is one more step of that chain, not a reshape of a computed value."""
+    while n in region_of:
+        if n.op not in CALLS or kind_of(n) not in ("layout", "cast") or not n.args \
+                or not isinstance(n.args[0], torch.fx.Node):
+            return False
+        n = n.args[0]
     return True
 
 

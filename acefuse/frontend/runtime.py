@@ -12,6 +12,14 @@ rolling loop, split), so whether the fused axis fits one tile needs no new kerne
 Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
 run in torch, with one warning line naming the region, its source line and why.
 
+Dtypes (inference): a region's kernel reads float16/bfloat16 inputs in their own type (widened
+on load, exactly) and writes each output in the type eager gives it; a computed value that
+eager rounds to float16/bfloat16 (``.to(input_dtype)``, a bf16 residual read back in float32,
+a bf16 output) is rounded by the program at that point (``af.cast``, bit-exact), so no
+widened copy or float32 intermediate is made around the call (``Imported.direct_plan``).
+What a call does is worked out on its first call and reused (shapes and dtypes are part of
+the specialisation).
+
 ``Backend(inner="inductor")`` (the default on CUDA) hands each specialised graph to Inductor
 with every region one opaque ``acefuse::region`` op (acefuse.frontend.inductor); the text below
 describes ``inner="eager"``, where torch runs the rest of the graph op by op.
@@ -66,11 +74,37 @@ class CompiledRegion(torch.nn.Module):
         self.kernel_error = None
         self.calls = {"kernel": 0, "grad": 0, "torch": 0}
         self._fd = None               # the compute dtype: fixed per specialisation (dtypes are in the signature)
+        self._plan = False            # the plain kernel's call without widened copies (Imported.direct_plan)
 
     def _inputs(self, values):
         if self._fd is None:
             self._fd = self.imp.compute_dtype(values)
         return self.imp.program_inputs(values, self._fd)
+
+    def _run_plain(self, srcs):
+        """The plain kernel on these source values: float inputs read in their own types and each
+        output written in eager's (``Imported.direct_plan``), else through the widening adapters.
+        What a call does is worked out on the first one (shapes, dtypes and devices are fixed per
+        specialisation): which source feeds each input through which chain, and the launcher
+        called directly on the GPU (no per-call grad or empty-input checks: inputs are not empty
+        and grad mode is off here)."""
+        if self._plan is False:
+            values = dict(zip(self.imp.sources, srcs))
+            if self._fd is None:
+                self._fd = self.imp.compute_dtype(values)
+            plan = self.imp.direct_plan(values, self.kernel, self._fd)
+            if plan is not None:
+                chains, odt = plan
+                at = {s: i for i, s in enumerate(self.imp.sources)}
+                feeds = [(s, at[s.src], chains[s.name]) for s in self.imp.inputs]
+                run = self.kernel.module.run
+                fast = all(t.device.type == "cuda" and t.numel() for t in srcs if isinstance(t, torch.Tensor))
+                plan = (feeds, run if fast else self.kernel, {"out_dtypes": odt})
+            self._plan = plan
+        if self._plan is None:
+            return self.kernel(**self.imp.program_inputs(dict(zip(self.imp.sources, srcs)), self._fd))
+        feeds, run, kw = self._plan
+        return run(**{s.name: s.make(srcs[i], None, chain) for s, i, chain in feeds}, **kw)
 
     def _torch(self, srcs):
         self.calls["torch"] += 1
@@ -79,8 +113,8 @@ class CompiledRegion(torch.nn.Module):
     def forward(self, *srcs):
         if self.kernel is None:
             return self._torch(srcs)
-        values = dict(zip(self.imp.sources, srcs))
         if _needs_grad(srcs):
+            values = dict(zip(self.imp.sources, srcs))
             # (a parameter read inside the graph may require grad although no argument did
             # when the region was specialised: the differentiable kernel is built now)
             if self.grad is None and self.grad_error is None:
@@ -101,7 +135,7 @@ class CompiledRegion(torch.nn.Module):
             self.calls["grad"] += 1
             return tuple(self.imp.torch_outputs(outs))
         try:
-            outs = self.kernel(**self._inputs(values))
+            outs = self._run_plain(srcs)
         except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
             _warn(self.imp.nodes, f"its kernel failed at run time and is disabled ({type(e).__name__}: {e})")
             self.kernel, self.kernel_error = None, f"{type(e).__name__}: {_first(e)}"
