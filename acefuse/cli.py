@@ -3,6 +3,8 @@
     acefuse derive FILE.py [--json]      derivation of every program in FILE.py
     acefuse run FILE.py --check          compile, run on fresh random inputs, compare to float64
     acefuse prove [FILE.py] [--json]     prove every library rule (or the rules in FILE.py)
+    acefuse fuzz [--backward] [--minutes N] [--seed S] [--profile short|long]
+                                         the fuzzer (docs/fuzzing.md); --backward checks gradients
     acefuse explore [RULES.py] [--corpus DIR|builtin|examples] [--ablate NAME] [--json]
                                          effect of rules on a corpus of programs (docs/workbench.md)
     acefuse show FILE.py --program NAME --html OUT.html
@@ -169,6 +171,9 @@ def _main(argv=None) -> int:
     if argv and argv[0] == "prove":
         from acefuse.proofs.cli import main as prove_main
         return prove_main(argv[1:])
+    if argv and argv[0] == "fuzz":   # the fuzzer's own options (--backward: gradients), docs/fuzzing.md
+        from acefuse.fuzz import main as fuzz_main
+        return fuzz_main(argv[1:])
     ap = argparse.ArgumentParser(prog="acefuse", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -186,6 +191,8 @@ def _main(argv=None) -> int:
     r.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     r.add_argument("--axis", default=None)
     sub.add_parser("prove", help="prove every rule (or the rules in FILE.py)")
+    sub.add_parser("fuzz", help="random cascaded programs against a float64 reference (--backward: their "
+                                "gradients); acefuse fuzz --help")
     from acefuse.workbench import cli as wb
     wb.add_parsers(sub)
     args = ap.parse_args(argv)

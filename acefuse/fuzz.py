@@ -3,6 +3,7 @@ independent float64 reference, every schedule.
 
     python -m acefuse.fuzz --minutes 5 --seed 1 --profile short
     res = acefuse.fuzz.run(n_programs=10, seed=1); res.failures
+    python -m acefuse.fuzz --backward --programs 20    # gradients: acefuse/fuzz_backward.py
 
 **Generator.** A seeded generator builds each random program as a *pair*: the acefuse
 expression (``import acefuse as af``) and a node tree that this module evaluates
@@ -190,8 +191,17 @@ class Failure:
     def reproducer(self) -> str:
         call = (f"k = af.compile(prog)\nout = k(**inputs, schedule={self.schedule!r}, block_j={BLOCK_J}, "
                 f"nsplit={NSPLIT})" if self.schedule else "k = af.compile(prog)")
+        imp = "from acefuse.fuzz import make_inputs"
+        if self.inputs.startswith("make_grad_inputs"):   # the gradient mode (acefuse/fuzz_backward.py)
+            imp = "from acefuse.fuzz_backward import make_grad_inputs"
+            if self.schedule:
+                call = ("k = af.compile(prog)\nleaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}\n"
+                        f"out = k(**leaves, schedule={self.schedule!r}, block_j={BLOCK_J}, nsplit={NSPLIT})\n"
+                        "# then torch.autograd.grad(outputs, leaves, cotangents) against float64 autograd of the "
+                        "math (the fuzzer's cotangents: torch.randn(..., generator=torch.Generator()"
+                        ".manual_seed(seed + 1), dtype=torch.float64) per output in order)")
         return (f"# {self.cls} ({self.stage}){' output ' + self.output if self.output else ''}: {self.detail}\n"
-                f"{self.program}\nfrom acefuse.fuzz import make_inputs\ninputs = {self.inputs}\n{call}")
+                f"{self.program}\n{imp}\ninputs = {self.inputs}\n{call}")
 
 
 @dataclass
@@ -465,18 +475,30 @@ def programs(depth: int = 2):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m acefuse.fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=2.0)
+    ap = argparse.ArgumentParser(prog="acefuse fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="stop after this long (default: 2 minutes, or no limit with --programs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="short")
     ap.add_argument("--programs", type=int, default=None, help="stop after this many programs")
     ap.add_argument("--findings", default=None, help="append each distinct failure's reproducer to this file")
     ap.add_argument("--device", default="cpu", help="run the kernels here (cpu: Triton's interpreter; cuda)")
+    ap.add_argument("--backward", action="store_true",
+                    help="gradient mode: af.backward of each program, gradients against float64 torch "
+                         "autograd of the reference (acefuse/fuzz_backward.py)")
     args = ap.parse_args(argv)
+    if args.minutes is None and args.programs is None:
+        args.minutes = 2.0
     t0 = time.time()
-    res = run(n_programs=args.programs, seed=args.seed, profile=args.profile, minutes=args.minutes,
-              log=lambda s: print(s, flush=True), device=args.device)
-    print(f"\n== acefuse fuzz: seed {args.seed}, profile {args.profile}, {time.time() - t0:.0f}s ==")
+    if args.backward:
+        from acefuse import fuzz_backward
+        runner = fuzz_backward.run
+    else:
+        runner = run
+    res = runner(n_programs=args.programs, seed=args.seed, profile=args.profile, minutes=args.minutes,
+                 log=lambda s: print(s, flush=True), device=args.device)
+    print(f"\n== acefuse fuzz{' --backward' if args.backward else ''}: seed {args.seed}, profile {args.profile}, "
+          f"{time.time() - t0:.0f}s ==")
     print(res.summary())
     seen = set()
     for f in res.failures:

@@ -263,11 +263,45 @@ class _Ctx:
         # [R or 1, 1]: rows where a where() selects an infinite constant (a -inf mask): the
         # program brings in an infinity itself, which counts like an infinite input
         self.inf_sel = torch.zeros((1, 1), dtype=torch.bool)
+        # [R or 1, 1] (tracked runs only): rows where the program is at, or within float32's
+        # error bound of, a point where it is not differentiable (a comparison, a maximum, an
+        # abs or a max/min over j whose sides or candidates nearly tie): a kernel may take the
+        # other branch there, so the gradient of such a row is not comparable (gradient mode)
+        self.amb = torch.zeros((1, 1), dtype=torch.bool)
+        self.jiggle = None   # a torch.Generator: Monte Carlo arithmetic (see _Jiggle)
+
+    def near(self, d, a):
+        """[R or 1, 1]: rows where some entry of ``d`` (a difference whose exact value 0 is a
+        kink) is nonzero but within ``a`` (its running error bound's share) of 0."""
+        m = (d != 0) & (d.abs() <= C_A * U32 * a + 2 * TINY32)
+        m = m.any(dim=1, keepdim=True) if m.dim() == 2 else m.reshape(1, 1)
+        self.amb = self.amb | m
 
 
 def _clean(a, v):
     a = torch.nan_to_num(a, nan=0.0, posinf=1e300, neginf=0.0)
     return torch.where(torch.isfinite(v), a, torch.zeros_like(a))
+
+
+# operations that round in float32 (max, min, abs, negation and where are exact)
+_ROUNDING = ("add", "sub", "mul", "div", "exp", "log", "sqrt", "pow", "tanh", "sum")
+
+
+class _Jiggle(torch.autograd.Function):
+    """Monte Carlo arithmetic (Parker 1997) for the gradient oracle's float32 yardstick: the
+    identity, whose backward multiplies the adjoint by a random ``1 + d``, ``|d| <= u32`` (the
+    forward value is perturbed likewise by ``_evaluate``): a float64 evaluation with every
+    rounding of a float32 one emulated, forward and backward (per use of a value: the
+    contributions to an operand's adjoint, ``x - max_j x`` at the argmax, round apart)."""
+
+    @staticmethod
+    def forward(ctx, v, gen):
+        ctx.gen = gen
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 + U32 * (2 * torch.rand(g.shape, generator=ctx.gen, dtype=g.dtype) - 1)), None
 
 
 def _evaluate(node: N, ctx: _Ctx, pol=None):
@@ -282,6 +316,10 @@ def _evaluate(node: N, ctx: _Ctx, pol=None):
         r = (c, (torch.where(c == v, a, torch.zeros_like(a)) if a is not None else None))
     else:
         r = _eval1(node, ctx, pol)
+        if ctx.jiggle is not None and node.op in _ROUNDING:
+            v = r[0]
+            v = v * (1 + U32 * (2 * torch.rand(v.shape, generator=ctx.jiggle, dtype=v.dtype) - 1))
+            r = (_Jiggle.apply(v, ctx.jiggle), r[1])
     ctx.memo[key] = r
     return r
 
@@ -304,6 +342,8 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
         return v, (torch.zeros_like(v) if tr else None)
     kv = [_evaluate(k, ctx, p) for k, p in zip(n.kids, _kid_pols(n, pol))]
     vals = [x for x, _ in kv]
+    if ctx.jiggle is not None:   # each use's contribution to an operand's adjoint rounds on its own
+        vals = [_Jiggle.apply(x, ctx.jiggle) for x in vals]
     mags = [a for _, a in kv]
     for k, x in zip(n.kids, vals):
         if k.op == "sum":   # an infinite (or NaN) sum read further: the row is loose
@@ -360,12 +400,17 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
     elif op == "abs":
         v = vals[0].abs()
         a = mags[0] if tr else None
+        if tr:
+            ctx.near(torch.where(torch.isfinite(vals[0]), vals[0], torch.zeros_like(v)), mags[0])
     elif op == "tanh":
         v = torch.tanh(vals[0])
         a = ((1 - v * v) * mags[0] + v.abs()) if tr else None
     elif op == "max2":
         v = torch.maximum(vals[0], vals[1])
         a = torch.maximum(mags[0], mags[1]) if tr else None
+        if tr:
+            d = vals[0] - vals[1]
+            ctx.near(torch.where(torch.isfinite(d), d, torch.zeros_like(d)), mags[0] + mags[1])
     elif op == "where":
         l, r, p, q = vals
         c = {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge}[n.arg](l, r)
@@ -380,6 +425,9 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
             # (sides below float32's smallest normal may have underflowed to 0: also a tie)
             amb = ((l - r).abs() <= C_A * U32 * (mags[0] + mags[1]) + 2 * TINY32) & torch.isfinite(l) & torch.isfinite(r)
             a = torch.where(amb, torch.maximum(mags[2], mags[3]) + (p - q).abs() / U32, a)
+            if _reads_input(n.kids[0]) or _reads_input(n.kids[1]):
+                fin = torch.isfinite(l) & torch.isfinite(r)
+                ctx.near(torch.where(fin, l - r, torch.zeros_like(l - r)), mags[0] + mags[1])
     elif op in ("sum", "max", "min"):
         x = vals[0]
         if op == "sum":
@@ -388,6 +436,10 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
         else:
             v = (x.amax if op == "max" else x.amin)(dim=1, keepdim=True)
             a = mags[0].amax(dim=1, keepdim=True) if tr else None
+            if tr:   # a runner-up within the error bound of the extremum: the argmax may move
+                tol = C_A * U32 * a + 2 * TINY32
+                close = ((x - v).abs() <= tol) & torch.isfinite(v)
+                ctx.amb = ctx.amb | ((close & (x != v)).any(dim=1, keepdim=True))
     else:  # pragma: no cover
         raise AssertionError(f"fuzz reference: unknown node {op}")
     if tr:
@@ -395,15 +447,21 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
     return v, a
 
 
-def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, info=None):
+def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, info=None, grad=False,
+              jiggle=None):
     """{output: (value, error bound)} of the program pair's outputs on ``inputs``.
     ``info`` (a dict), if given, receives ``loose``: [R] bool, the rows where a sum over
     ``j`` that is +-inf or NaN is read by a further expression, or a max or min that is
     +-inf is added to values over ``j`` (see ``check_output``), and
     ``inf_sel``: the rows where a ``where`` selects an infinite constant (a -inf mask),
-    which count like rows whose inputs hold an infinity."""
-    with torch.no_grad():
+    which count like rows whose inputs hold an infinity, and (tracked runs) ``amb``: [R] bool,
+    the rows near a point where the program is not differentiable (``_Ctx.amb``).
+    ``grad=True``: recorded by torch autograd (inputs that require grad give outputs with a
+    ``grad_fn``: the gradient mode's reference, acefuse/fuzz_backward.py); ``jiggle`` (a
+    torch.Generator): every rounding of float32 emulated at random (``_Jiggle``)."""
+    with (torch.enable_grad() if grad else torch.no_grad()):
         ctx = _Ctx(inputs, dtype, track)
+        ctx.jiggle = jiggle
         res = {}
         for k, nd in outputs.items():
             v, a = _evaluate(nd, ctx)
@@ -419,7 +477,12 @@ def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, inf
             R = max(t.shape[0] if t.dim() == 2 else 1 for t in ctx.inputs.values())
             info["loose"] = ctx.loose[:, 0].expand(R).clone()
             info["inf_sel"] = ctx.inf_sel[:, 0].expand(R).clone()
+            info["amb"] = ctx.amb[:, 0].expand(R).clone()
         return res
+
+
+def _reads_input(n: N) -> bool:
+    return n.op == "in" or any(_reads_input(k) for k in n.kids)
 
 
 def _uses(n: N, name) -> bool:
