@@ -84,13 +84,14 @@ PROFILES = {"short": dict(depth=2, n_inputs=1, dtypes=(("float32", 1.0),)),
 class GradResult(Result):
     grad_checks: int = 0          # gradient tensors compared (per case, schedule and input)
     not_comparable: int = 0       # gradient entries skipped (see the module docstring)
+    compared: int = 0             # gradient entries compared
     refusals: dict = field(default_factory=dict)   # reason (first line) -> count
     worst: float = 0.0            # the largest error / tolerance of a passing comparison
 
     def summary(self) -> str:
         L = [f"programs {self.programs} (not fusible: {self.unfusible}), kernel runs {self.kernel_runs}, "
              f"gradient checks {self.grad_checks}, wrong results {self.wrong}, crashes {self.crashes}, "
-             f"refused {self.refused}, entries not comparable {self.not_comparable}, "
+             f"refused {self.refused}, entries compared {self.compared}, not comparable {self.not_comparable}, "
              f"worst error/tolerance {self.worst:.3g}"]
         for k, v in sorted(self.by_class.items()):
             L.append(f"  {k}: {v}")
@@ -239,6 +240,7 @@ class GradVerdict:
     detail: str = ""
     skipped: int = 0
     worst: float = 0.0
+    compared: int = 0
 
 
 def check_grad(got, g64, g32, dtype: str, amb_rows=None, dmc=None, gabs=None) -> GradVerdict:
@@ -274,14 +276,14 @@ def check_grad(got, g64, g32, dtype: str, amb_rows=None, dmc=None, gabs=None) ->
     bad = nonfin | wrong
     worst = float((err / tol).max()) if err.numel() else 0.0
     if not bad.any():
-        return GradVerdict(True, skipped=skipped, worst=worst)
+        return GradVerdict(True, skipped=skipped, worst=worst, compared=int(comparable.sum()))
     cls = "nonfinite-where-finite" if nonfin.any() else "wrong-grad"
     idx = tuple(int(i) for i in bad.nonzero()[0])
     at = idx if g64.dim() == 2 else idx[1:]
     detail = (f"at {at}: kernel {float(gr[idx])!r}, float64 autograd {float(rows[idx])!r}, float32 autograd "
               f"{float(r32[idx])!r}, tolerance {float(tol[idx]):.3g}; {int(bad.sum())} of {int(comparable.sum())} "
               f"comparable entries wrong")
-    return GradVerdict(False, cls, detail, skipped, worst)
+    return GradVerdict(False, cls, detail, skipped, worst, int(comparable.sum()))
 
 
 def _backward_refusal(exc) -> str | None:
@@ -410,6 +412,7 @@ def run_grad_program(outputs: dict, w_axes, cases: list, res: GradResult, log=pr
                 gk = torch.zeros_like(leaves[n]) if gk is None else gk
                 v = check_grad(gk, g64[n], g32[n], dt, amb, dmc[n], gabs[n])
                 res.not_comparable += v.skipped
+                res.compared += v.compared
                 if v.ok:
                     res.worst = max(res.worst, v.worst)
                 if not v.ok:

@@ -135,7 +135,7 @@ def _checked(wrap=None, cases=None):
 
 def test_oracle_passes_the_true_gradient():
     res = _checked()
-    assert res.ok and res.grad_checks == 1 and res.not_comparable == 0, res.summary()
+    assert res.ok and res.grad_checks == 1 and res.compared == 60 and res.not_comparable == 0, res.summary()
 
 
 @pytest.mark.parametrize("wrong", [_Scale, _Flip], ids=["scaled-1.01", "transposed"])
