@@ -3,6 +3,8 @@ torch.compile, in one run, on the same inputs, beside the measured copy bandwidt
 
     python benchmarks/bench_quant.py [--rows 16384 --cols 8192] [--out results.json]
     python benchmarks/bench_quant.py --cpu-smoke      # tiny size through Triton's interpreter
+    ACEFUSE_NATIVE=0 python benchmarks/bench_quant.py # the emulated casts on the GPU too (the
+                                                      # interpreter's path), to compare
 
 Timed through the generated module's own launcher (``run``), as the other benchmarks do.
 Bytes counted per call (each input read once, each output written once): x (rows * cols *

@@ -48,6 +48,9 @@ def bcast(e, shape, target):
 
 
 _RN_OPS = frozenset(("Div", "Sqrt", "Rsqrt"))
+# the module header's helper that rounds a float32 value into each float format (codegen/row.py)
+_ROUND_HELPER = {"float8_e4m3fn": "_rnd_e4m3", "float8_e5m2": "_rnd_e5m2", "float16": "_rnd_f16",
+                 "bfloat16": "_rnd_bf16"}
 
 
 def _rounds_differently(t: Term) -> bool:
@@ -181,7 +184,13 @@ class Emitter:
             if op == "Div":
                 # correctly rounded, as torch divides (Triton's `/` is div.full.f32 on the GPU,
                 # off by up to 2 ulp: a cast of x / scale then differs from torch's)
-                if ctx.from_reduction(t.args[1]):
+                z = ctx.from_reduction(t.args[1])
+                if sb == "row" and s in ("tile", "col") and getattr(ctx, "row_division", False) \
+                        and not hasattr(ctx, "join"):
+                    # one divisor per row: its reciprocal once per row, a product and three FMAs per element
+                    # (Markstein's correction; row.py _div_row), still correctly rounded
+                    return self.bind(f"_div_row({a2}, {b2}, {z})", s)
+                if z:
                     return self.bind(f"_div0({a2}, {b2})", s)
                 return self.bind(f"tl.div_rn({a2}, {b2})", s)
             return self.bind(f"{a2} {_BIN[op]} {b2}", s)
@@ -315,34 +324,22 @@ class Emitter:
         raise CodegenError(f"no Triton lowering for `{pretty(t)}`")
 
     def _float_cast(self, a, sa, arg, dtype):
-        """``a`` rounded to a float format in float32 arithmetic, exactly (bit-exact with torch's
-        ``.to()``; rewrite/terms.py FLOAT_CASTS). Conversion instructions are not used: Triton's
-        interpreter truncates (bfloat16) or wraps (float8) and GPUs saturate differently, so the
-        rounding is emulated: scale by a power of two so that the format's spacing at |a| is 1,
-        round to nearest even with the 1.5 * 2**23 constant (exact for values below 2**22), scale
-        back; bfloat16 (float32's exponent range) rounds the bits instead. The sign is copied
-        bitwise (-0.0 and negative values that round to zero keep it)."""
+        """``a`` rounded to a float format, exactly as torch's ``.to()`` (rewrite/terms.py
+        FLOAT_CASTS), as a float32 value: ``_rnd_<format>`` (codegen/row.py's module header) uses
+        the hardware conversion when the module is compiled for an NVIDIA GPU (``NATIVE``), with
+        the fix-ups that make it torch's, and otherwise emulates the rounding in float32/int32
+        arithmetic (Triton's interpreter truncates bfloat16 and wraps float8). The operand is
+        remembered, so that a float8 output is converted from it once (``RowGen.stored``)."""
         if dtype == "float32":
             return a, sa   # kernels compute in float32: the value is already rounded
-        p, emin, top, over = FLOAT_CASTS[dtype]
-        b = lambda e, h="u": self._once(e, sa, h)   # noqa: E731
+        _, _, top, over = FLOAT_CASTS[dtype]
         self.comment(f"cast({pretty(arg)}, {dtype!r}): round to nearest even into the format; past "
                      f"{top:g}: {'saturate' if over == 'sat' else 'inf'}; NaN stays NaN")
-        bits = b(f"({a}).to(tl.int32, bitcast=True)", "cb")
-        mb = b(f"{bits} & 2147483647", "cb")
-        if dtype == "bfloat16":
-            rb = b(f"({mb} + 32767 + (({mb} >> 16) & 1)) & -65536", "cb")
-            # NaN stays NaN: quieted, so that its upper 16 bits are a NaN too (a payload only in
-            # the low bits would read as inf)
-            r = b(f"tl.where({mb} > 2139095040, {mb} | 4194304, {rb})", "cb")
-        else:
-            ex = b(f"tl.maximum(({mb} >> 23) - 127, {emin})", "cb")
-            n = b(f"({mb}).to(tl.float32, bitcast=True) * (({p + 127} - {ex}) << 23).to(tl.float32, bitcast=True)")
-            rn = b(f"({n} + 12582912.0) - 12582912.0")
-            r = b(f"{rn} * (({ex} + {127 - p}) << 23).to(tl.float32, bitcast=True)")
-            big = repr(top) if over == "sat" else "float('inf')"
-            r = b(f"tl.where({r} > {top!r}, {big}, {r}).to(tl.int32, bitcast=True)", "cb")
-        return self.bind(f"({r} | ({bits} & -2147483648)).to(tl.float32, bitcast=True)", sa)
+        out = self.bind(f"{_ROUND_HELPER[dtype]}({a})", sa)
+        src = getattr(getattr(self.ctx, "g", None), "cast_src", None)
+        if src is not None:
+            src[out[0]] = (a, dtype)
+        return out
 
     def _once(self, expr, shape, hint):
         """A temporary for ``expr``, shared by every use in this region (a guard or a

@@ -34,6 +34,22 @@ import triton
 import triton.language as tl
 
 
+def _native():
+    # compiled for an NVIDIA GPU of compute capability >= 9.0, not run by Triton's interpreter
+    # (decided when this module is imported, as triton.jit decides): casts then use the
+    # hardware conversions (Triton lowers float32 -> float8 there to one cvt.rn.satfinite; on
+    # sm_89 it would round through float16 first), float8 inputs are converted natively
+    # (ACEFUSE_NATIVE=0 keeps the emulated path on the GPU too: to compare the two)
+    import os
+    knobs = getattr(triton, "knobs", None)
+    interp = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(not interp and os.environ.get("ACEFUSE_NATIVE", "1") != "0" and torch.cuda.is_available()
+                and torch.version.cuda and torch.cuda.get_device_capability() >= (9, 0))
+
+
+NATIVE = tl.constexpr(_native())   # the `if NATIVE:` branches of the helpers below
+
+
 @triton.jit
 def _fin_max(m):
     # an empty max (every element -inf: a fully masked block) bounds a shift as 0
@@ -65,10 +81,50 @@ def _div0(a, b):
 
 
 @triton.jit
+def _div_row(a, b, ZERO0: tl.constexpr):
+    # a / b correctly rounded (exactly tl.div_rn) where b is one value per row ([BLOCK_R, 1]):
+    # per row y = RN(1/b), yd = RD(1/b) and yl = (1 - b*yd)*yd >= 0, so that yd + yl = 1/b to
+    # ~2^-46; per element three FMAs and a product:
+    #   q0 = a*yd + a*yl   within half an ulp of a/b plus ~2^-22 ulp: a faithful quotient
+    #   e  = b*q0 - a      exact (the remainder of a faithful quotient is representable)
+    #   q  = q0 - e*y      = RN(a/b): Markstein's theorem (P. Markstein, IBM J. Res. Dev. 34(1),
+    #                      1990; Muller et al., Handbook of Floating-Point Arithmetic, "Newton-
+    #                      Raphson-based division with an FMA"): y within half an ulp of 1/b and
+    #                      q0 within one ulp of a/b give RN(q0 + (a - b*q0)*y) = RN(a/b), barring
+    #                      underflow and overflow
+    # (RN(a*y) alone is not always faithful, so yl is needed.) The theorem's conditions hold
+    # where 2^-64 <= b <= 2^64 and lo = max(2^-100, b*2^-98) <= |a| <= hi = b*2^124: every
+    # intermediate is normal, |a/b| in [2^-98, 2^124], the remainder exact. a = +-0 gives the
+    # signed zero (yl >= 0 and b > 0 keep the sign through every step) and NaN propagates,
+    # so neither needs a fix-up. Elsewhere (a tiny or huge a, an infinite a; a row whose b is
+    # <= 0, tiny, huge, infinite or NaN) the tile takes tl.div_rn: a branch taken only when
+    # some element of the tile needs it (a select would evaluate div_rn on every element)
+    y = tl.div_rn(1.0, b)
+    yd = tl.where(tl.fma(-b, y, 1.0) < 0.0, (y.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), y)
+    yl = tl.fma(-b, yd, 1.0) * yd
+    rbad = (b < 5.421010862427522e-20) | (b > 1.8446744073709552e19) | (b != b)
+    lo = tl.maximum(b * 3.1554436208840472e-30, 7.888609052210118e-31)
+    hi = tl.minimum(b * 2.1267647932558654e37, 3.4028234663852886e38)
+    q0 = tl.fma(a, yd, a * yl)
+    q = tl.fma(-tl.fma(q0, b, -a), y, q0)
+    aa = tl.abs(a)
+    bad = ((aa < lo) & (aa > 0.0)) | (aa > hi)
+    if tl.max(bad.to(tl.int32)) + tl.max(rbad.to(tl.int32)) > 0:
+        d = tl.div_rn(a, b)
+        if ZERO0:   # 0 / 0 -> 0 (_div0)
+            d = tl.where((a == 0.0) & (b == 0.0), 0.0, d)
+        q = tl.where(bad | rbad, d, q)
+    return q
+
+
+@triton.jit
 def _widen(v):
-    # a loaded value as float32; float8 is decoded from its bits (exact, NaN included:
-    # Triton's interpreter reads the e4m3fn NaN byte as 480)
-    if v.dtype == tl.float8e4nv:
+    # a loaded value as float32; float8 natively on the GPU (through float16: exact, NaN and
+    # infinities kept), else decoded from its bits (exact, NaN included: Triton's interpreter
+    # reads the e4m3fn NaN byte as 480)
+    if NATIVE:
+        return v.to(tl.float32)
+    elif v.dtype == tl.float8e4nv:
         b = v.to(tl.uint8, bitcast=True).to(tl.int32)
         e = (b >> 3) & 15
         m = b & 7
@@ -111,6 +167,89 @@ def _enc_e5m2(r):
 
 
 @triton.jit
+def _rnd_e4m3(a):
+    # a rounded to float8_e4m3fn (nearest even, subnormals; +-448 past the range, infinities
+    # included; NaN stays NaN: torch's .to()), as a float32 value
+    if NATIVE:
+        # cvt.rn.satfinite.e4m3x2.f32: the same rounding, saturation and NaN
+        return a.to(tl.float8e4nv).to(tl.float32)
+    else:
+        return _rnd_emul(a, 3, -6, 448.0, True)
+
+
+@triton.jit
+def _rnd_e5m2(a):
+    # a rounded to float8_e5m2 (nearest even, subnormals; +-inf past the range), as float32
+    if NATIVE:
+        # cvt.rn.satfinite.e5m2x2.f32 saturates to +-57344; torch overflows to +-inf from 61440
+        # (the midpoint to 2^16) on, infinities included
+        return tl.where(tl.abs(a) >= 61440.0, a * float("inf"), a.to(tl.float8e5).to(tl.float32))
+    else:
+        return _rnd_emul(a, 2, -14, 57344.0, False)
+
+
+@triton.jit
+def _rnd_f16(a):
+    # a rounded to float16 (nearest even, subnormals; +-inf past the range), as float32
+    if NATIVE:
+        return a.to(tl.float16).to(tl.float32)   # cvt.rn.f16.f32
+    else:
+        return _rnd_emul(a, 10, -14, 65504.0, False)
+
+
+@triton.jit
+def _rnd_bf16(a):
+    # a rounded to bfloat16 (nearest even, subnormals; +-inf past the range), as float32
+    if NATIVE:
+        return a.to(tl.bfloat16).to(tl.float32)   # cvt.rn.bf16.f32
+    else:
+        # float32's exponent range: round the bits; NaN stays NaN, quieted so that its upper
+        # 16 bits are a NaN too (a payload only in the low bits would read as inf)
+        bits = a.to(tl.int32, bitcast=True)
+        m = bits & 2147483647
+        r = tl.where(m > 2139095040, m | 4194304, (m + 32767 + ((m >> 16) & 1)) & -65536)
+        return (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rnd_emul(a, P: tl.constexpr, EMIN: tl.constexpr, TOP: tl.constexpr, SAT: tl.constexpr):
+    # rounding emulated in float32/int32 arithmetic, exact on the interpreter and on GPUs: scale
+    # |a| by a power of two so that the format's spacing at |a| is 1 (P mantissa bits, smallest
+    # normal exponent EMIN), round to nearest even with 1.5 * 2^23 (exact below 2^22), scale
+    # back; past TOP saturate (SAT) or give inf; the sign copied bitwise (-0.0 kept)
+    bits = a.to(tl.int32, bitcast=True)
+    m = bits & 2147483647
+    ex = tl.maximum((m >> 23) - 127, EMIN)
+    n = m.to(tl.float32, bitcast=True) * ((P + 127 - ex) << 23).to(tl.float32, bitcast=True)
+    r = ((n + 12582912.0) - 12582912.0) * ((ex + 127 - P) << 23).to(tl.float32, bitcast=True)
+    if SAT:
+        r = tl.where(r > TOP, TOP, r)
+    else:
+        r = tl.where(r > TOP, float("inf"), r)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _st_e4m3(a, r):
+    # the float8_e4m3fn byte of cast(a, e4m3fn), r being that cast's float32 value: on the GPU
+    # one conversion of a itself (the rounded r is then unused), else r's bits encoded
+    if NATIVE:
+        return a.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return _enc_e4m3(r)
+
+
+@triton.jit
+def _st_e5m2(a, r):
+    # the float8_e5m2 byte of cast(a, e5m2) (see _st_e4m3; overflow to +-inf as _rnd_e5m2)
+    if NATIVE:
+        byte = a.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(tl.abs(a) >= 61440.0, (byte & 128) | 124, byte).to(tl.uint8)
+    else:
+        return _enc_e5m2(r)
+
+
+@triton.jit
 def _tanh(a):
     # |a| < 0.3: odd Taylor series to a^11 (relative error < 1e-9; no cancellation);
     # otherwise (1 - e) / (1 + e) with e = exp(-2|a|) <= 0.55 (at most one bit cancels)
@@ -129,6 +268,9 @@ class Context:
     """Maps state references, counts, leaves and tensors to names in one code region."""
 
     nan_extrema = True   # max/min reductions and maximum/minimum propagate NaN (torch semantics)
+    # a division by one value per row uses _div_row (the contraction family's context, which
+    # joins shapes its own way, keeps tl.div_rn / _div0 until it is measured there)
+    row_division = True
 
     def __init__(self, gen, mode, tile=True):
         self.g = gen
@@ -246,6 +388,7 @@ class RowGen:
 
     def __init__(self, fusion, dtype_out_of=None, riders=None):
         self.f = fusion
+        self.cast_src = {}   # {name of a float cast's value: (its operand, format)} (Emitter._float_cast)
         # {name: body}: sums over every row axis of bodies elementwise over (rows, fused axis),
         # computed beside the program's own outputs by the persistent single-tile kernel
         # (``kernel_riders``): a weight's gradient read in the same pass as the input's
@@ -385,10 +528,10 @@ class RowGen:
         output is written as its bytes (through a uint8 view: no conversion instruction), an
         int8 output stores NaN as 0."""
         dt = self.store_dtypes().get(o)
-        if dt == "float8_e4m3fn":
-            return f"_enc_e4m3({v})"
-        if dt == "float8_e5m2":
-            return f"_enc_e5m2({v})"
+        if dt in ("float8_e4m3fn", "float8_e5m2"):
+            # converted from the cast's operand when v is that cast (one conversion on the GPU)
+            a, cdt = self.cast_src.get(v, (v, dt))
+            return f"_st_{dt[7:11]}({a if cdt == dt else v}, {v})"
         if dt == "bfloat16":   # the bits (the interpreter's conversion loses subnormals)
             return f"(({v}).to(tl.int32, bitcast=True) >> 16).to(tl.int16)"
         if dt == "index":   # an int64 index (argmax/argmin); an undefined one (NaN) is -1

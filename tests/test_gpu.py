@@ -217,3 +217,139 @@ def test_mask_gallery_on_gpu(name, dtype):
         assert out.dtype == dtype and not torch.isnan(out).any(), (name, sched)
         err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
         assert err < TOL[dtype], (name, dtype, sched, err)
+
+
+# ---- issue 14: quantization at copy bandwidth: hardware casts and the per-row division ------------
+# (compiled here through af.compile: the GPU script installs egglog; compare with the interpreter's
+# emulated path, checked bit for bit on the CPU by tests/test_quant.py)
+def _native_ok():
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _corner_floats(n, seed):
+    """float32 values of every kind (random bit patterns, normal values at all scales) with the
+    corners of each format at the front: NaN, +-inf, -0.0, past the largest finite value (448,
+    464, 480, 500, 1e30; 57344, 61439.996, 61440, 65504, 65520), subnormals of each format and
+    exact ties between two neighbours."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_quant import _random_floats
+    x = _random_floats((n,), torch.Generator().manual_seed(seed))
+    fixed = [math.nan, -math.nan, math.inf, -math.inf, -0.0, 0.0, 448.0, -448.0, 449.0, 463.99997, 464.0, 464.00003,
+             479.99997, 480.0, 500.0, -500.0, 1e30, -1e30, 3.4e38, 57344.0, 61439.996, 61440.0, -61440.0, 65504.0,
+             65519.996, 65520.0, 2.0 ** -6, 2.0 ** -7, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, 5 * 2.0 ** -11,
+             2.0 ** -14, 2.0 ** -16, 2.0 ** -17, 3 * 2.0 ** -18, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1e-40, -1e-45,
+             1.0625, 1.1875, -1.0625, 1.125, 1.25 + 2.0 ** -4, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11,
+             1.0 + 3 * 2.0 ** -11, 2.5, -3.5, 127.5, -128.5]
+    x[:len(fixed)] = torch.tensor(fixed)
+    return x
+
+
+def test_quant_module_takes_the_native_path():
+    import acefuse as af
+    if not _native_ok():
+        pytest.skip("hardware float8 conversions need compute capability >= 9.0 (the emulated path runs)")
+    k = af.compile(af.program("native_probe", y=af.cast(af.tensor("x", "r j") * 1.0, "float8_e4m3fn")))
+    assert bool(k.kernel.module.NATIVE), "NATIVE is False on a CUDA GPU of compute capability >= 9.0"
+
+
+@pytest.mark.parametrize("schedule", ["single", "loop", "split"])
+def test_cast_native_path_is_bit_exact_with_torch(schedule):
+    """Every float cast on the native path (hardware conversions with fix-ups), stored in its
+    format (``c_``, one conversion of the operand) and as a float32 value (``v_``), bit for bit:
+    torch's .to() for float16/bfloat16/e5m2, and for e4m3fn the documented saturation (torch
+    2.13's .to(); torch 2.11's CUDA cast gives NaN from 480 on, so its target is clamped)."""
+    import acefuse as af
+    x = af.tensor("x", "r j")
+    fmts = ("float8_e4m3fn", "float8_e5m2", "float16", "bfloat16")
+    outs = {f"c_{f}": af.cast(x * 1.0, f) for f in fmts}
+    outs.update({f"v_{f}": af.cast(x * 1.0, f) * 1.0 for f in fmts})
+    outs["n"] = af.sum(x * 0.0 + 1.0, "j")
+    k = af.compile(af.program("casts_native", **outs))
+    xv = _corner_floats(64 * 999, 14).reshape(64, 999).cuda()
+    kw = {} if schedule == "single" else {"block_j": 128, **({"nsplit": 3} if schedule == "split" else {})}
+    out = k(x=xv, schedule=schedule, **kw)
+    for f in fmts:
+        src = torch.where(xv.isnan(), xv, xv.clamp(-448.0, 448.0)) if f == "float8_e4m3fn" else xv
+        want = src.to(getattr(torch, f))
+        got = out[f"c_{f}"]
+        assert got.dtype == want.dtype
+        nan = want.float().isnan()
+        bad = (got.float().isnan() != nan) | (~nan & (got.view(torch.uint8 if got.element_size() == 1 else torch.int16)
+                                                     != want.view(torch.uint8 if want.element_size() == 1 else torch.int16)))
+        assert not bad.any(), (f, schedule, int(bad.sum()), xv[bad][:6].tolist(), got[bad][:6].float().tolist())
+        v, wf = out[f"v_{f}"], want.float()
+        bad = (v.isnan() != wf.isnan()) | (~wf.isnan() & (v.view(torch.int32) != wf.view(torch.int32)))
+        assert not bad.any(), (f, "value", schedule, int(bad.sum()), xv[bad][:6].tolist(), v[bad][:6].tolist())
+
+
+QUANT_ROWS = 300
+
+
+def test_quant_native_path_matches_torch():
+    """examples/quant.py (fp8 e4m3, e5m2, int8) on the GPU: q bit-exact with torch's cast of
+    x / scale (tensor division: IEEE on CUDA) on random data at several scales, rows with
+    zeros, NaN, infinities and subnormals, bfloat16 and float32 inputs; float8 inputs (every
+    byte) are read exactly."""
+    import runpy
+    import acefuse as af
+    ex = runpy.run_path(str(KDIR.parent.parent / "examples" / "quant.py"))
+    g = torch.Generator().manual_seed(14)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(QUANT_ROWS, 8192, generator=g) * torch.exp(torch.randn(QUANT_ROWS, 1, generator=g) * 4)).to(dtype)
+        x[0] = 0.0
+        x[1, :3] = torch.tensor([math.nan, 1.0, 2.0])
+        x[2, 5], x[3, 6], x[4, 7:9] = math.inf, -math.inf, torch.tensor([1e-40, -1e-39])
+        x[5] = _corner_floats(8192, 3).to(dtype)
+        x = x.cuda()
+        for name, fmt in (("quant_fp8", torch.float8_e4m3fn), ("quant_e5m2", torch.float8_e5m2), ("quant_int8", None)):
+            for sched, kw in ((None, {}), ("loop", {"block_j": 1024})):
+                out = af.compile(ex[name])(x=x, schedule=sched, **kw)
+                s = out["scale"]
+                ref = (x.float().abs().amax(1).double() / {"quant_fp8": 448.0, "quant_e5m2": 57344.0,
+                                                           "quant_int8": 127.0}[name]).float()
+                assert torch.equal(s.isnan(), ref.isnan()) and torch.equal(s[~ref.isnan()], ref[~ref.isnan()])
+                v = x.float() / s[:, None]
+                if fmt is None:
+                    want = torch.where(v.isnan(), 0.0, v.round().clamp(-127, 127)).to(torch.int8)
+                else:
+                    want = (torch.where(v.isnan(), v, v.clamp(-448.0, 448.0)) if fmt == torch.float8_e4m3fn else v).to(fmt)
+                zero = (s == 0)[:, None]
+                wb = torch.where(zero, 0, want.view(torch.uint8).int())
+                gb = out["q"].view(torch.uint8).int()
+                nan = want.float().isnan() & ~zero
+                bad = (gb != wb) & ~(nan & out["q"].float().isnan())
+                assert not bad.any(), (name, dtype, sched, int(bad.sum()), x[bad][:5].tolist(), v[bad][:5].tolist())
+    xb = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64).cuda()
+    k = af.compile(af.program("widen_native", y=af.tensor("x", "r j") * 1.0))
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got, want = k(x=xb.view(dt)), xb.view(dt).float()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            torch.where(want.isnan(), 0, got.view(torch.int32)), torch.where(want.isnan(), 0, want.view(torch.int32))), dt
+
+
+def test_div_by_a_row_value_is_bit_exact_with_torch():
+    """x / s (one s per row: RN(1/s) once per row, Markstein's correction per element) against
+    torch's float32 division on CUDA (IEEE): the hardest quotients (within ~2^-48 of a
+    midpoint), every kind of dividend, and divisors outside the fast path's range."""
+    import sys
+    import numpy as np
+    import acefuse as af
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_quant import _near_midpoints, _hard_mantissas
+    rng = np.random.default_rng(14)
+    rows, cols = 256, 4096
+    a, b = _near_midpoints(rng, rows, cols)
+    a = torch.from_numpy(a)
+    a[rows // 2:] = torch.from_numpy((_hard_mantissas(rng, rows // 2 * cols) * np.exp2(rng.integers(-60, 60, rows // 2 * cols))
+                                      ).astype(np.float32)).reshape(rows // 2, cols)
+    a[rows - 16:] = _corner_floats(16 * cols, 7).reshape(16, cols)
+    special = [0.0, -0.0, -3.0, 2.0 ** -64, 2.0 ** 64, 1e-40, 3e38, math.inf, math.nan, -1e-30, 2.0 ** -70, 2.0 ** 70]
+    b[rows - len(special):] = special
+    s = torch.from_numpy(b)
+    x, s = a.cuda(), s.cuda()
+    k = af.compile(af.program("divrow_native", y=af.tensor("x", "r j") / af.tensor("s", "r")))
+    for sched, kw in ((None, {}), ("single", {"block_r": 1}), ("loop", {"block_j": 512})):
+        got, want = k(x=x, s=s, schedule=sched, **kw), x / s[:, None]
+        bad = (got.isnan() != want.isnan()) | (~want.isnan() & (got.view(torch.int32) != want.view(torch.int32)))
+        assert not bad.any(), (sched, int(bad.sum()), x[bad][:4].tolist(), got[bad][:4].tolist(), want[bad][:4].tolist())
