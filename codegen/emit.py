@@ -302,24 +302,20 @@ class Emitter:
             return self.bind(f"tl.ceil({a})", sa)
         if op == "Round":
             # ties to even: f = floor(a), d = a - f (exact); up when d > 1/2, or d == 1/2 and f is odd
-            self.comment(f"round({pretty(arg)}): to nearest, ties to even")
-            f = b(f"tl.floor({a})")
-            d = b(f"{a} - {f}")
-            h = b(f"{f} * 0.5")
-            r = b(f"tl.where(({d} > 0.5) | (({d} == 0.5) & (tl.floor({h}) != {h})), {f} + 1.0, {f})")
-            return self.bind(f"tl.where({r} == 0.0, {a} * 0.0, {r})", sa)   # -0.3 rounds to -0.0, as torch
+            self.comment(f"round({pretty(arg)}): to nearest, ties to even (-0.3 rounds to -0.0, as torch)")
+            return self.bind(f"_rint({a})", sa)
         if op == "Cast" and t.args[1] in FLOAT_CASTS:
             return self._float_cast(a, sa, arg, t.args[1])
         if op == "Cast" and t.args[1] in SATURATING:
             lo, hi = SATURATING[t.args[1]]
             self.comment(f"cast({pretty(arg)}, {t.args[1]!r}): truncate toward zero, saturate to "
                          f"{lo:g}..{hi:g}; NaN stays NaN")
-            tr = b(f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))")
+            tr = b(f"_trunc({a})")
             return self.bind(f"tl.where({tr} != {tr}, {tr}, tl.minimum(tl.maximum({tr}, {lo!r}), {hi!r}))", sa)
         if op == "Cast":
             lim = CAST_LIMITS[t.args[1]]
             self.comment(f"cast({pretty(arg)}, {t.args[1]!r}): truncate toward zero; NaN outside the type")
-            tr = b(f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))")
+            tr = b(f"_trunc({a})")
             return self.bind(f"tl.where(({tr} >= {-lim!r}) & ({tr} < {lim!r}), {tr}, float('nan'))", sa)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}`")
 

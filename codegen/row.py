@@ -32,6 +32,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def _native():
@@ -48,6 +49,30 @@ def _native():
 
 
 NATIVE = tl.constexpr(_native())   # the `if NATIVE:` branches of the helpers below
+
+
+@triton.jit
+def _rint(a):
+    # round to nearest, ties to even, the sign of a zero result kept (torch.round): one
+    # instruction on the GPU; in the interpreter f = floor(a), d = a - f (exact), up when
+    # d > 1/2, or d == 1/2 and f is odd
+    if NATIVE:
+        return libdevice.rint(a)
+    else:
+        f = tl.floor(a)
+        d = a - f
+        h = f * 0.5
+        r = tl.where((d > 0.5) | ((d == 0.5) & (tl.floor(h) != h)), f + 1.0, f)
+        return tl.where(r == 0.0, a * 0.0, r)
+
+
+@triton.jit
+def _trunc(a):
+    # round toward zero (an integer cast's truncation), the sign of zero kept
+    if NATIVE:
+        return libdevice.trunc(a)
+    else:
+        return tl.where(a < 0, tl.ceil(a), tl.floor(a))
 
 
 @triton.jit
@@ -106,7 +131,9 @@ def _div_row(a, b, ZERO0: tl.constexpr):
     lo = tl.maximum(b * 3.1554436208840472e-30, 7.888609052210118e-31)
     hi = tl.minimum(b * 2.1267647932558654e37, 3.4028234663852886e38)
     q0 = tl.fma(a, yd, a * yl)
-    q = tl.fma(-tl.fma(q0, b, -a), y, q0)
+    # (the remainder times -y, not -(remainder) times y: Triton's negation is 0 - x, which
+    # turns the remainder -0 * b + 0 = +0 of a = -0 into +0 and the quotient into +0; found on an H100)
+    q = tl.fma(tl.fma(q0, b, -a), -y, q0)
     aa = tl.abs(a)
     bad = ((aa < lo) & (aa > 0.0)) | (aa > hi)
     if tl.max(bad.to(tl.int32)) + tl.max(rbad.to(tl.int32)) > 0:
