@@ -149,7 +149,12 @@ def get_grad_kernel(prog, kernel, wrt=None):
     else:
         try:
             bwd = backward(prog, wrt=None if wrt is None else sorted(wrt))
-            bk = BackwardKernel(bwd, [compile_stage(s, get_kernel) for s in bwd.stages])
+            kernels = [compile_stage(s, get_kernel) for s in bwd.stages]
+            # a stage of sums over rows (a norm's weight gradient) rides the pass of the stage
+            # fused over the feature axis where both were compiled here (codegen/riders.py;
+            # kernels loaded from the disk index keep their stages apart)
+            from acefuse.codegen.riders import attach
+            bk = BackwardKernel(bwd, kernels, attach(bwd.stages, kernels))
             dk._aug = kernel if bwd.augmented is prog else get_kernel(bwd.augmented)
             dk._bwd, dk._bwd_kernel = bwd, bk
         except Exception as e:  # noqa: BLE001 - reported as the region's reason to run in torch
