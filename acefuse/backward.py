@@ -70,7 +70,10 @@ from acefuse.backward_normal import (RED, ZERO, ONE, _val, num, neg, add, sub, m
 # wherever it exists (torch's convention for floor/ceil/round)
 NO_ADJOINT = ("Num", "Size", "Idx", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe",
               "LAnd", "LOr", "LNot", "Floor", "Ceil", "Round") + INT_OPS
-_PREFIX = {"RMax": "m", "Sum": "s", "RMin": "mn"}   # saved names; "v" for other values
+_PREFIX = {"RMax": "m", "Sum": "s", "RMin": "mn"}
+# the relative distance to a saved max/min within which a recomputed element counts as a hit
+# (64 float32 ulps: a recomputation in another fused form lands within a few of the forward's)
+EXT_REL = 2.0 ** -17   # saved names; "v" for other values
 
 
 class BackwardError(LanguageError):
@@ -428,7 +431,17 @@ class _Deriv:
         if op in ("RMax", "RMin"):
             def dext():
                 axis = args[0].args[0]
-                hit = _cmp("CmpEq", P(args[1]), P(t))
+                body, ext = P(args[1]), P(t)
+                if args[1].op in ("In", "Take"):   # the data itself: the extremum is one of its values
+                    hit = _cmp("CmpEq", body, ext)
+                else:
+                    # a computed body is recomputed by the backward, which need not reproduce the
+                    # forward's value bit for bit (another fused form: max_j of a softmax over a
+                    # cascade): an element within EXT_REL of the saved extremum is a hit (values
+                    # float32 cannot tell apart from it share the adjoint, as ties do)
+                    slack = mul(Term("Abs", (ext,)), num(EXT_REL))
+                    hit = (_cmp("CmpGe", body, sub(ext, slack)) if op == "RMax"
+                           else _cmp("CmpLe", body, add(ext, slack)))
                 return where(hit, div(g, rsum(axis, where(hit, ONE, ZERO))), ZERO)
             return [(args[1], dext)]
         raise BackwardError(f"program {self.prog.name!r}: no derivative for operator {op!r} in "
