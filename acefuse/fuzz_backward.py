@@ -38,7 +38,7 @@ Carlo float32 emulations of it (``fuzz_ref._Jiggle``), ``gabs`` the absolute sen
 ``w`` over ``"j"``):
 
     |got - g64| <= RTOL |g64| + STOL s + 16 max_row |g32 - g64| + 16 max_row gmc
-                   + 16 u32 gabs + tiny
+                   + 16 u32 gabs + (the spacing of the input type's subnormals)
 
 (RTOL, STOL) = (1e-4, 1e-5) for float32, (2e-3, 1e-3) float16, (1.6e-2, 4e-3) bfloat16,
 as tests/test_grad_props.py. The float32 term is what float32 evaluation of the program as
@@ -262,7 +262,8 @@ def check_grad(got, g64, g32, dtype: str, amb_rows=None, dmc=None, gabs=None) ->
     z = torch.zeros_like(rows)
     scale = torch.where(fin, rows.abs(), z).amax(dim=1, keepdim=True)
     d32 = torch.where(fin & torch.isfinite(r32), (r32 - rows).abs(), z).amax(dim=1, keepdim=True)
-    tol = rtol * rows.abs() + stol * scale + K32 * d32 + 1e-30
+    fi = torch.finfo(DTYPES[dtype])   # the gradient is stored in the input's type: its subnormal
+    tol = rtol * rows.abs() + stol * scale + K32 * d32 + fi.tiny * fi.eps + 1e-30   # spacing
     if gabs is not None:
         ga = gabs.to(torch.float64) if g64.dim() == 2 else gabs.to(torch.float64)[None, :]
         tol = tol + KABS * U32 * torch.where(torch.isfinite(ga), ga, z)
