@@ -370,7 +370,12 @@ def run_grad_program(outputs: dict, w_axes, cases: list, res: GradResult, log=pr
         r64 = reference(outputs, exact, torch.float64, track=True, info=info)
         r32 = reference(outputs, exact, torch.float32)
         cg = torch.Generator().manual_seed(case["seed"] + 1)
-        cots = {o: torch.randn(tuple(r64[o][0].shape), generator=cg, dtype=torch.float64) for o in names}
+        # the cotangents the kernel is given are rounded to its output type (the input type):
+        # the references start from those same rounded values (an H100 run of the long profile
+        # reported bfloat16 gradients "wrong" by 10% where the unrounded cotangents cancelled)
+        ct = DTYPES[dt] if isinstance(dt, str) else dt
+        cots = {o: torch.randn(tuple(r64[o][0].shape), generator=cg, dtype=torch.float64).to(ct).to(torch.float64)
+                for o in names}
         g64 = reference_grads(outputs, exact, cots, torch.float64)
         g32 = reference_grads(outputs, exact, cots, torch.float32)
         gabs = abs_sensitivity(outputs, exact, cots)
