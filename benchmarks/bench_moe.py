@@ -7,10 +7,11 @@ torch.compile (softmax + torch.topk + renormalise), in one run, on the same inpu
     python benchmarks/bench_moe.py --out moe.json
 
 The acefuse kernels are regenerated from the programs (af.compile: derivation, certificate,
-codegen; cached by program) and timed through the generated module's own launcher. For
-k = 8 the program chooses on the logits (``softmax_topk(8, select="logits")``: the same experts
-and weights; the top-8 of the probabilities needs more than 24 GB of host memory to derive);
-deriving it takes about 2.5 minutes on the host CPU and 17 GB of host memory. Bytes counted per call, each once: the
+codegen; cached by program) and timed through the generated module's own launcher. The
+program is the routing written plainly, top-k of the probabilities (``softmax_topk(k)``): one
+pass over the experts (the selection runs on the logits, proofs/monotone.py; the k-candidate
+state's merge is proofs/topk.py's); ``--select logits`` times the program that chooses on the
+logits as written instead. Bytes counted per call, each once: the
 logits read (tokens * experts * element size), the weights written (tokens * k * element size)
 and the expert indices written (tokens * k * 8, int64 as torch.topk). GB/s is those bytes over
 the median time (triton.testing.do_bench on CUDA). Before timing, the experts must equal
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (GPU), or tiny sizes on the CPU")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--select", choices=["probs", "logits"], default="probs",
+                    help="top-k of the probabilities as written (default) or of the logits")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = args.device
@@ -91,9 +94,7 @@ def main():
     rows = []
     for k in [int(v) for v in args.k.split(",")]:
         t0 = time.perf_counter()
-        # k > 4 chooses on the logits (examples/moe.py: deriving top-8 of the probabilities needs
-        # more than 24 GB of host memory); the experts and weights are the same
-        select = "probs" if k <= 4 else "logits"
+        select = args.select
         kern = af.compile(moe["softmax_topk"](k, select=select))
         print(f"k = {k} (top-k of the {select}): derived, certified and generated in {time.perf_counter() - t0:.0f} s "
               f"({len(kern.fusion.passes)} passes over the experts; certificate "
