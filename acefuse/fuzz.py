@@ -220,6 +220,17 @@ class Result:
     def ok(self) -> bool:
         return not self.failures
 
+    def record(self, f, log=print):
+        """Count and log one failure (a crash class or a wrong result)."""
+        self.failures.append(f)
+        self.by_class[f.cls] = self.by_class.get(f.cls, 0) + 1
+        if f.cls.startswith("crash"):
+            self.crashes += 1
+        else:
+            self.wrong += 1
+        log(f"  FAIL {f.cls} [{f.stage}{' ' + f.schedule if f.schedule else ''}"
+            f"{' ' + f.output if f.output else ''}] {f.detail[:300]}")
+
     def summary(self) -> str:
         L = [f"programs {self.programs} (not fusible: {self.unfusible}), kernel runs {self.kernel_runs}, "
              f"wrong results {self.wrong}, crashes {self.crashes}, refused {self.refused}, "
@@ -270,14 +281,7 @@ def run_program(outputs: dict, w_axes, cases: list, res: Result, log=print, name
     res.programs += 1
 
     def fail(f: Failure):
-        res.failures.append(f)
-        res.by_class[f.cls] = res.by_class.get(f.cls, 0) + 1
-        if f.cls.startswith("crash"):
-            res.crashes += 1
-        else:
-            res.wrong += 1
-        log(f"  FAIL {f.cls} [{f.stage}{' ' + f.schedule if f.schedule else ''}"
-            f"{' ' + f.output if f.output else ''}] {f.detail[:300]}")
+        res.record(f, log)
 
     try:
         with warnings.catch_warnings(), _time_limit(compile_timeout):

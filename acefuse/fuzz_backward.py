@@ -334,14 +334,7 @@ def run_grad_program(outputs: dict, w_axes, cases: list, res: GradResult, log=pr
     res.programs += 1
 
     def fail(f: Failure):
-        res.failures.append(f)
-        res.by_class[f.cls] = res.by_class.get(f.cls, 0) + 1
-        if f.cls.startswith("crash"):
-            res.crashes += 1
-        else:
-            res.wrong += 1
-        log(f"  FAIL {f.cls} [{f.stage}{' ' + f.schedule if f.schedule else ''}"
-            f"{' ' + f.output if f.output else ''}] {f.detail[:300]}")
+        res.record(f, log)
 
     case0 = f"make_grad_inputs(**{cases[0]!r})" if cases else ""
     try:

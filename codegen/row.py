@@ -413,6 +413,8 @@ class Context:
 class RowGen:
     """Generates the module for one Fusion."""
 
+    context = Context   # the names of one code region (a subclass may extend it)
+
     def __init__(self, fusion, dtype_out_of=None, riders=None):
         self.f = fusion
         self.cast_src = {}   # {name of a float cast's value: (its operand, format)} (Emitter._float_cast)
@@ -489,7 +491,7 @@ class RowGen:
 
     # -- regions ----------------------------------------------------------------------------
     def region(self, mode, ind, em=None):
-        ctx = Context(self, mode)
+        ctx = self.context(self, mode)
         em = em or Emitter(ctx, indent=ind)
         em.ctx = ctx
         ctx.em = em

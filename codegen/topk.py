@@ -17,7 +17,7 @@ state: each round takes the first element in the order among those not taken yet
 from __future__ import annotations
 
 from acefuse.codegen.row import RowGen, Context
-from acefuse.codegen.emit import Emitter, bcast
+from acefuse.codegen.emit import bcast
 
 
 class TopKContext(Context):
@@ -34,16 +34,11 @@ class TopKContext(Context):
 
 
 class TopKGen(RowGen):
+    context = TopKContext
+
     def __init__(self, fusion):
         super().__init__(fusion)
         self.groups = {g.gid: g for g in fusion.topk_groups}
-
-    def region(self, mode, ind, em=None):
-        ctx = TopKContext(self, mode)
-        em = em or Emitter(ctx, indent=ind)
-        em.ctx = ctx
-        ctx.em = em
-        return ctx, em
 
     def emit_selection(self, gid, em):
         g = self.groups[gid]
