@@ -12,6 +12,7 @@ from acefuse.lang import (tensor, const, size, index, exp, log, sqrt, rsqrt, abs
                           LanguageError, NEG_INF, erf, sigmoid, softplus, log1p, expm1, floor, ceil,
                           round, cast, clamp, argmax, argmin)
 from acefuse.topk import topk, gather, Stacked
+from acefuse.quant_gemm import gemm, GemmKernel, GemmError
 from acefuse.fuse import Fusion, FuseError, unfused
 from acefuse.certificate import UncertifiedFusionWarning
 from acefuse.backward import backward, BackwardProgram, BackwardError

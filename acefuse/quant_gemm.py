@@ -1,0 +1,485 @@
+"""GEMMs whose operands are programs: a quantization's reduction feeding a GEMM operand.
+
+Written plainly (examples/quant.py)::
+
+    x, wq, ws = af.tensor("x", "t k"), af.tensor("wq", "n k"), af.tensor("ws", "n")
+    scale = af.cast(af.max(af.abs(x), "k") / 448.0, "float32")
+    prog = af.program("fp8_linear", out=af.sum(af.cast(x / scale, "float8_e4m3fn") * wq, "k") * scale * ws)
+    g = af.gemm(prog); print(g.explain(x=x_t, wq=wq_t, ws=ws_t)); out = g(x=x_t, wq=wq_t, ws=ws_t)["out"]
+
+``split`` finds the one contraction ``sum_k(A * B)`` whose factors range over the output's two
+axes (A over [m, k], B over [n, k]); each operand is the product of its side's factors, an
+arbitrary program of that side's inputs (reductions over k included: the per-token scale);
+the epilogue is the output with the contraction replaced by the accumulator. Two forms:
+
+- ``"scaled_mm"``: each computed operand is materialized by the row-family kernel of a program
+  ``q = operand, scale = the epilogue's factor of that side`` (one read of the input: the
+  quantization kernel acefuse already generates), then ``torch._scaled_mm(qa, qb.t(),
+  scale_a, scale_b)``. Needs float8 operands and an epilogue ``acc * row factor * column
+  factor``. Where ``_scaled_mm`` cannot run (the CPU, a GPU below compute capability 8.9, k or
+  n not a multiple of 16) the same product is a float32 matmul of the float8 values, then
+  ``* scale_a * scale_b``: the exact products of float8 values, accumulated in float32 (the
+  order differs from _scaled_mm's), reported by ``last_path``.
+- ``"prologue"``: one generated Triton GEMM (codegen/gemm.py) whose operand loaders compute the
+  row tile's reductions in a pre-loop over k and the operand tile from its inputs at each k
+  step: the quantized operand is never written to memory.
+
+The cost model (``cost``), in bytes requested from HBM, then FLOPs; blocks BLOCK_M x BLOCK_N:
+
+    c_n = ceil(N / BLOCK_N) (column tiles: how often a row tile of A is needed),
+    c_m = ceil(M / BLOCK_M); in_a = bytes of A's inputs over [m, k] (M*K*element size),
+    q_a = M*K*(1 byte for float8) + 4*M (the scale); likewise for B; out = M*N*(output bytes)
+    scaled_mm: in_a + q_a (materialize; write)  + c_n*M*K*1 (the GEMM reads q_a per column tile)
+               + the same for B with c_m        + out
+    prologue:  c_n*in_a (each column tile's program reads its row tile of A's inputs; the
+               pre-loop's read comes from HBM, the main loop's second read is counted as L2
+               bytes, not HBM) + c_m*in_b (likewise) + out
+    FLOPs: 2*M*N*K for the dot in both; the operand's elementwise ops (and its reductions)
+    once per element for scaled_mm, c_n times for prologue.
+
+A bare operand (a float8 input, like ``wq``) costs its reads only, in both forms. The form
+with fewer HBM bytes is chosen; on equal bytes the one with fewer FLOPs. For a bfloat16 x
+(2 bytes) quantized to float8, prologue wins while 2*c_n <= 3 + c_n, i.e. c_n <= 3: n up to
+3 * BLOCK_N. The model counts requested bytes only (no cache model beyond the L2 re-read of
+a row tile right after its pre-loop); it is a stated contract, not a measurement.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from acefuse.lang import LanguageError, Expr, Program
+from acefuse.rewrite.terms import Term, pretty
+from acefuse.codegen.gemm import is_kred, free_of, replace, kreductions, generate, J
+
+FP8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}
+_TORCH_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+ACC = Term("St", ("acc", J))
+FORMS = ("scaled_mm", "prologue")
+
+
+class GemmError(LanguageError):
+    """A program is not a GEMM with program operands; the message names the term and the fix."""
+
+
+def _mul_factors(t: Term) -> list:
+    if t.op == "Mul":
+        return _mul_factors(t.args[0]) + _mul_factors(t.args[1])
+    return [t]
+
+
+def _product(factors):
+    if not factors:
+        return None
+    out = factors[0]
+    for f in factors[1:]:
+        out = Term("Mul", (out, f))
+    return out
+
+
+def _axes_of(t: Term, tensors: dict) -> set:
+    """Axes ``t`` ranges over (reductions remove their axis)."""
+    if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
+        return _axes_of(t.args[1], tensors) - {t.args[0].args[0]}
+    if t.op == "In":
+        return set(tensors[t.args[0]])
+    if t.op == "Idx":
+        return {t.args[0]}
+    out = set()
+    for c in t.children:
+        out |= _axes_of(c, tensors)
+    return out
+
+
+def _inputs_of(t: Term) -> set:
+    return {u.args[0] for u in t.walk() if u.op == "In"}
+
+
+@dataclass
+class Split:
+    """A program read as out[m, n] = epilogue(sum_k operand_a[m, k] * operand_b[n, k])."""
+    name: str
+    output: str
+    k: str
+    axis_a: str
+    axis_b: str
+    tensors: dict
+    operand: dict                     # "a" | "b" -> Term
+    epilogue: Term                    # with ACC for the contraction
+    contraction: Term
+    scale: dict = field(default_factory=dict)   # "a" | "b" -> factor Term (or None): scaled_mm's form
+    scaled_why_not: str = ""
+
+    def side_of(self, t: Term):
+        """"a" when ``t`` reads only A's side (axes within {m, k}), "b" for B's, None for both."""
+        ax = _axes_of(t, self.tensors) | {a for u in t.walk() if u.op in ("Sum", "RMax", "RMin")
+                                          and u.args[0].op == "Ax" for a in _axes_of(u.args[1], self.tensors)}
+        if self.axis_a in ax and self.axis_b in ax:
+            return None
+        return "b" if self.axis_b in ax else "a"
+
+
+def split(prog: Program, output: str = None) -> Split:
+    """Read ``prog`` (one output over two axes) as a GEMM with program operands."""
+    if not isinstance(prog, Program):
+        raise GemmError(f"af.gemm takes a program (af.program(...)), not {type(prog).__name__}")
+    outs = list(prog.outputs)
+    if output is None:
+        if len(outs) != 1:
+            raise GemmError(f"program {prog.name!r} has outputs {outs}; af.gemm compiles one: pass output=")
+        output = outs[0]
+    e = prog.outputs[output]
+    if len(e.axes) != 2:
+        raise GemmError(f"program {prog.name!r}: output {output!r} ranges over {list(e.axes)}; a GEMM's output "
+                        "has two axes (rows m, columns n)")
+    am, an = e.axes
+    tensors = dict(prog.tensors)
+    cands = []
+    for u in e.term.walk():
+        if u.op == "Sum" and u.args[0].op == "Ax":
+            ax = _axes_of(u.args[1], tensors)
+            if am in ax and an in ax and u not in cands:
+                cands.append(u)
+    if len(cands) != 1:
+        raise GemmError(f"program {prog.name!r}, output {output!r}: "
+                        + ("no sum over an axis of a product of a factor over "
+                           f"{am!r} and one over {an!r} (write the contraction as af.sum(a * b, 'k'))"
+                           if not cands else f"{len(cands)} contractions ({'; '.join(pretty(c) for c in cands)}); "
+                           "a GEMM has one"))
+    con = cands[0]
+    k = con.args[0].args[0]
+    fac = {"a": [], "b": []}
+    for f in _mul_factors(con.args[1]):
+        ax = _axes_of(f, tensors)
+        if am in ax and an in ax:
+            raise GemmError(f"program {prog.name!r}: factor `{pretty(f)}` of the contraction over {k!r} ranges over "
+                            f"both {am!r} and {an!r}; each factor of a GEMM operand must read one side "
+                            f"(write it as a product of an [{am}, {k}] and an [{an}, {k}] factor)")
+        fac["b" if an in ax else "a"].append(f)
+    operand = {s: _product(fac[s]) for s in "ab"}
+    for s in "ab":
+        if operand[s] is None or k not in _axes_of(operand[s], tensors):
+            raise GemmError(f"program {prog.name!r}: the contraction `{pretty(con)}` has no factor over "
+                            f"[{am if s == 'a' else an}, {k}]; that is not a GEMM")
+    epi = replace(e.term, {con: ACC})
+    sp = Split(prog.name, output, k, am, an, tensors, operand, epi, con)
+    for t in (operand["a"], operand["b"], epi):
+        for u in t.walk():
+            if u.op in ("Sum", "RMax", "RMin") and u.args[0].op == "Ax" and u.args[0].args[0] != k:
+                raise GemmError(f"program {prog.name!r}: reduction `{pretty(u)}` over {u.args[0].args[0]!r}; "
+                                f"a GEMM operand or epilogue may reduce over the contraction axis {k!r} only")
+            if u.op == "Take":
+                raise GemmError(f"program {prog.name!r}: gather `{pretty(u)}` in a GEMM; gather first")
+    if not free_of(epi, k, tensors):
+        raise GemmError(f"program {prog.name!r}: the output `{pretty(e.term)}` reads {k!r} outside its reductions")
+    for r in kreductions(epi, k):
+        if sp.side_of(r.args[1]) is None:
+            raise GemmError(f"program {prog.name!r}: reduction `{pretty(r)}` reads both sides of the GEMM")
+    for s in "ab":
+        for r in kreductions(operand[s], k):
+            if sp.side_of(r.args[1]) not in (s,) and _axes_of(r.args[1], tensors) - {k}:
+                raise GemmError(f"program {prog.name!r}: operand {s}'s reduction `{pretty(r)}` reads the other side")
+    # scaled_mm's form: epilogue = acc * (factor of side a) * (factor of side b)
+    parts = _mul_factors(epi)
+    if parts.count(ACC) != 1 or any(ACC in p.walk() for p in parts if p != ACC):
+        sp.scaled_why_not = (f"the epilogue `{pretty(epi)}` is not the accumulator times a per-row and a per-column "
+                             "factor")
+    else:
+        side = {"a": [], "b": []}
+        for p in parts:
+            if p != ACC:
+                side[sp.side_of(p)].append(p)
+        sp.scale = {s: _product(side[s]) for s in "ab"}
+    return sp
+
+
+def operand_format(t: Term, dtypes: dict) -> int:
+    """1 (float8_e4m3fn), 2 (float8_e5m2) or 0: the operand's values as a format."""
+    if t.op == "Cast" and t.args[1] in FP8:
+        return FP8[t.args[1]]
+    if t.op == "In":
+        return _TORCH_FP8.get(dtypes.get(t.args[0]), 0)
+    return 0
+
+
+def _count_ops(t: Term) -> int:
+    return sum(1 for u in t.walk() if u.op not in ("In", "Num", "St", "Ax", "Idx", "Size"))
+
+
+@dataclass
+class Cost:
+    form: str
+    hbm_bytes: int
+    l2_bytes: int
+    flops: int
+    detail: str
+
+
+class GemmKernel:
+    """A compiled GEMM with program operands: ``g(form="auto", out_dtype=None, **inputs)``."""
+
+    def __init__(self, prog, output=None, block=None):
+        self.program = prog
+        self.split = split(prog, output)
+        self.block = block
+        self._prologue = None
+        self._sides = {}
+        self.last_form = None
+        self.last_path = None
+
+    # -- the cost model -----------------------------------------------------------------
+    def blocks(self, device_is_cuda: bool):
+        if self.block is not None:
+            return self.block
+        return (128, 128, 128) if device_is_cuda else (16, 16, 16)
+
+    def cost(self, M, N, K, dtypes: dict, out_bytes: int, cuda: bool = True) -> dict:
+        """Bytes (HBM, L2) and FLOPs of each form (module docstring) for sizes M, N, K."""
+        s = self.split
+        bm, bn, _ = self.blocks(cuda)
+        rep = {"a": math.ceil(N / bn), "b": math.ceil(M / bm)}
+        rows = {"a": M, "b": N}
+        es = {n: torch.empty((), dtype=d).element_size() for n, d in dtypes.items()}
+        out = {}
+        a_bytes, p_bytes, p_l2, a_fl, p_fl = 0, 0, 0, 2 * M * N * K, 2 * M * N * K
+        lines = []
+        for side in "ab":
+            op = s.operand[side]
+            r, c = rows[side], rep[side]
+            ins = sum(r * K * es[n] for n in _inputs_of(op) if s.k in s.tensors[n])
+            ins += sum(r * es[n] for n in _inputs_of(op) if s.k not in s.tensors[n])
+            ops = _count_ops(op) + sum(_count_ops(x.args[1]) for x in kreductions(op, s.k))
+            if op.op == "In":
+                a_bytes += c * ins
+                p_bytes += c * ins
+                lines.append(f"operand {side} = input {op.args[0]!r}: read {c}x ({c * ins} B) in both forms")
+                continue
+            q = r * K * (1 if operand_format(op, {}) else 4) + 4 * r
+            a_bytes += ins + q + c * (q - 4 * r)
+            a_fl += ops * r * K
+            pre = bool(kreductions(op, s.k))
+            p_bytes += c * ins
+            p_l2 += c * ins if pre else 0
+            p_fl += c * ops * r * K
+            lines.append(f"operand {side} = {pretty(op)}: scaled_mm reads its inputs once ({ins} B), writes "
+                         f"q and its scale ({q} B) and reads q {c}x; prologue reads its inputs {c}x "
+                         f"({c * ins} B{', again from L2 after the pre-loop' if pre else ''}) and computes it {c}x")
+        o = M * N * out_bytes
+        a_bytes += o
+        p_bytes += o
+        out["scaled_mm"] = Cost("scaled_mm", a_bytes, 0, a_fl, "; ".join(lines))
+        out["prologue"] = Cost("prologue", p_bytes, p_l2, p_fl, "")
+        return out
+
+    def choose(self, M, N, K, dtypes, out_bytes, cuda=True):
+        """(form, costs, why)."""
+        costs = self.cost(M, N, K, dtypes, out_bytes, cuda)
+        why_not = self.scaled_mm_why_not(dtypes)
+        if why_not:
+            return "prologue", costs, f"scaled_mm does not apply: {why_not}"
+        a, p = costs["scaled_mm"], costs["prologue"]
+        key = lambda c: (c.hbm_bytes, c.flops)   # noqa: E731 - bytes first, then FLOPs (DESIGN.md)
+        form = "prologue" if key(p) <= key(a) else "scaled_mm"
+        other = a if form == "prologue" else p
+        win = costs[form]
+        if win.hbm_bytes < other.hbm_bytes:
+            why = (f"{form} moves {win.hbm_bytes / 1e6:.3f} MB from HBM, {other.form} "
+                   f"{other.hbm_bytes / 1e6:.3f} MB")
+        else:
+            why = f"equal HBM bytes; {form} does {win.flops:.4g} FLOPs, {other.form} {other.flops:.4g}"
+        return form, costs, why
+
+    def scaled_mm_why_not(self, dtypes) -> str:
+        s = self.split
+        if s.scaled_why_not:
+            return s.scaled_why_not
+        fm = [operand_format(s.operand[x], dtypes) for x in "ab"]
+        if not all(fm):
+            bad = "a" if not fm[0] else "b"
+            return (f"operand {bad} `{pretty(s.operand[bad])}` is not float8 (a cast to float8_e4m3fn/e5m2, or a "
+                    "float8 input)")
+        return ""
+
+    def explain(self, **inputs) -> str:
+        s = self.split
+        L = [f"program {s.name!r}, output {s.output!r}: a GEMM over {s.k!r}, out[{s.axis_a}, {s.axis_b}]",
+             f"  operand a [{s.axis_a}, {s.k}] = {pretty(s.operand['a'])}",
+             f"  operand b [{s.axis_b}, {s.k}] = {pretty(s.operand['b'])}",
+             f"  epilogue = {pretty(s.epilogue)}   (acc = {pretty(s.contraction)})"]
+        for side in "ab":
+            reds = kreductions(s.operand[side], s.k)
+            if reds:
+                L.append(f"  prologue form: operand {side}'s pre-loop over {s.k!r} computes "
+                         + ", ".join(f"`{pretty(r)}`" for r in reds) + "; each k step computes the operand tile")
+        if s.scale:
+            L.append(f"  scaled_mm form: scale_a = {pretty(s.scale['a']) if s.scale['a'] else '1'}, "
+                     f"scale_b = {pretty(s.scale['b']) if s.scale['b'] else '1'}")
+        else:
+            L.append(f"  scaled_mm form: not available ({s.scaled_why_not})")
+        L.append("  cost model (bytes from HBM first, then FLOPs; acefuse/quant_gemm.py):")
+        L.append("    scaled_mm = inputs once + q written + q read ceil(N/BLOCK_N) times + out; "
+                 "prologue = inputs ceil(N/BLOCK_N) times + out")
+        if inputs:
+            M, N, K, dtypes, cuda = self._shapes(inputs)
+            out_bytes = torch.empty((), dtype=self._out_dtype(dtypes, None)).element_size()
+            form, costs, why = self.choose(M, N, K, dtypes, out_bytes, cuda)
+            bm, bn, bk = self.blocks(cuda)
+            L.append(f"  at M={M}, N={N}, K={K} (blocks {bm}x{bn}x{bk}): "
+                     + "; ".join(f"{c.form}: {c.hbm_bytes / 1e6:.3f} MB HBM"
+                                 + (f" + {c.l2_bytes / 1e6:.3f} MB L2" if c.l2_bytes else "")
+                                 + f", {c.flops / 1e9:.4g} GFLOP" for c in costs.values()))
+            L.append(f"    {costs['scaled_mm'].detail}")
+            L.append(f"  chosen: {form} ({why})")
+        return "\n".join(L)
+
+    # -- running --------------------------------------------------------------------------
+    def _shapes(self, inputs):
+        s = self.split
+        sizes = {}
+        for name, axes in s.tensors.items():
+            if name not in inputs:
+                raise GemmError(f"program {s.name!r}: input {name!r} missing (inputs: {sorted(s.tensors)})")
+            t = inputs[name]
+            if t.dim() != len(axes):
+                raise GemmError(f"program {s.name!r}: input {name!r} has {t.dim()} dims, declared "
+                                f"{' '.join(axes)}")
+            for ax, n in zip(axes, t.shape):
+                if sizes.setdefault(ax, n) != n:
+                    raise GemmError(f"program {s.name!r}: axis {ax!r} is {sizes[ax]} elsewhere but {n} in "
+                                    f"input {name!r}")
+        dtypes = {n: inputs[n].dtype for n in s.tensors}
+        dev = next(iter(inputs.values())).device
+        return sizes[s.axis_a], sizes[s.axis_b], sizes[s.k], dtypes, dev.type == "cuda"
+
+    def _out_dtype(self, dtypes, out_dtype):
+        if out_dtype is not None:
+            return out_dtype
+        fl = [d for d in dtypes.values() if d.is_floating_point and d not in _TORCH_FP8]
+        return torch.float32 if not fl or torch.float32 in fl else fl[0]
+
+    def __call__(self, form="auto", out_dtype=None, **inputs):
+        M, N, K, dtypes, cuda = self._shapes(inputs)
+        od = self._out_dtype(dtypes, out_dtype)
+        if form == "auto":
+            form = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), cuda)[0]
+        if form not in FORMS:
+            raise GemmError(f"form {form!r}: one of {FORMS} or 'auto'")
+        self.last_form = form
+        if form == "scaled_mm":
+            why = self.scaled_mm_why_not(dtypes)
+            if why:
+                raise GemmError(f"program {self.split.name!r}: form 'scaled_mm' does not apply: {why}; use "
+                                "form='prologue'")
+            out = self._run_scaled(inputs, od, M, N, K)
+        else:
+            out = self._run_prologue(inputs, od, M, N, K, dtypes, cuda)
+        return {self.split.output: out}
+
+    def side_program(self, side):
+        """The row-family program that materializes operand ``side``: q = the operand and
+        scale = its epilogue factor (float32); None for a bare input."""
+        s = self.split
+        op = s.operand[side]
+        if op.op == "In":
+            return None
+        if side not in self._sides:
+            from acefuse.lang import program
+            ax = s.axis_a if side == "a" else s.axis_b
+            sub = lambda t: {n: a for n, a in s.tensors.items() if n in _inputs_of(t)}   # noqa: E731
+            outs = {"q": Expr(op, (ax, s.k), sub(op))}
+            f = s.scale.get(side)
+            if f is not None and f.op not in ("In", "Num"):
+                f32 = f if (f.op == "Cast" and f.args[1] == "float32") else Term("Cast", (f, "float32"))
+                outs["scale"] = Expr(f32, (ax,), sub(f32))
+            self._sides[side] = program(f"{s.name}_{side}_operand", **outs)
+        return self._sides[side]
+
+    def _side_kernel(self, side):
+        key = ("k", side)
+        if key not in self._sides:
+            from acefuse.codegen.compile import compile_program
+            p = self.side_program(side)
+            self._sides[key] = None if p is None else compile_program(p)
+        return self._sides[key]
+
+    def materialize(self, side, inputs):
+        """(q, scale) of operand ``side`` as the scaled_mm form computes them."""
+        s = self.split
+        op, f = s.operand[side], s.scale.get(side)
+        k = self._side_kernel(side)
+        if k is None:
+            q, res = inputs[op.args[0]], {}
+        else:
+            res = k(**{n: inputs[n] for n in k.program.tensors})
+            q = res["q"]
+        rows = q.shape[0]
+        if f is None:
+            sc = torch.ones(rows, dtype=torch.float32, device=q.device)
+        elif f.op == "In":
+            sc = inputs[f.args[0]].float()
+        elif f.op == "Num":
+            sc = torch.full((rows,), float(f.args[0]), dtype=torch.float32, device=q.device)
+        else:
+            sc = res["scale"].float()
+        return q, sc
+
+    def _run_scaled(self, inputs, od, M, N, K):
+        qa, sa = self.materialize("a", inputs)
+        qb, sb = self.materialize("b", inputs)
+        why = ""
+        if not (qa.is_cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(qa.device) >= (8, 9)):
+            why = "no CUDA GPU of compute capability >= 8.9"
+        elif K % 16 or N % 16:
+            why = f"_scaled_mm needs k and n multiples of 16 (k={K}, n={N})"
+        elif qa.dtype == qb.dtype == torch.float8_e5m2:
+            why = "_scaled_mm does not take two float8_e5m2 operands"
+        if not why:
+            self.last_path = "torch._scaled_mm"
+            return torch._scaled_mm(qa.contiguous(), qb.contiguous().t(), scale_a=sa[:, None].contiguous(),
+                                    scale_b=sb[None, :].contiguous(), out_dtype=od)
+        # the same product: exact float8 values, float32 accumulation (another order than _scaled_mm's)
+        self.last_path = f"float32 matmul of the float8 values ({why})"
+        return ((qa.float() @ qb.float().t()) * sa[:, None] * sb[None, :]).to(od)
+
+    def _module(self):
+        if self._prologue is None:
+            from acefuse.codegen.compile import cached_source, load_module, code_version
+            src = generate(self.split, self.explain())
+            h = hashlib.sha256((code_version() + src).encode()).hexdigest()[:16]
+            path = cached_source(f"{self.split.name}_gemm", h, src)
+            self._prologue = (src, path, load_module(path, f"acefuse_gen_{self.split.name}_gemm_{h}"))
+        return self._prologue[2]
+
+    @property
+    def source(self):
+        self._module()
+        return self._prologue[0]
+
+    def _run_prologue(self, inputs, od, M, N, K, dtypes, cuda):
+        mod = self._module()
+        s = self.split
+        bm, bn, bk = self.blocks(cuda)
+        args = []
+        for name in sorted(s.tensors):
+            t = inputs[name]
+            args.append(t)
+            args += [t.stride(i) for i in range(t.dim())]
+        dev = inputs[next(iter(s.tensors))].device
+        out = torch.empty(M, N, dtype=od, device=dev)
+        fa, fb = (operand_format(s.operand[x], dtypes) for x in "ab")
+        fp8 = bool(mod._native()) and fa > 0 and fb > 0
+        grid = (math.ceil(M / bm) * math.ceil(N / bn),)
+        kw = dict(num_warps=8, num_stages=3) if cuda else {}
+        getattr(mod, f"{s.name}_gemm")[grid](*args, out, out.stride(0), out.stride(1), M, N, K,
+                                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                             FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, **kw)
+        self.last_path = "generated Triton GEMM" + (" (float8 dot)" if fp8 else " (float32 dot)")
+        return out
+
+
+def gemm(prog, output=None, block=None) -> GemmKernel:
+    """Compile a program whose output is a GEMM with program operands (acefuse.quant_gemm)."""
+    return GemmKernel(prog, output, block)
