@@ -357,8 +357,14 @@ class GemmKernel:
     def _out_dtype(self, dtypes, out_dtype):
         if out_dtype is not None:
             return out_dtype
-        fl = [d for d in dtypes.values() if d.is_floating_point and d not in _TORCH_FP8]
-        return torch.float32 if not fl or torch.float32 in fl else fl[0]
+        # the operands' floating inputs, float8 aside, promoted as torch promotes them (bfloat16
+        # activations give bfloat16; the epilogue's float32 scales do not count)
+        names = _inputs_of(self.split.operand["a"]) | _inputs_of(self.split.operand["b"])
+        fl = [dtypes[n] for n in sorted(names) if dtypes[n].is_floating_point and dtypes[n] not in _TORCH_FP8]
+        out = fl[0] if fl else torch.float32
+        for d in fl[1:]:
+            out = torch.promote_types(out, d)
+        return out
 
     def __call__(self, form="auto", out_dtype=None, **inputs):
         M, N, K, dtypes, cuda = self._shapes(inputs)
@@ -473,9 +479,10 @@ class GemmKernel:
         fp8 = bool(mod._native()) and fa > 0 and fb > 0
         grid = (math.ceil(M / bm) * math.ceil(N / bn),)
         kw = dict(num_warps=8, num_stages=3) if cuda else {}
-        getattr(mod, f"{s.name}_gemm")[grid](*args, out, out.stride(0), out.stride(1), M, N, K,
-                                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                             FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, **kw)
+        bf16 = od == torch.bfloat16
+        getattr(mod, f"{s.name}_gemm")[grid](*args, out.view(torch.int16) if bf16 else out, out.stride(0),
+                                             out.stride(1), M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                             GROUP_M=8, FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, OUT_BF16=bf16, **kw)
         self.last_path = "generated Triton GEMM" + (" (float8 dot)" if fp8 else " (float32 dot)")
         return out
 

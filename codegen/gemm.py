@@ -305,7 +305,7 @@ class GemmGen:
         sig = ", ".join(self.args() + ["out_ptr", "s_out_m", "s_out_n", "M", "N", "K",
                                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr",
                                        "GROUP_M: tl.constexpr", "FMT_A: tl.constexpr", "FMT_B: tl.constexpr",
-                                       "FP8_DOT: tl.constexpr"])
+                                       "FP8_DOT: tl.constexpr", "OUT_BF16: tl.constexpr"])
         ax_a, ax_b = self.axis["a"], self.axis["b"]
         L.append("@triton.jit")
         L.append(f"def {self.name}_gemm({sig}):")
@@ -364,8 +364,14 @@ class GemmGen:
         if sh != "tile":
             e = f"({e}) + tl.zeros([BLOCK_M, BLOCK_N], tl.float32)"
         L.extend(em.lines)
-        L.append(f"    tl.store(out_ptr + rows_a[:, None] * s_out_m + rows_b[None, :] * s_out_n, "
-                 f"({e}).to(out_ptr.dtype.element_ty), mask=amask[:, None] & bmask[None, :])")
+        L.append(f"    res = {e}")
+        L.append("    optr = out_ptr + rows_a[:, None] * s_out_m + rows_b[None, :] * s_out_n")
+        L.append("    if OUT_BF16:")
+        L.append("        # rounded to nearest even, stored as bits (the interpreter's conversion truncates)")
+        L.append("        tl.store(optr, (_rnd_bf16(res).to(tl.int32, bitcast=True) >> 16).to(tl.int16), "
+                 "mask=amask[:, None] & bmask[None, :])")
+        L.append("    else:")
+        L.append("        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=amask[:, None] & bmask[None, :])")
         return "\n".join(L) + "\n"
 
     def module(self, explain: str) -> str:
