@@ -286,8 +286,8 @@ class GemmKernel:
         other = a if form == "prologue" else p
         win = costs[form]
         if win.hbm_bytes < other.hbm_bytes:
-            why = (f"{form} moves {win.hbm_bytes / 1e6:.3f} MB from HBM, {other.form} "
-                   f"{other.hbm_bytes / 1e6:.3f} MB")
+            why = (f"{form} moves {win.hbm_bytes:,} B from HBM, {other.form} "
+                   f"{other.hbm_bytes:,} B")
         else:
             why = f"equal HBM bytes; {form} does {win.flops:.4g} FLOPs, {other.form} {other.flops:.4g}"
         return form, costs, why

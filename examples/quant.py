@@ -33,6 +33,16 @@ quant_int8 = af.program("quant_int8", q=af.cast(af.clamp(af.round(x / scale8), -
 err = af.max(af.abs(af.cast(x / scale, "float8_e4m3fn") * scale - x), "h")
 quant_fp8_error = af.program("quant_fp8_error", scale=scale, err=err)
 
+# per-token quantization feeding a GEMM (a linear layer in float8): x quantized per token as
+# above, a weight wq [n, h] already in float8 with its per-channel scale ws. af.gemm reads the
+# program as out = epilogue(sum_h A * B) with A = cast(x / scale, e4m3), B = wq, and generates
+# either the quantization kernel above followed by torch._scaled_mm, or one Triton GEMM that
+# quantizes A's tiles in its prologue (q never written); a cost model in bytes picks one
+# (g.explain(**inputs) says which and why)
+wq = af.tensor("wq", "n h")
+ws = af.tensor("ws", "n")
+fp8_linear = af.program("fp8_linear", out=af.sum(af.cast(x / scale, "float8_e4m3fn") * wq, "h") * scale * ws)
+
 
 if __name__ == "__main__":
     import torch
@@ -47,3 +57,18 @@ if __name__ == "__main__":
         same = (out["q"].view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
         print(f"{prog.name}: q {out['q'].dtype}, scale {out['scale'].dtype}; equal to torch's cast of "
               f"x / scale: {same:.2%} of elements")
+
+    # the GEMM: both forms on odd sizes, against a float64 matmul of the dequantized values
+    g = af.gemm(fp8_linear)
+    xv = torch.randn(37, 80, dtype=torch.bfloat16)
+    w = torch.randn(48, 80)
+    wsv = (w.abs().amax(1).double() / 448.0).float()
+    wqv = (w / wsv[:, None]).to(torch.float8_e4m3fn)
+    print(g.explain(x=xv, wq=wqv, ws=wsv))
+    sv = (xv.double().abs().amax(1) / 448.0).float()
+    ref = ((xv.float() / sv[:, None]).to(torch.float8_e4m3fn).double() @ wqv.double().t()) * sv.double()[:, None] \
+        * wsv.double()[None, :]
+    for form in ("scaled_mm", "prologue"):
+        out = g(form=form, out_dtype=torch.float32, x=xv, wq=wqv, ws=wsv)["out"]
+        print(f"fp8_linear, {form} ({g.last_path}): max relative difference to float64 "
+              f"{((out.double() - ref).abs().max() / ref.abs().max()).item():.1e}")
