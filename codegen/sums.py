@@ -7,10 +7,19 @@ from __future__ import annotations
 import math
 
 from acefuse.rewrite.terms import Term, pretty
-from acefuse.codegen.emit import CodegenError
+from acefuse.codegen.emit import CodegenError, _scale_log2e
 from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
-from acefuse.codegen.contraction_launch import _prepare_src
+from acefuse.codegen.contraction_launch import TIMING_SRC, _prepare_src
+
+LOAD_HELPER = """@triton.jit
+def _ld(ptr, mask, MASKED: tl.constexpr):
+    # a load masked only where the block may pass the tensor's end (MASKED, a constexpr the
+    # launcher sets: a vector axis shorter than its block); unmasked loads vectorize
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0.0)
+    else:
+        return tl.load(ptr)"""
 
 BOOL_OPS = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
 
@@ -96,6 +105,14 @@ class SumGen:
         self._hoist: dict = {}
         self.lines: list = []
         self.n = 0
+        self.full = False      # emitting the body of a full loop tile (no loop-axis mask)
+        self._memo: dict = {}
+        self._raw: dict = {}   # tensor -> its load, in the tensor's storage type
+        self._wide: dict = {}  # raw load -> the same value as float32
+        # what the launcher's resource estimate counts (filled while emitting the full-tile body)
+        self.held: dict = {}      # loop-invariant dot operand -> its vector axis (a [rows, axis] block)
+        self.loopvec: dict = {}   # tensor loaded per loop tile over a vector axis -> that axis
+        self.dots: list = []      # per tile: the inner or outer vector axis of each tl.dot
 
     def _rows_from_vectors(self, order, ft, out_ax, allax):
         """Axes when a tensor over the loop axis also ranges over the rows (an attention bias
@@ -126,8 +143,11 @@ class SumGen:
             self.V = [a for a in order if a in allax and a != F and a not in R and a not in G]
 
     # -- values: (expression, shape); shape is "s", "r", "f", "rf", ("r", a) or ("f", a) --------------
-    def bind(self, expr, shape, hint="t", hoist=False):
-        if hoist:
+    def bind(self, expr, shape, hint="t"):
+        """Name a value. A value that does not range over the loop axis (its shape has no
+        ``f``) is loop-invariant: it is computed once, above the loop (the ``h`` names), and
+        one expression gets one name there."""
+        if not _over_f(shape):
             if expr not in self._hoist:
                 name = f"h{len(self._hoist) + 1}"
                 self.hoisted.append(f"    {name} = {expr}")
@@ -190,8 +210,42 @@ class SumGen:
             masks.append(f"{m}[None, :]")
         shape = ((("r" if has_r else "f"), vs[0]) if vs else
                  "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
+        if self.full and has_f and vs:
+            self.loopvec[name] = vs[0]
+        if self.full and has_f:   # a full loop tile: no loop-axis mask
+            masks = [m for m in masks if not m.startswith("fmask")]
+            if vs and not has_r:   # a vector axis's mask only where it is not a whole block
+                c, m = self.vec(vs[0])
+                return self.bind(f"_ld({ptr}, {m}[None, :], VMASK_{vs[0]})", shape, "ld_")
         m = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
-        return self.bind(f"tl.load({ptr}{m}).to(tl.float32)", shape, "ld_", hoist=not has_f)
+        # the storage type: widened to float32 where elementwise math reads it (``widen``),
+        # converted straight to the dot type where a dot reads it
+        return self.bind(f"tl.load({ptr}{m})", shape, "ld_")
+
+    def raw(self, t: Term):
+        """A loaded tensor in its storage type (loaded once per body)."""
+        name = t.args[0]
+        if name not in self._raw:
+            self._raw[name] = self.load(name)
+        return self._raw[name]
+
+    def widen(self, v):
+        """A raw load as float32, converted once (above the loop when the load is there)."""
+        e, sh = v
+        if e not in self._wide:
+            self._wide[e] = self.bind(f"{e}.to(tl.float32)", sh, "w")
+        return self._wide[e]
+
+    def dot_operand(self, t: Term) -> str:
+        """``t`` as an operand of ``tl.dot``: a load goes from its storage type to DOT_T with
+        no float32 round trip (exact: bf16/fp16 -> float32 -> DOT_T is the identity when
+        DOT_T is the storage type, and float32 -> DOT_T rounds once either way)."""
+        e, sh = self.raw(t) if t.op == "In" else self.emit(t)
+        if not _over_f(sh):
+            if isinstance(sh, tuple) and self.full:
+                self.held[e] = sh[1]
+            return self.bind(f"{e}.to(DOT_T)", sh, "d")[0]
+        return f"{e}.to(DOT_T)"
 
     def emit(self, t: Term):
         memo = self._memo
@@ -207,7 +261,7 @@ class SumGen:
             v = float(t.args[0])
             return ("float('-inf')" if v == -math.inf else "float('inf')" if v == math.inf else repr(v)), "s"
         if op == "In":
-            return self.load(t.args[0])
+            return self.widen(self.raw(t))
         if op == "Idx":
             a = t.args[0]
             if a == self.F:
@@ -223,6 +277,11 @@ class SumGen:
             return self.contract(t)
         if op in ("RMax", "RMin"):
             raise CodegenError(f"`{pretty(t)}`: a max/min over another axis inside the body is not supported")
+        if op == "Exp":
+            # exp(x) = exp2(x * log2(e)), log2(e) folded into x's constants (emit._scale_log2e:
+            # exp(s * c - m) -> exp2(s * (c * log2 e) - m * log2 e), the per-row part above the loop)
+            a, sa = self.emit(_scale_log2e(t.args[0], None))
+            return self.bind(f"tl.exp2({a})", sa)
         args = [self.emit(c) for c in t.children]
         if op in ("LAnd", "LOr", "LNot", "Where"):   # a value read as float (a bool mask) is a condition if != 0
             conds = t.children if op != "Where" else t.children[:1]
@@ -251,30 +310,28 @@ class SumGen:
         if ax not in self.V:
             raise CodegenError(f"`{pretty(t)}`: a sum over {ax!r} inside the body must run over a vector axis")
         fs = _flat_mul(t.args[1])
-        on = [self.emit(f) for f in fs if ax in self._axes(f)]
+        on_t = [f for f in fs if ax in self._axes(f)]
         off = [self.emit(f) for f in fs if ax not in self._axes(f)]
-        rs = [x for x in on if x[1] == ("r", ax)]
-        ls = [x for x in on if x[1] == ("f", ax)]
-        if len(rs) == 1 and len(ls) == 1 and len(on) == 2:
-            out = self.bind(f"tl.dot({rs[0][0]}.to(DOT_T), tl.trans({ls[0][0]}.to(DOT_T)), "
+        shapes = [self._shape_of(f) for f in on_t]
+        if len(on_t) == 2 and sorted(shapes, key=str) == [("f", ax), ("r", ax)]:
+            rt, lt = on_t if shapes[0] == ("r", ax) else on_t[::-1]
+            if self.full:
+                self.dots.append(ax)
+            out = self.bind(f"tl.dot({self.dot_operand(rt)}, tl.trans({self.dot_operand(lt)}), "
                             "input_precision=PREC)", "rf", "dot_")
         else:
+            on = [self.emit(f) for f in on_t]
             sh = "s"
             for _, s in on:
                 sh = self.join(sh, s)
             if not isinstance(sh, tuple):
                 raise CodegenError(f"`{pretty(t)}`: the body of a sum over {ax!r} does not range over it")
             prod = " * ".join(self.bcast(e, s, sh) for e, s in on)
-            out = self.bind(f"tl.sum({prod}, axis=1)", sh[0], hoist=sh[0] == "r" and
-                            all(s2 != "f" and not (isinstance(s2, tuple) and s2[0] == "f") for _, s2 in on)
-                            and self._row_only(t))
+            out = self.bind(f"tl.sum({prod}, axis=1)", sh[0])
         for e, s in off:
             sh = self.join(out[1], s)
             out = self.bind(f"{self.bcast(out[0], out[1], sh)} * {self.bcast(e, s, sh)}", sh)
         return out
-
-    def _row_only(self, t):
-        return self.F not in self._axes(t) and not any(s.op == "Idx" for s in t.walk())
 
     def _axes(self, t: Term) -> set:
         if t.op == "In":
@@ -364,7 +421,7 @@ class SumGen:
     def kernel(self) -> str:
         self._memo = {}
         F = self.F
-        blocks = ", ".join(f"BLOCK_V_{a}: tl.constexpr" for a in self.V)
+        blocks = ", ".join(f"BLOCK_V_{a}: tl.constexpr, VMASK_{a}: tl.constexpr" for a in self.V)
         L = ["@triton.jit",
              f"def {self.name}_sum({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
              f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
@@ -427,57 +484,22 @@ class SumGen:
         else:
             L.append("    first = 0")
             L.append("    end = n_f")
-        accs = {}
-        body = []
-        for q, b in self.states.items():
-            self.lines = []
-            fs = _flat_mul(b)
-            vecs = [f for f in fs if isinstance(self._shape_of(f), tuple) and self._shape_of(f)[0] == "f"]
-            if len(vecs) == 1:
-                rest = [f for f in fs if f is not vecs[0]] or [Term("Num", (1.0,))]
-                w, wsh = self.emit(vecs[0])
-                tt = rest[0]
-                for f in rest[1:]:
-                    tt = Term("Mul", (tt, f))
-                e, sh = self.emit(tt)
-                if sh not in ("rf", "r", "f", "s"):
-                    raise CodegenError(f"state {q}: `{pretty(b)}` is not a (rows x {F!r}) tile times a vector")
-                e = self.bcast(e, sh, "rf") if sh != "rf" else e
-                if sh in ("r", "s"):
-                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
-                a = wsh[1]
-                accs[q] = (f"tl.zeros([BLOCK_I, BLOCK_V_{a}], tl.float32)", ("r", a))
-                self.lines.append(f"{q} = tl.dot(tl.where(tmask, {e}, 0.0).to(DOT_T), {w}.to(DOT_T), acc={q}, "
-                                  "input_precision=PREC)")
-            else:
-                e, sh = self.emit(b)
-                if sh not in ("rf", "f"):
-                    raise CodegenError(f"state {q}: `{pretty(b)}` has shape {sh}; expected a (rows x {F!r}) tile")
-                e = self.bcast(e, sh, "rf") if sh != "rf" else e
-                if sh == "f":
-                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
-                accs[q] = ("tl.zeros([BLOCK_I], tl.float32)", "r")
-                self.lines.append(f"{q} = {q} + tl.sum(tl.where(tmask, {e}, 0.0), axis=1)")
-            body.append(f"        # {q}_AB = {q}_A + sum_B({pretty(b)})")
-            body.extend("        " + x for x in self.lines)
-        for o, t in self.tiles.items():   # stored from each tile (a skipped tile: 0, zeroed by the launcher)
-            self.lines = []
-            e, sh = self.emit(t)
-            if sh not in ("rf", "r", "f", "s"):
-                raise CodegenError(f"output {o!r}: `{pretty(t)}` is not a (rows x {F!r}) tile")
-            e = self.bcast(e, sh, "rf") if sh != "rf" else e
-            if sh != "rf":
-                e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
-            body.append(f"        # {o} = {pretty(t)}, over this (rows x {F!r}) tile")
-            body.extend("        " + x for x in self.lines)
-            body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
-                        f"{e}.to({o}_ptr.dtype.element_ty), mask=tmask)")
+        accs = self._accs = {}
+        full = self._body(True, accs)
+        tail = self._body(False, accs)
         for q, (init, _) in accs.items():
             L.append(f"    {q} = {init}")
-        L2 = ["    for start in range(first, end, BLOCK_J):",
-              "        cols = start + tl.arange(0, BLOCK_J)",
-              "        fmask = cols < end",
-              "        tmask = rmask[:, None] & fmask[None, :]"]
+        L2 = ["    # full tiles first, unmasked along the loop axis; then the last, partial tile (if any)",
+              "    last = end",
+              "    end = first + (last - first) // BLOCK_J * BLOCK_J",
+              "    for start in range(first, end, BLOCK_J):",
+              "        cols = start + tl.arange(0, BLOCK_J)"]
+        L2 += full
+        L2 += ["    if end < last:",
+               "        cols = end + tl.arange(0, BLOCK_J)",
+               "        fmask = cols < last",
+               "        tmask = rmask[:, None] & fmask[None, :]"]
+        L2 += tail
         store = []
         for o, q in self.outs.items():
             sh = accs[q][1]
@@ -491,7 +513,68 @@ class SumGen:
             if isinstance(sh, tuple) != any(a in self.V for a in self.out_axes[o]):
                 raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
             store.append(f"    tl.store({ptr}, {q}.to({o}_ptr.dtype.element_ty), mask={mask})")
-        return "\n".join(L + self.hoisted + L2 + body + store)
+        return "\n".join(L + self.hoisted + L2 + store)
+
+    def _body(self, full, accs):
+        """The loop body over one tile, as lines: ``full``, a tile wholly inside the loop's
+        range (no mask along the loop axis: each output row depends on its own row of every
+        tile, so rows past the end only reach rows that are not stored); else the masked last
+        tile. Loop-invariant values are shared (named once above the loop)."""
+        F = self.F
+        self.full = full
+        self._memo, self._raw = {}, {}
+        self._wide = {k: v for k, v in self._wide.items() if not _over_f(v[1])}
+        body = []
+
+        def masked(e):
+            return e if full else f"tl.where(tmask, {e}, 0.0)"
+        for q, b in self.states.items():
+            self.lines = []
+            fs = _flat_mul(b)
+            vecs = [f for f in fs if isinstance(self._shape_of(f), tuple) and self._shape_of(f)[0] == "f"]
+            if len(vecs) == 1:
+                rest = [f for f in fs if f is not vecs[0]] or [Term("Num", (1.0,))]
+                wsh = self._shape_of(vecs[0])
+                w = self.dot_operand(vecs[0])
+                tt = rest[0]
+                for f in rest[1:]:
+                    tt = Term("Mul", (tt, f))
+                e, sh = self.emit(tt)
+                if sh not in ("rf", "r", "f", "s"):
+                    raise CodegenError(f"state {q}: `{pretty(b)}` is not a (rows x {F!r}) tile times a vector")
+                e = self.bcast(e, sh, "rf") if sh != "rf" else e
+                if sh in ("r", "s"):
+                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+                a = wsh[1]
+                if full:
+                    self.dots.append(a)
+                accs[q] = (f"tl.zeros([BLOCK_I, BLOCK_V_{a}], tl.float32)", ("r", a))
+                self.lines.append(f"{q} = tl.dot({masked(e)}.to(DOT_T), {w}, acc={q}, input_precision=PREC)")
+            else:
+                e, sh = self.emit(b)
+                if sh not in ("rf", "f"):
+                    raise CodegenError(f"state {q}: `{pretty(b)}` has shape {sh}; expected a (rows x {F!r}) tile")
+                e = self.bcast(e, sh, "rf") if sh != "rf" else e
+                if sh == "f":
+                    e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+                accs[q] = ("tl.zeros([BLOCK_I], tl.float32)", "r")
+                self.lines.append(f"{q} = {q} + tl.sum({masked(e)}, axis=1)")
+            body.append(f"        # {q}_AB = {q}_A + sum_B({pretty(b)})")
+            body.extend("        " + x for x in self.lines)
+        for o, t in self.tiles.items():   # stored from each tile (a skipped tile: 0, zeroed by the launcher)
+            self.lines = []
+            e, sh = self.emit(t)
+            if sh not in ("rf", "r", "f", "s"):
+                raise CodegenError(f"output {o!r}: `{pretty(t)}` is not a (rows x {F!r}) tile")
+            e = self.bcast(e, sh, "rf") if sh != "rf" else e
+            if sh != "rf":
+                e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
+            body.append(f"        # {o} = {pretty(t)}, over this (rows x {F!r}) tile")
+            body.extend("        " + x for x in self.lines)
+            body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
+                        f"{e}.to({o}_ptr.dtype.element_ty), mask={'rmask[:, None]' if full else 'tmask'})")
+        self.full = False
+        return body
 
     def _shape_of(self, t: Term):
         ax = self._axes(t)
@@ -504,11 +587,10 @@ class SumGen:
     def module(self) -> str:
         f = self.f
         parts = [HEADER.format(name=self.name, axis=self.F, explain=f.explain().replace('"""', "'''")),
-                 self.kernel(), self.launcher()]
+                 LOAD_HELPER, self.kernel(), self.launcher()]
         return "\n\n\n".join(parts) + "\n"
 
     def launcher(self):
-        blocks = ", ".join(f"BLOCK_V_{a}=max(16, _np2(sizes[{a!r}]))" for a in self.V)
         L = [
             f"PROGRAM = {self.name!r}",
             f"AXIS = {self.F!r}",
@@ -532,9 +614,95 @@ class SumGen:
             _prepare_src(self.name),
             "",
             "",
+            f"HELD = {sorted(self.held.values())!r}   # vector axes of the dot operands held over the loop ([rows, axis] blocks)",
+            f"LOOP_VEC = {sorted(self.loopvec.values())!r}   # vector axes of the tensors loaded per loop tile",
+            f"ACC = {[a[1][1] if isinstance(a[1], tuple) else '' for a in self._accs.values()]!r}"
+            "   # per state: its vector axis ('' for a sum per row)",
+            f"DOTS = {self.dots!r}   # per loop tile: the vector axis of each tl.dot (FLOPs: 2 * rows * tile * axis)",
+            "# launch configurations the GPU tries (then pruned by _fits): rows, loop tile, warps, stages",
+            "BLOCK_I_CHOICES, BLOCK_J_CHOICES, WARPS_CHOICES, STAGES_CHOICES = (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)",
+            "_TUNED = {}",
+            "_TUNING = []",
+            "",
+            "",
+            *TIMING_SRC,
+            "",
+            "",
+            "def estimate(cfg, vsizes, itemsize):",
+            "    \"\"\"(32-bit registers per thread, bytes of shared memory) a launch configuration needs,",
+            "    roughly: registers hold the float32 accumulators (rows x each state's vector block) and",
+            "    two float32 [rows, loop tile] tiles alive at once (a dot's result and the value built",
+            "    from it); shared memory holds the dot operands kept over the loop (rows x axis, storage",
+            "    type), the tensors loaded per loop tile (loop tile x axis, once per pipeline stage)",
+            "    and each accumulated tile staged for its dot (rows x loop tile, storage type).\"\"\"",
+            "    bi, bj, nw, ns = cfg['block_i'], cfg['block_j'], cfg['num_warps'], cfg['num_stages']",
+            "    acc = sum(bi * (vsizes[a] if a else 1) for a in ACC)",
+            "    regs = (acc + 2 * bi * bj) / (32 * nw)",
+            "    smem = (sum(bi * vsizes[a] for a in HELD) + max(1, ns) * sum(bj * vsizes[a] for a in LOOP_VEC)",
+            "            + sum(1 for a in ACC if a) * bi * bj) * itemsize",
+            "    return regs, smem",
+            "",
+            "",
+            "REG_LIMIT = 384   # registers per thread past which a configuration surely spills (Triton caps at 255)",
+            "",
+            "",
+            "def configs(vsizes, itemsize, smem_limit):",
+            "    \"\"\"The candidate launch configurations whose estimate fits (registers, shared memory).\"\"\"",
+            "    out = []",
+            "    for bi in BLOCK_I_CHOICES:",
+            "        for bj in BLOCK_J_CHOICES:",
+            "            for nw in WARPS_CHOICES:",
+            "                for ns in STAGES_CHOICES:",
+            "                    cfg = dict(block_i=bi, block_j=bj, num_warps=nw, num_stages=ns)",
+            "                    regs, smem = estimate(cfg, vsizes, itemsize)",
+            "                    if regs <= REG_LIMIT and smem <= smem_limit:",
+            "                        out.append(cfg)",
+            "    return out",
+            "",
+            "",
+            "def _smem_limit(dev):",
+            "    try:",
+            "        return triton.runtime.driver.active.utils.get_device_properties(dev.index or 0)['max_shared_mem']",
+            "    except Exception:",
+            "        return 227 * 1024   # an H100's per-block opt-in maximum",
+            "",
+            "",
+            "def _tuned(inputs, sizes, ref, dev):",
+            "    \"\"\"The fastest candidate configuration, timed once per (device, sizes rounded up to powers",
+            "    of two, input dtypes) and kept.\"\"\"",
+            "    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type",
+            "    key = (str(dev), name, tuple(sorted((a, _np2(n)) for a, n in sizes.items())),",
+            "           tuple(str(inputs[t].dtype) for t in TENSORS))",
+            "    if key not in _TUNED:",
+            "        vs = {a: max(16, _np2(sizes[a])) for a in VEC_AXES}",
+            "        cands = configs(vs, ref.element_size(), _smem_limit(dev))",
+            "        _TUNING.append(1)",
+            "        try:",
+            "            _TUNED[key] = _fastest(cands, lambda c: run(**c, **inputs))",
+            "        finally:",
+            "            _TUNING.pop()",
+            "    return _TUNED[key]",
+            "",
+            "",
+            "TUNE_MIN = 1 << 24   # rows x loop x grid below which the defaults run untimed (a guess: launch-bound)",
+            "",
+            "",
+            "def _auto_config(inputs, sizes, ref, dev, given):",
+            "    \"\"\"The timed configuration where run() chooses one: on a GPU, no launch option ``given``,",
+            "    a problem of at least TUNE_MIN (rows x loop x grid); else None (the defaults).\"\"\"",
+            "    n = sizes[AXIS]",
+            "    for a in ROW_AXES + GRID_AXES:",
+            "        n *= sizes[a]",
+            "    if dev.type != 'cuda' or given or _TUNING or n < TUNE_MIN:",
+            "        return None",
+            "    return _tuned(inputs, sizes, ref, dev)",
+            "",
+            "",
             "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
             "        num_stages=None, **inputs):",
-            "    \"\"\"Launch the kernel; returns the output (a dict when there are several).\"\"\"",
+            "    \"\"\"Launch the kernel; returns the output (a dict when there are several). On a GPU, with no",
+            "    launch option given, the first call per shape class times the configurations ``configs``",
+            "    keeps and runs the fastest from then on; explicit options win.\"\"\"",
             "    if schedule not in (None, 'loop'):",
             f"        raise ValueError(f\"program {self.name!r} runs the 'loop' schedule only (got {{schedule!r}})\")",
             "    inputs, sizes, ref, dev = _prepare(args, inputs)",
@@ -545,6 +713,11 @@ class SumGen:
             "    for a in GRID_AXES:",
             "        n_g *= sizes[a]",
             "    n_f = sizes[AXIS]",
+            "    on_gpu = dev.type == 'cuda'",
+            "    block_i = block_i or block_r",
+            "    cfg = _auto_config(inputs, sizes, ref, dev, (block_i, block_j, num_warps, num_stages) != (None,) * 4)",
+            "    if cfg is not None:",
+            "        block_i, block_j, num_warps, num_stages = (cfg[k] for k in ('block_i', 'block_j', 'num_warps', 'num_stages'))",
             "    outs = {o: (torch.zeros if ZERO_TILE_OUTPUTS and o in TILE_OUTPUTS else torch.empty)(",
             "        [sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
             "    argv = []",
@@ -556,21 +729,28 @@ class SumGen:
             "        argv.extend(outs[o].stride())",
             "    argv.extend(sizes[a] for a in GRID_AXES + ROW_AXES + VEC_AXES)",
             "    argv.extend([n_rows, n_f])",
-            "    on_gpu = dev.type == 'cuda'",
             "    wide = ref.dtype == torch.float32",
-            "    bi = block_i or block_r or (max(16, min(64 if wide else 128, _np2(n_rows))) if on_gpu else max(16, min(32, _np2(n_rows))))",
+            "    # the interpreter: small tiles (fast); a GPU without a timed choice: today's defaults",
+            "    bi = block_i or (max(16, min(64 if wide else 128, _np2(n_rows))) if on_gpu else max(16, min(32, _np2(n_rows))))",
             "    bj = block_j or ((32 if wide else 64) if on_gpu else 16)",
             "    prec = 'ieee' if ref.dtype == torch.float32 else 'tf32'",
             "    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32",
             "    scan = max(16, min(256, _np2(triton.cdiv(n_f, bj))))",
-            f"    kw = dict(BLOCK_I=bi, BLOCK_J=bj, {blocks + ', ' if blocks else ''}PREC=prec, DOT_T=dot_t, SCAN=scan,",
-            "              num_warps=num_warps or 4)",
+            "    vb = {a: max(16, _np2(sizes[a])) for a in VEC_AXES}",
+            "    kw = {f'BLOCK_V_{a}': vb[a] for a in VEC_AXES}",
+            "    kw.update({f'VMASK_{a}': vb[a] != sizes[a] for a in VEC_AXES})",
+            "    kw.update(BLOCK_I=bi, BLOCK_J=bj, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=num_warps or 4)",
             "    if on_gpu and num_stages:",
             "        kw['num_stages'] = num_stages",
             f"    {self.name}_sum[(triton.cdiv(n_rows, bi), n_g)](*argv, **kw)",
             "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
         ]
         return "\n".join(L)
+
+
+def _over_f(shape) -> bool:
+    """A value of this shape ranges over the loop axis (else it is the same in every tile)."""
+    return shape in ("f", "rf") or (isinstance(shape, tuple) and shape[0] == "f")
 
 
 def _tile_output(t: Term, F: str, axes) -> bool:

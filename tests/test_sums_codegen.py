@@ -1,0 +1,235 @@
+"""The sum kernel's generated source (codegen/sums.py) and its launch-configuration chooser.
+
+Snapshot-style checks on programs of the form a derived backward stage takes (written here
+directly, so that they do not depend on how af.backward splits its stages): a sum over keys
+of a contraction-built tile times a key vector (dQ), and two sums over queries (dK, dV).
+What they check: loads that only feed dots stay in their storage type (no float32 round
+trip); nothing loop-invariant is computed inside the loop; exp becomes exp2 with log2(e)
+folded into the constants; full loop tiles run unmasked and the partial last tile masked;
+the configuration chooser prunes by its estimate and times once per shape class. Each kernel
+also runs (Triton's interpreter) against float64 torch at odd sizes.
+"""
+import math
+import re
+
+import pytest
+import torch
+
+import acefuse as af
+
+SCALE = 0.125
+
+
+def _programs():
+    q = af.tensor("q", "b h i d")
+    k = af.tensor("k", "b h j d")
+    v = af.tensor("v", "b h j e")
+    go = af.tensor("go", "b h i e")
+    m = af.tensor("m", "b h i")
+    dd = af.tensor("dd", "b h i")
+    lse = af.tensor("l", "b h i")
+    i, j = af.index("i"), af.index("j")
+    s = af.where(j <= i, af.sum(q * k, "d") * SCALE, af.NEG_INF)
+    p = af.exp(s - m) * af.where(lse == 0, 0.0, 1.0 / lse)   # per query row: above dQ's loop
+    ds = p * (af.sum(go * v, "e") - dd) * SCALE
+    dq = af.program("sums_dq", grad_q=af.sum(ds * k, "j"))
+    dkv = af.program("sums_dkv", grad_k=af.sum(ds * q, "i"), grad_v=af.sum(p * go, "i"))
+    return dq, dkv
+
+
+_KERNELS = {}
+
+
+def _kernel(which):
+    if not _KERNELS:
+        dq, dkv = _programs()
+        _KERNELS["dq"] = af.compile(dq, axis="j")
+        _KERNELS["dkv"] = af.compile(dkv, axis="i")
+    return _KERNELS[which]
+
+
+def _kernel_fn(src):
+    """The @triton.jit kernel of a sum module (the function whose name ends in _sum)."""
+    a = src.index("_sum(")
+    a = src.rindex("\n@triton.jit", 0, a)
+    return src[a:src.index("\n\n\n", a)]
+
+
+def _loop(src):
+    """(lines of the full-tile loop body, lines of the tail), stripped."""
+    fn = _kernel_fn(src)
+    head = "    for start in range(first, end, BLOCK_J):\n"
+    assert head in fn
+    body = fn.split(head, 1)[1]
+    full, _, tail = body.partition("    if end < last:\n")
+    full, tail = full.split("\n    tl.store(", 1)[0], tail.split("\n    tl.store(", 1)[0]
+    return ([ln.strip() for ln in full.splitlines() if ln.strip()],
+            [ln.strip() for ln in tail.splitlines() if ln.strip()])
+
+
+def _hoisted(src):
+    fn = _kernel_fn(src)
+    return [ln.strip() for ln in fn.split("    for start in range(first, end, BLOCK_J):")[0].splitlines()]
+
+
+@pytest.mark.parametrize("which", ["dq", "dkv"])
+def test_dot_only_loads_keep_their_storage_type(which):
+    """No load is widened to float32 on the spot; a value read by dots only is never widened
+    (it goes to DOT_T straight from its storage type), and no dot operand makes a float32
+    round trip."""
+    src = _kernel_fn(_kernel(which).source)
+    assert ".to(tl.float32).to(DOT_T)" not in src
+    loads = re.findall(r"^\s*(\w+) = (?:tl\.load|_ld)\((.*)$", src, re.M)
+    assert loads
+    for name, rest in loads:
+        assert not rest.endswith(".to(tl.float32)"), f"{name} is widened where it is loaded"
+    # the key/query blocks held over the loop (dot operands only) stay in their storage type
+    held = [n for n, rest in loads if n.startswith("h") and rest.startswith(("k_ptr", "q_ptr", "v_ptr"))]
+    assert held, "expected a held dot operand"
+    for n in held:
+        assert f"{n}.to(tl.float32)" not in src, f"{n} (a dot operand) is widened to float32"
+        assert f"{n}.to(DOT_T)" in src
+
+
+@pytest.mark.parametrize("which", ["dq", "dkv"])
+def test_no_loop_invariant_work_inside_the_loop(which):
+    """Every value computed in the loop depends on the loop tile (its columns, a load of it or
+    an accumulator): per-row work (1/x, where, per-row products) is above the loop."""
+    full, tail = _loop(_kernel(which).source)
+    for body, base in ((full, {"cols"}), (tail, {"cols", "fmask", "tmask"})):
+        variant = set(base) | {"s", "s2"}
+        for ln in body:
+            if ln.startswith("#") or "=" not in ln or ln.startswith("cols"):
+                continue
+            name, rhs = (x.strip() for x in ln.split("=", 1))
+            ids = set(re.findall(r"\b[A-Za-z_]\w*\b", rhs))
+            assert ids & variant, f"loop-invariant value computed in the loop: {ln}"
+            variant.add(name)
+
+
+@pytest.mark.parametrize("which", ["dq", "dkv"])
+def test_exp_is_exp2_with_folded_constants(which):
+    src = _kernel(which).source
+    full, _ = _loop(src)
+    text = "\n".join(full)
+    assert "tl.exp(" not in text and "tl.exp2(" in text
+    assert repr(SCALE * 1.4426950408889634) in text          # the score's scale times log2(e)
+    if which == "dq":   # the per-row shift m * log2(e): once, above the loop
+        assert any(ln.endswith("* 1.4426950408889634") for ln in _hoisted(src))
+
+
+@pytest.mark.parametrize("which", ["dq", "dkv"])
+def test_full_tiles_unmasked_last_tile_masked(which):
+    full, tail = _loop(_kernel(which).source)
+    f, t = "\n".join(full), "\n".join(tail)
+    assert "fmask" not in f and "tmask" not in f and "tl.where(tmask" not in f
+    assert "_ld(" in f                        # a vector axis masked only when it is not a whole block
+    assert "tl.where(tmask" in t and "mask=fmask" in t
+
+
+def _reference(ins):
+    d = {n: x.double() for n, x in ins.items()}
+    ni, nj = d["q"].shape[2], d["k"].shape[2]
+    s = torch.einsum("bhid,bhjd->bhij", d["q"], d["k"]) * SCALE
+    causal = torch.arange(nj)[None, :] <= torch.arange(ni)[:, None]
+    p = torch.where(causal, torch.exp(s - d["m"][..., None]), 0.0) / d["l"][..., None]
+    ds = p * (torch.einsum("bhie,bhje->bhij", d["go"], d["v"]) - d["dd"][..., None]) * SCALE
+    return {"grad_q": torch.einsum("bhij,bhjd->bhid", ds, d["k"]),
+            "grad_k": torch.einsum("bhij,bhid->bhjd", ds, d["q"]),
+            "grad_v": torch.einsum("bhij,bhie->bhje", p, d["go"])}
+
+
+def _inputs(seed, ni, nj, dk, de, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k = r(1, 2, ni, dk), r(1, 2, nj, dk)
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * SCALE
+    m = s.amax(-1) + r(1, 2, ni).abs()   # a shift at least the row's max: exp stays <= 1
+    ins = {"q": q, "k": k, "v": r(1, 2, nj, de), "go": r(1, 2, ni, de), "m": m, "dd": r(1, 2, ni),
+           "l": 0.5 + torch.rand(1, 2, ni, generator=g, dtype=torch.float64)}
+    return {n: x.to(dtype) for n, x in ins.items()}
+
+
+@pytest.mark.parametrize("ni,nj,dk,de", [(37, 29, 16, 16),    # partial last tiles, whole vector blocks
+                                         (32, 48, 20, 12),    # whole loop tiles, vector axes shorter than a block
+                                         (19, 53, 16, 24)])
+def test_sum_kernels_match_float64(ni, nj, dk, de):
+    ins = _inputs(ni * nj + dk, ni, nj, dk, de)
+    ref = _reference(ins)
+    gq = _kernel("dq")(**ins)
+    gkv = _kernel("dkv")(**ins)
+    for name, got in (("grad_q", gq), ("grad_k", gkv["grad_k"]), ("grad_v", gkv["grad_v"])):
+        r = ref[name]
+        err = (got.double() - r).abs().max().item()
+        assert err <= 2e-5 * (1 + r.abs().max().item()), f"{name} ({ni}x{nj}, d={dk}, e={de}): max error {err}"
+
+
+def test_float64_check_catches_a_wrong_kernel():
+    """The comparison above fails on a wrong result (the scale missing once)."""
+    ins = _inputs(5, 37, 29, 16, 16)
+    ref = _reference(ins)
+    got = _kernel("dq")(**ins) / SCALE
+    assert (got.double() - ref["grad_q"]).abs().max().item() > 2e-5 * (1 + ref["grad_q"].abs().max().item())
+
+
+def test_bfloat16_inputs():
+    ins = _inputs(7, 45, 45, 16, 16, torch.bfloat16)
+    ref = _reference(ins)
+    got = _kernel("dkv")(**ins)
+    for name in ("grad_k", "grad_v"):
+        r = ref[name]
+        assert got[name].dtype == torch.bfloat16
+        err = (got[name].double() - r).abs().max().item()
+        assert err <= 2e-2 * (1 + r.abs().max().item()), f"{name}: max error {err}"
+
+
+# -- the launch-configuration chooser -------------------------------------------------------------
+def test_config_candidates_are_pruned_by_the_estimate():
+    mod = _kernel("dkv").module
+    every = [dict(block_i=a, block_j=b, num_warps=w, num_stages=s) for a in mod.BLOCK_I_CHOICES
+             for b in mod.BLOCK_J_CHOICES for w in mod.WARPS_CHOICES for s in mod.STAGES_CHOICES]
+    vs = {"d": 128, "e": 128}
+    kept = mod.configs(vs, 2, 227 * 1024)
+    assert 0 < len(kept) < len(every)
+    for cfg in every:
+        regs, smem = mod.estimate(cfg, vs, 2)
+        assert (cfg in kept) == (regs <= mod.REG_LIMIT and smem <= 227 * 1024)
+    # two 128x128 float32 accumulators with 128x128 tiles on 4 warps: 512 registers a thread
+    assert dict(block_i=128, block_j=128, num_warps=4, num_stages=1) not in kept
+    assert mod.ACC == ["d", "e"] and sorted(mod.HELD) == ["d", "e"] and len(mod.DOTS) == 4
+
+
+def test_config_choice_is_timed_once_per_shape_class(monkeypatch):
+    mod = _kernel("dq").module
+    calls = []
+
+    def fake_fastest(cands, call, required=()):
+        calls.append(len(cands))
+        return cands[0]
+    monkeypatch.setattr(mod, "_fastest", fake_fastest)
+    monkeypatch.setattr(mod, "_TUNED", {})
+    cpu = torch.device("cpu")
+    for n in (33, 40, 64, 70):   # 33..64 round up to 64 (one class); 70 to 128
+        ins = _inputs(n, n, n, 16, 16)
+        sizes = {"b": 1, "h": 2, "i": n, "j": n, "d": 16, "e": 16}
+        cfg = mod._tuned(ins, sizes, ins["q"], cpu)
+        assert cfg in mod.configs({"d": 16, "e": 16}, 4, 227 * 1024)
+    assert len(calls) == 2 and len(mod._TUNED) == 2
+
+
+def test_explicit_options_and_the_cpu_skip_the_timing(monkeypatch):
+    mod = _kernel("dq").module
+    called = []
+    monkeypatch.setattr(mod, "_tuned", lambda *a: called.append(a) or dict(block_i=64, block_j=32, num_warps=4,
+                                                                           num_stages=2))
+    monkeypatch.setattr(mod, "TUNE_MIN", 1)
+    ins = _inputs(3, 17, 17, 16, 16)
+    sizes = {"b": 1, "h": 2, "i": 17, "j": 17, "d": 16, "e": 16}
+    gpu = torch.device("cuda")
+    assert mod._auto_config(ins, sizes, ins["q"], gpu, True) is None        # an explicit option wins
+    assert mod._auto_config(ins, sizes, ins["q"], torch.device("cpu"), False) is None
+    assert not called
+    assert mod._auto_config(ins, sizes, ins["q"], gpu, False)["block_j"] == 32
+    assert len(called) == 1
+    _kernel("dq")(**ins)   # on the CPU run() never times
+    assert len(called) == 1
