@@ -234,7 +234,9 @@ class GemmKernel:
     def blocks(self, device_is_cuda: bool):
         if self.block is not None:
             return self.block
-        return (128, 128, 128) if device_is_cuda else (16, 16, 16)
+        # GPU: 128 x 128 output tiles, k steps of 64 (the operand tiles are computed in float32
+        # registers before the dot: a k step of 128 doubles them); interpreter: small blocks
+        return (128, 128, 64) if device_is_cuda else (16, 16, 16)
 
     def cost(self, M, N, K, dtypes: dict, out_bytes: int, cuda: bool = True) -> dict:
         """Bytes (HBM, L2) and FLOPs of each form (module docstring) for sizes M, N, K."""

@@ -3,6 +3,12 @@ torch.compile, in one run, on the same inputs, beside the measured copy bandwidt
 
     python benchmarks/bench_quant.py [--rows 16384 --cols 8192] [--out results.json]
     python benchmarks/bench_quant.py --cpu-smoke      # tiny size through Triton's interpreter
+    python benchmarks/bench_quant.py --part gemm [--gemm-n 128,4096,8192] [--dtypes bfloat16]
+                                                      # quantization feeding a GEMM (af.gemm):
+                                                      # both forms (and block variants of the
+                                                      # prologue form), eager quantize + _scaled_mm,
+                                                      # torch.compile of it; TFLOP/s = 2 t n k /
+                                                      # time, the cost model's bytes per form
     ACEFUSE_NATIVE=0 python benchmarks/bench_quant.py # the emulated casts on the GPU too (the
                                                       # interpreter's path), to compare
 
@@ -73,8 +79,102 @@ def variants(cols, dev):
     return out
 
 
+# ---- --part gemm: per-token quantization feeding a GEMM (examples/quant.py fp8_linear, af.gemm) ----
+def eager_fp8_linear(x, wq, ws, out_dtype):
+    """torch as one writes it: quantize x per token, then torch._scaled_mm (where it cannot run,
+    the float32 matmul of the float8 values, as af.gemm's scaled_mm form does)."""
+    s = x.abs().amax(-1).float() / 448.0
+    q = (x.float() / s[:, None]).to(torch.float8_e4m3fn)
+    if x.is_cuda:
+        return torch._scaled_mm(q, wq.t(), scale_a=s[:, None], scale_b=ws[None, :], out_dtype=out_dtype)
+    return ((q.float() @ wq.float().t()) * s[:, None] * ws[None, :]).to(out_dtype)
+
+
+def check_gemm(what, out, x, wq, ws, rows):
+    """``out[:rows]`` against a float64 matmul of the dequantized float8 values (the IEEE scale,
+    torch's cast of x / scale): |err| <= 2 K 2^-24 sum|q w| s ws + (4 2^-24 + the output's
+    rounding) |ref| (float32 accumulation, the epilogue's products, the output's rounding)."""
+    xs = x[:rows]
+    s = (xs.double().abs().amax(1) / 448.0).float()
+    q = (xs.float() / s[:, None]).to(torch.float8_e4m3fn).double()
+    w = wq.double()
+    sc = s.double()[:, None] * ws.double()[None, :]
+    ref = (q @ w.t()) * sc
+    tol = 2 * x.shape[1] * 2.0 ** -24 * ((q.abs() @ w.abs().t()) * sc) \
+        + (4 * 2.0 ** -24 + {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}[out.dtype]) * ref.abs()
+    bad = int(((out[:rows].double() - ref).abs() > tol).sum())
+    if bad:
+        sys.exit(f"{what}: {bad} of {ref.numel()} checked outputs differ from the float64 matmul of the "
+                 f"dequantized values beyond the float32 accumulation bound")
+
+
+def gemm_part(args, dev, bench, name):
+    import acefuse as af
+    import runpy
+    prog = runpy.run_path(str(ROOT / "examples" / "quant.py"))["fp8_linear"]
+    g = af.gemm(prog)
+    t, k = args.rows, args.cols
+    ns = [int(v) for v in args.gemm_n.split(",")]
+    rows_out = []
+    comp = None if args.no_compile else torch.compile(eager_fp8_linear)
+    blocks = [None] + ([(128, 128, 64), (128, 128, 128), (128, 256, 64), (64, 128, 128)] if dev == "cuda" else [])
+    for dname in args.dtypes.split(","):
+        dt = getattr(torch, dname)
+        for n in ns:
+            gen = torch.Generator(device=dev).manual_seed(t + k + n)
+            x = (torch.randn(t, k, device=dev, generator=gen) * 3).to(dt)
+            w = torch.randn(n, k, device=dev, generator=gen)
+            ws = (w.abs().amax(1).double() / 448.0).float()
+            wq = (w / ws[:, None]).to(torch.float8_e4m3fn)
+            w = None
+            inputs = dict(x=x, wq=wq, ws=ws)
+            flops = 2 * t * n * k
+            form, costs, why = g.choose(t, n, k, {"x": dt, "wq": wq.dtype, "ws": ws.dtype}, 2 if dt != torch.float32 else 4,
+                                        cuda=dev == "cuda")
+            res = {}
+            for f in ("scaled_mm", "prologue"):
+                for blk in (blocks if f == "prologue" else [None]):
+                    gg = g if blk is None else af.gemm(prog, block=blk)
+                    label = f if blk is None else f"{f}/{'x'.join(map(str, blk))}"
+                    call = (lambda gg=gg, f=f: gg(form=f, **inputs)["out"])
+                    out = call()
+                    check_gemm(f"{dname} n={n} {label}", out, x, wq, ws, min(t, 256))
+                    res[label] = (bench(call), gg.last_path)
+            e_out = eager_fp8_linear(x, wq, ws, dt if dt != torch.float32 else torch.float32)
+            check_gemm(f"{dname} n={n} eager", e_out, x, wq, ws, min(t, 256))
+            t_eager = bench(lambda: eager_fp8_linear(x, wq, ws, dt))
+            t_comp = None
+            if comp is not None:
+                check_gemm(f"{dname} n={n} torch.compile", comp(x, wq, ws, dt), x, wq, ws, min(t, 256))
+                t_comp = bench(lambda: comp(x, wq, ws, dt))
+            tf = lambda ms: flops / (ms * 1e-3) / 1e12   # noqa: E731
+            best_pro = min((l for l in res if l.startswith("prologue")), key=lambda l: res[l][0])
+            row = dict(part="gemm", dtype=dname, t=t, k=k, n=n, flops=flops, chosen=form, why=why,
+                       model_bytes={c.form: c.hbm_bytes for c in costs.values()},
+                       model_l2_bytes={c.form: c.l2_bytes for c in costs.values()},
+                       forms={l: dict(ms=v[0], tflops=tf(v[0]), path=v[1]) for l, v in res.items()},
+                       eager_ms=t_eager, eager_tflops=tf(t_eager), compile_ms=t_comp,
+                       compile_tflops=tf(t_comp) if t_comp else None)
+            rows_out.append(row)
+            print(f"gemm {dname} t={t} k={k} n={n}: model chose {form} ({why})")
+            for c in costs.values():
+                print(f"    model {c.form:9s}: {c.hbm_bytes / 1e6:10.2f} MB HBM"
+                      + (f" + {c.l2_bytes / 1e6:.2f} MB L2" if c.l2_bytes else "") + f", {c.flops / 1e9:.1f} GFLOP")
+            for l, v in res.items():
+                print(f"    acefuse {l:22s} {v[0]:9.3f} ms {tf(v[0]):8.1f} TFLOP/s  ({v[1]})")
+            print(f"    eager (quantize + _scaled_mm) {t_eager:9.3f} ms {tf(t_eager):8.1f} TFLOP/s; "
+                  + (f"torch.compile {t_comp:9.3f} ms {tf(t_comp):8.1f} TFLOP/s" if t_comp else "torch.compile (skipped)")
+                  + f"; best prologue blocks {best_pro}; the chosen form measured "
+                  f"{'faster' if res[form][0] <= min(res['scaled_mm'][0], res['prologue'][0]) else 'slower'} "
+                  "than the other at default blocks")
+    return rows_out
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("quant", "gemm", "all"), default="quant",
+                    help="quant: the quantization kernels; gemm: quantization feeding a GEMM (af.gemm)")
+    ap.add_argument("--gemm-n", default="128,4096,8192", help="--part gemm: the GEMM's n values")
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--cols", type=int, default=8192)
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -87,7 +187,9 @@ def main():
         if not args.cpu_smoke:
             sys.exit("no CUDA GPU: run with --cpu-smoke for a functional check")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.rows, args.cols, args.no_compile = 8, 96, True
+        args.rows, args.cols, args.no_compile = (8, 96, True) if args.part == "quant" else (37, 80, True)
+        if args.part != "quant":
+            args.gemm_n = "48,16"
     sys.path.insert(0, str(ROOT))
     import acefuse as af
     bench = timer(dev)
@@ -96,7 +198,9 @@ def main():
     print(f"device {name}; measured copy {copy:.0f} GB/s (read + write, bfloat16, "
           f"{'1 GiB' if dev == 'cuda' else '128 KiB'})")
     rows_out = []
-    for qname, (prog, eager) in programs().items():
+    if args.part in ("gemm", "all"):
+        rows_out += gemm_part(args, dev, bench, name)
+    for qname, (prog, eager) in (programs().items() if args.part != "gemm" else ()):
         k = af.compile(prog)
         comp = None if args.no_compile else torch.compile(eager)
         for dname in args.dtypes.split(","):
