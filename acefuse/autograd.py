@@ -157,10 +157,17 @@ class BackwardKernel:
         self.program = bwd
         self.kernels = kernels   # one per stage
         # {stage: stage whose kernel computes its sums over rows in the same pass} (codegen/riders.py)
-        self._riders = dict(riders or {})
+        # intermediates: values a pre-stage computes once and later stages read (acefuse.backward's
+        # _hoist); kept in the wide type, passed along as inputs, never returned
+        self._inter = set(getattr(bwd, "intermediates", {}))
+        made = {n: i for i, st in enumerate(bwd.stages) for n in st.outputs if n in self._inter}
+        needs = [{made[n] for n in st.tensors if n in made} for st in bwd.stages]
+        # a rider whose host reads its values (directly or through other stages) runs apart
+        riders = {b: a for b, a in dict(riders or {}).items() if b not in _upstream(a, needs)}
+        self._riders = riders
         self._rider_hosts = set(self._riders.values())
-        # hosts before their riders (stages read only the call's inputs: any order is right)
-        self._order = sorted(range(len(kernels)), key=lambda i: i in self._riders)
+        # hosts before their riders, every stage after the pre-stages whose values it reads
+        self._order = _dependency_order(sorted(range(len(kernels)), key=lambda i: i in self._riders), needs)
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
         self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
@@ -169,6 +176,9 @@ class BackwardKernel:
         self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs or n in parts],
                          list(st.outputs), {n: st.outputs[n].axes for n in st.outputs})
                         for st, k in zip(bwd.stages, kernels)]
+        # per stage: its intermediate outputs, and whether its launcher writes them wide directly
+        self._pre = [([n for n in st.outputs if n in self._inter], takes_out_dtypes(k))
+                     for st, k in zip(bwd.stages, kernels)]
 
     @property
     def fusible(self) -> bool:
@@ -198,16 +208,26 @@ class BackwardKernel:
             if n in inputs:   # (a cotangent no requested gradient reads is not an input)
                 inputs[n] = inputs[n].contiguous()
         out, out_axes = {}, {}
+        wide = None
         for i in self._order:
             k, tnames, keep, onames, oaxes = self._stages[i]
             if i in self._riders and all(n in out for n in keep):
                 continue   # its sums over rows came with another stage's pass
             kin = {n: inputs[n] for n in tnames}
+            inter, direct = self._pre[i]
+            if inter:
+                if wide is None:
+                    wide = wide_dtype(next((inputs[n].dtype for n in names if inputs[n].dtype.is_floating_point
+                                            and n not in bwd.index_inputs), torch.float32))
+                if direct:
+                    kin["out_dtypes"] = {n: wide for n in inter}
             if i in self._rider_hosts and "schedule" not in run_kw:
                 res = _as_dict(_run_stage(k, {**kin, "riders": True}, run_kw), onames)
                 self._fold_riders(i, res, inputs, out, out_axes)
             else:
                 res = _as_dict(_run_stage(k, kin, run_kw), onames)
+            for n in inter:   # read by later stages as inputs (not gradients: not returned)
+                inputs[n] = _to(res[n], wide)
             for n in keep:   # a stage lays its outputs out in its own axis order (its inputs' declarations)
                 out[n], out_axes[n] = res[n], oaxes[n]
         for gname, (part, red) in self._finish.items():   # the second step: a sum over grid axes
@@ -261,6 +281,30 @@ class BackwardKernel:
 
     def __repr__(self):
         return f"<acefuse backward kernel {self.program.name!r}: {len(self.kernels)} stage(s)>"
+
+
+def _upstream(i, needs) -> set:
+    """The stages whose values stage ``i`` reads, directly or through others."""
+    seen, stack = set(), list(needs[i])
+    while stack:
+        j = stack.pop()
+        if j not in seen:
+            seen.add(j)
+            stack.extend(needs[j])
+    return seen
+
+
+def _dependency_order(base, needs) -> list:
+    """``base`` reordered (stably) so that every stage comes after those whose values it reads."""
+    order, done, pending = [], set(), list(base)
+    while pending:
+        i = next((i for i in pending if needs[i] <= done), None)
+        if i is None:   # pragma: no cover - af.backward builds no cycle
+            raise RuntimeError(f"backward stages {pending} read each other's values (a cycle)")
+        pending.remove(i)
+        order.append(i)
+        done.add(i)
+    return order
 
 
 def _run_stage(k, kin, run_kw):
@@ -603,13 +647,18 @@ class StagedFusion:
             L.append(f"  {k} = {e}")
         if bwd.zero_grads:
             L.append("  zero (no output depends on them): " + ", ".join(bwd.zero_grads))
-        for f in self.stages:
+        for st, f in zip(bwd.stages, self.stages):
             L.append("")
-            L.append(f"== stage {f.program.name} ==")
+            hoisted = getattr(st, "hoisted", None)
+            L.append(f"== stage {f.program.name}" + (" (pre-stage: its outputs are read by later stages, "
+                                                      "not returned)" if hoisted else "") + " ==")
+            for n, why in (hoisted or {}).items():
+                L.append(f"  {n} = {st.outputs[n]}: hoisted, {why}")
             L.append(f.explain(chains=chains, timings=timings))
         return "\n".join(L)
 
     def to_json(self) -> dict:
         return {"program": self.program.name, "fusible": self.fusible,
                 "saved": {n: " ".join(a) for n, a in self.program.saved.items()},
-                "stages": [f.to_json() for f in self.stages]}
+                "stages": [f.to_json() for f in self.stages],
+                "hoisted": {n: why for st in self.program.stages for n, why in getattr(st, "hoisted", {}).items()}}

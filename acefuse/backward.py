@@ -520,7 +520,8 @@ def backward(prog, wrt=None) -> BackwardProgram:
             saved_kind[k] = "output"
     tensor_order = _tensor_order(prog, idx_inputs, saved, cot_axes)
     finish: dict = {}
-    stages = _stages(prog.name + "_bwd", outputs, tensor_order, prog.axes, finish, prog)
+    hoisted: dict = {}
+    stages = _stages(prog.name + "_bwd", outputs, tensor_order, prog.axes, finish, prog, hoisted)
     seq = {s.axis for s in stages if s.axis} | {t.args[0].args[0] for e in list(prog.outputs.values())
                                                + list(outputs.values()) for t in e.term.walk()
                                                if t.op in RED and t.args[0].op == "Ax" and not _is_contraction(t)}
@@ -532,6 +533,8 @@ def backward(prog, wrt=None) -> BackwardProgram:
     bwd.wrt = None if wrt is None else tuple(wrt)
     # gradient -> (stage output, axes): the gradient is that tile output summed over those axes
     bwd.finish = finish
+    # intermediate -> axes: a reduction a pre-stage computes once and later stages read (_hoist)
+    bwd.intermediates = {n: h[0] for n, h in hoisted.items()}
     return bwd
 
 
@@ -626,6 +629,9 @@ class Stage(Program):
         # the axes the backward loops or tiles over (stage axes, the forward's non-contraction
         # reductions: attention's i and j), never held whole as a vector axis (set by backward())
         self.seq_axes: tuple = ()
+        # a pre-stage's outputs (intermediates later stages read, never gradients) -> why each
+        # was hoisted out of the stage that uses it (``_hoist``); empty for other stages
+        self.hoisted: dict = {}
 
     def reduced_axes(self) -> list:
         red = super().reduced_axes()
@@ -654,12 +660,164 @@ def _summed_part(e):
     return t, axes
 
 
-def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=None) -> list:
-    groups: dict = {}
-    elementwise = []
+def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=None, hoisted=None,
+            pre=False) -> list:
+    """The stages of a backward program's ``outputs``, pre-stages first (see ``_hoist``).
+    ``finish`` (filled in): gradient -> (tile output, axes it is summed over); ``hoisted``
+    (filled in): intermediate name -> (axes, reduction term, why); ``tensor_order`` gets
+    the intermediates appended."""
     outputs = dict(outputs)
+    if finish is not None:
+        _split_finish(outputs, order, finish, forward)
+    if hoisted is None:
+        hoisted = {}
+    taken = set(tensor_order) | set(outputs) | set(forward.outputs if forward is not None else ())
+    pres: dict = {}        # intermediate name -> its Expr (the outputs of the pre-stages)
+    for _ in range(0 if pre else _HOIST_ROUNDS):   # (a pre-stage's own reductions stay in it)
+        found = _hoist(_group(outputs), outputs)
+        if not found:
+            break
+        subst = {}
+        for t, (a, missing) in found.items():
+            n = next(f"pre{i}" for i in range(1, len(taken) + 2) if f"pre{i}" not in taken)
+            taken.add(n)
+            e0 = next(o for o in outputs.values() if any(u is t or u == t for u in o.term.walk()))
+            axes = tuple(x for x in order if x in _Axes(e0.tensors)(t)) if order else tuple(sorted(_Axes(e0.tensors)(t)))
+            pres[n] = _retensor(t, axes, e0.tensors)
+            hoisted[n] = (axes, t, f"invariant along {', '.join(sorted(missing))} in stage {name}_{a} "
+                                   f"(fused over {a}); its grid would recompute it for every block along "
+                                   f"{' and '.join(sorted(missing))}")
+            subst[t] = Term("In", (n,))
+            tensor_order.append(n)
+        for k, e in list(outputs.items()):
+            nt = _substitute(e.term, subst)
+            if nt is not e.term:
+                tens = dict(e.tensors)
+                tens.update({n: pres[n].axes for n in {u.args[0] for u in nt.walk() if u.op == "In"} if n in pres})
+                outputs[k] = _retensor(nt, e.axes, tens)
+    pre_stages = _stages(name + "_pre", pres, tensor_order, order, None, forward, hoisted, True) if pres else []
+    if not pre:
+        return pre_stages + _build(name, outputs, _group(outputs), tensor_order)
+    # pre-stages: the values that reduce over one axis share a kernel per axis (FlashAttention-2's
+    # D = sum_e(grad_o * o)); a value nested over several axes gets its own stage, compiled over
+    # whichever of its axes compiles (``sum_j(sum_r(X))``: over r, rows j, then a sum over j)
+    stages, single = [], {}
+    for n, e in outputs.items():
+        red = _red_axes(e.term)
+        if len(red) == 1:
+            single.setdefault(red[0], []).append(n)
+        else:
+            stages += _build(f"{name}_{n}", {n: e}, {_inner_axis(e.term): [n]}, tensor_order)
+    stages = _build(name, outputs, single, tensor_order) + stages
+    for st in stages:
+        st.hoisted = {n: hoisted[n][2] for n in st.outputs if n in hoisted}
+    return pre_stages + stages
+
+
+# at most this many rounds of hoisting per stage set (each round removes at least one reduction
+# from the stages; a round can expose another by moving an output to another stage)
+_HOIST_ROUNDS = 8
+
+
+def _substitute(t: Term, subst: dict, memo=None) -> Term:
+    """``t`` with every subterm in ``subst`` replaced (the same object back when nothing is)."""
+    if memo is None:
+        memo = {}
+    if t in subst:
+        return subst[t]
+    if t in memo:
+        return memo[t]
+    if not t.children:
+        r = t
+    else:
+        args = tuple(_substitute(a, subst, memo) if isinstance(a, Term) else a for a in t.args)
+        r = t if all(x is y for x, y in zip(args, t.args)) else Term(t.op, args)
+    memo[t] = r
+    return r
+
+
+def _retensor(t: Term, axes, tensors: dict) -> Expr:
+    """``Expr(t, axes)`` over the tensors ``t`` reads, plus (from ``tensors``) those that give
+    the length of an axis it ranges over, indexes or takes the size of and no read tensor has."""
+    used = {s.args[0] for s in t.walk() if s.op in ("In", "Take")}
+    need = set(axes) | {s.args[0] for s in t.walk() if s.op in ("Size", "Idx")}
+    have = {a for n in used for a in tensors[n]}
+    for n, ax in tensors.items():
+        if not need <= have and n not in used and (need - have) & set(ax):
+            used.add(n)
+            have |= set(ax)
+    return Expr(t, tuple(axes), {n: ax for n, ax in tensors.items() if n in used})
+
+
+def _hoist(groups: dict, outputs: dict) -> dict:
+    """The reductions to compute in a pre-stage: {term: (stage axis, row axes it misses)}.
+
+    Cost rule. A stage fused over ``a`` runs a grid over its row axes (``_row_axes``). A
+    reduction inside the stage whose value does not range over a row axis ``g``
+    (``D = sum_e(grad_o * o)`` over (b, h, i) in dK/dV's stage, whose rows are key tiles
+    ``j``; ``sum_j(sum_r(...))`` inside a weight's gradient over ``j`` in a stage whose rows
+    are ``r``) is the same for every block of rows along ``g``: inline, each of them
+    recomputes it (reading its operands again), and a contraction over the only row axis
+    leaves codegen no rows to run at all. A pre-stage computes it once (one pass over its
+    operands, one write of a value with fewer axes than they have) and each program reads the
+    value instead. Lengths are not known when the backward is derived; a row axis is taken to
+    span more than one block (the case a backward is derived for), where the pre-pass costs
+    less than the recomputations. An output's own root reduction is what its stage computes
+    and is never hoisted; a hoisted reduction is read by every stage that uses it."""
+    found: dict = {}
+    for a, ks in groups.items():
+        if a is None:
+            continue
+        tensors: dict = {}
+        for k in ks:
+            tensors.update(outputs[k].tensors)
+        axes_of = _Axes(tensors)
+        roots = [outputs[k].term for k in ks]
+        rows = _row_axes(a, roots, tensors, set().union(*(set(outputs[k].axes) for k in ks)) - {a})
+
+        def visit(u, root, seen):
+            if u in seen or u in found:
+                return
+            seen.add(u)
+            if u.op in RED and u.args[0].op == "Ax" and not root:
+                missing = rows - axes_of(u)
+                if missing:
+                    found[u] = (a, missing)
+                    return
+            for c in u.children:
+                visit(c, False, seen)
+
+        seen: set = set()
+        for r in roots:
+            visit(r, True, seen)
+    return found
+
+
+def _row_axes(a, terms, tensors: dict, out_axes: set) -> set:
+    """The axes along which the grid of a stage fused over ``a`` runs programs: the sum
+    kernel's row and grid axes (codegen/sums.py: the output axes no tensor over ``a`` carries,
+    and those every such tensor carries; else, with a tensor over ``a`` and the rows (a bias),
+    every output axis but the ones contracted inside the body, which it holds whole as
+    vectors); when it has none, the row family's (every output axis but ``a``)."""
+    ft = [set(ax) for ax in tensors.values() if a in ax]
+    if ft:
+        rows = {x for x in out_axes if not any(x in ax for ax in ft)}
+        if rows:
+            return rows | (set.intersection(*ft) & out_axes)
+        vec = {u.args[0].args[0] for t in terms for u in t.walk()
+               if u.op == "Sum" and u.args[0].op == "Ax" and u.args[0].args[0] != a}
+        vft = [ax for ax in ft if ax & vec]
+        if vft:
+            grid = set.intersection(*vft) - {a} - vec
+            rows = out_axes - grid - vec
+            if rows:
+                return rows | (grid & out_axes)
+    return set(out_axes)
+
+
+def _split_finish(outputs: dict, order, finish: dict, forward) -> None:
     for k, e in list(outputs.items()):   # a gradient that sums a tile output of another stage over
-        part = _summed_part(e) if finish is not None else None   # axes of that stage's grid: the
+        part = _summed_part(e)           # axes of that stage's grid: the
         if part is None:                 # stage stores the tile output, the sum is a second step
             continue
         x, red = part
@@ -680,8 +838,16 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
             del outputs[k]
             outputs[f"part_{k}"] = xe
             finish[k] = (f"part_{k}", tuple(red))
+
+
+def _group(outputs: dict, axis_of=None) -> dict:
+    """{fused axis (None: no reduction): [output names]}: each output by the axis it reduces
+    innermost (``axis_of``, default ``_inner_axis``), outputs that only share another stage's
+    contractions and elementwise outputs moved into a stage that computes them."""
+    groups: dict = {}
+    elementwise = []
     for k, e in outputs.items():
-        a = _inner_axis(e.term)
+        a = (axis_of or _inner_axis)(e.term)
         if a is None:
             elementwise.append(k)
         else:
@@ -702,6 +868,10 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
             groups.setdefault(None, []).append(k)
         else:
             groups[target].append(k)
+    return groups
+
+
+def _build(name, outputs: dict, groups: dict, tensor_order) -> list:
     stages = []
     for a, ks in groups.items():
         outs = {k: outputs[k] for k in ks}

@@ -185,8 +185,9 @@ def test_flash_attention_2_structure_is_derived(name):
     for g in (gk, gv):
         assert len(_sums(g, "i")) == 1 and not _sums(g, "j")
     stages = {s.name.rsplit("_", 1)[1]: sorted(s.outputs) for s in bwd.stages}
-    assert stages == {"j": ["grad_q"], "i": ["grad_k", "grad_v"]}
-    assert [s.axis for s in bwd.stages] == ["j", "i"]
+    # D_i once, in a pre-stage over the head dim (test_d_i_is_computed_once); dQ; dK and dV
+    assert stages == {"e": ["pre1"], "j": ["grad_q"], "i": ["grad_k", "grad_v"]}
+    assert [s.axis for s in bwd.stages] == ["e", "j", "i"]
     f = af.fuse(bwd)   # each stage: plain sums over its axis, one pass, certified like any fusion
     assert f.fusible and f.hbm_passes and "sum_e(grad_o * o)" in f.explain()
 
@@ -256,12 +257,29 @@ def test_backward_stages_use_dots_and_mask_analysis():
     dk = _kernel("causal")
     dk._grad_kernels()
     bk = dk._bwd_kernel
-    assert [s.name for s in bk.program.stages] == ["causal_bwd_j", "causal_bwd_i"]
-    for kern in bk.kernels:
+    assert [s.name for s in bk.program.stages] == ["causal_bwd_pre_e", "causal_bwd_j", "causal_bwd_i"]
+    for kern in bk.kernels[1:]:
         src = kern.source
         assert src.count("tl.dot(") >= 3   # QK^T, dO V^T, and the accumulation into dQ or dK/dV
         assert "are skipped" in src         # tiles the causal mask excludes are not visited
     assert "sum_e(grad_o * o)" in bk.kernels[0].source
+
+
+@pytest.mark.parametrize("name", ["attention", "causal", "softcap"])
+def test_d_i_is_computed_once(name):
+    """FlashAttention-2's D_i = sum_e(grad_o * o) does not range over the key tiles the dK/dV
+    stage's grid runs over: a pre-stage computes it once and both stages read it, so neither
+    reads the forward output o (before, dK/dV recomputed D for every query tile in every
+    program of its grid)."""
+    bwd = backward(ATTN[name])
+    pre, dq, dkv = bwd.stages
+    assert pre.hoisted and list(pre.outputs) == list(bwd.intermediates) == ["pre1"]
+    assert str(pre.outputs["pre1"]) == "sum_e(grad_o * o)" and bwd.intermediates["pre1"] == ("b", "h", "i")
+    assert "invariant along j in stage " + dkv.name in pre.hoisted["pre1"]
+    for st in (dq, dkv):
+        assert "o" not in st.tensors and "pre1" in st.tensors
+        assert not any(str(u) == "sum_e(grad_o * o)" for e in st.outputs.values() for u in e.term.walk())
+    assert "o" in bwd.tensors and "pre1" not in bwd.tensors   # the call passes o; pre1 stays inside
 
 
 def test_backward_kernel_float16():
