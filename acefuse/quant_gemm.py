@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from acefuse.lang import LanguageError, Expr, Program
 from acefuse.rewrite.terms import Term, pretty
-from acefuse.codegen.gemm import is_kred, free_of, replace, kreductions, generate, J
+from acefuse.codegen.gemm import free_of, replace, kreductions, generate, J
 
 FP8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 _TORCH_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -445,9 +446,15 @@ class GemmKernel:
         elif qa.dtype == qb.dtype == torch.float8_e5m2:
             why = "_scaled_mm does not take two float8_e5m2 operands"
         if not why:
-            self.last_path = "torch._scaled_mm"
-            return torch._scaled_mm(qa.contiguous(), qb.contiguous().t(), scale_a=sa[:, None].contiguous(),
-                                    scale_b=sb[None, :].contiguous(), out_dtype=od)
+            try:
+                out = torch._scaled_mm(qa.contiguous(), qb.contiguous().t(), scale_a=sa[:, None].contiguous(),
+                                       scale_b=sb[None, :].contiguous(), out_dtype=od)
+                self.last_path = "torch._scaled_mm"
+                return out
+            except RuntimeError as exc:   # e.g. a torch whose row-wise scaling takes bfloat16 output only
+                why = f"torch._scaled_mm refused it: {str(exc).splitlines()[0]}"
+                warnings.warn(f"af.gemm({self.split.name!r}), form 'scaled_mm': {why}; computing the same "
+                              "product as a float32 matmul of the float8 values", RuntimeWarning, stacklevel=3)
         # the same product: exact float8 values, float32 accumulation (another order than _scaled_mm's)
         self.last_path = f"float32 matmul of the float8 values ({why})"
         return ((qa.float() @ qb.float().t()) * sa[:, None] * sb[None, :]).to(od)

@@ -35,7 +35,6 @@ J = Term("BJ")
 _RED = ("Sum", "RMax", "RMin")
 _INIT = {"Sum": "0.0", "RMax": "float('-inf')", "RMin": "float('inf')"}
 _BLK = {"a": "BLOCK_M", "b": "BLOCK_N"}
-_PAD = {"Sum": "0.0", "RMax": "float('-inf')", "RMin": "float('inf')"}
 
 
 def is_kred(t: Term, k: str) -> bool:
@@ -209,8 +208,7 @@ class GemmGen:
         reads those of lower levels (one pre-loop over k per level)."""
         lev = {}
         for r in reds:   # innermost first
-            inner = [u for u in kreductions(r.args[1], self.k)]
-            lev[r] = 1 + max((lev[u] for u in inner), default=-1)
+            lev[r] = 1 + max((lev[u] for u in kreductions(r.args[1], self.k)), default=-1)
         out = []
         for r in reds:
             while len(out) <= lev[r]:
@@ -245,7 +243,7 @@ class GemmGen:
                 if sb != "tile":
                     body = f"({body}) + tl.zeros([{_BLK[side]}, BLOCK_K], tl.float32)"
                 v = self.reduction_var[r]
-                part = f"tl.where(tmask_{side}, {body}, {_PAD[r.op]})"
+                part = f"tl.where(tmask_{side}, {body}, {_INIT[r.op]})"
                 if r.op == "Sum":
                     em.line(f"{v} = {v} + tl.sum({part}, axis=1)")
                 else:
@@ -337,7 +335,6 @@ class GemmGen:
         L.append("    for k0 in range(0, K, BLOCK_K):")
         L.append("        ks = k0 + ks0")
         L.append("        kmask = ks < K")
-        tiles = {}
         for side in ("a", "b"):
             L.append(f"        tmask_{side} = {side}mask[:, None] & kmask[None, :]")
             em = self._emitter(side, "operand", "        ")

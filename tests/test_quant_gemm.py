@@ -205,3 +205,21 @@ def test_odd_k_pads_the_last_tile(form):
     inp["x"][3] *= 1e-3   # a row whose absmax is far below anything a wrong padding could inject
     out = gemm(fp8_linear())(form=form, out_dtype=torch.float32, **inp)["out"]
     check_out(out, inp, f"{form}, k=83, seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["scaled_mm", "prologue"])
+@pytest.mark.parametrize("t,k,n", [(1000, 1024, 384), (333, 1040, 200), (64, 4096, 4096)])
+def test_gpu_forms_match_float64(form, t, k, n):
+    """On the GPU: the scaled_mm form through torch._scaled_mm (where shapes allow), the
+    prologue form with its float8 dot, both against the float64 reference."""
+    seed = _seed()
+    inp = {a: v.cuda() for a, v in inputs(seed, torch.bfloat16, t=t, k=k, n=n).items()}
+    g = gemm(fp8_linear())
+    for od in (torch.float32, torch.bfloat16):
+        out = g(form=form, out_dtype=od, **inp)["out"]
+        check_out(out.cpu(), {a: v.cpu() for a, v in inp.items()}, f"{form} {t}x{k}x{n} {od}, seed {seed}")
+    if form == "prologue":
+        assert "float8 dot" in g.last_path
+    elif k % 16 == 0 and n % 16 == 0:
+        assert g.last_path == "torch._scaled_mm"
