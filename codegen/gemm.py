@@ -140,6 +140,12 @@ class Frame:
                            "gathered tensor first")
 
     def load(self, name, em):
+        ptr, mask, shape = self.pointer(name)
+        m = f", mask={mask}, other=0.0" if mask else ""
+        return em.bind(f"_widen(tl.load({ptr}{m}))", shape, "ld_")
+
+    def pointer(self, name):
+        """(pointer expression, mask or None, shape) of input ``name`` in this frame."""
         g = self.gen
         axes = g.tensors[name]
         k = g.k
@@ -167,9 +173,7 @@ class Frame:
                 raise CodegenError(f"input {name!r} spans both output axes; the epilogue takes per-row and "
                                    "per-column values only")
             shape = "row" if g.axis["a"] in axes else ("col" if parts else "scalar")
-        ptr = " + ".join([f"{name}_ptr"] + parts)
-        m = f", mask={' & '.join(mask)}, other=0.0" if mask else ""
-        return em.bind(f"_widen(tl.load({ptr}{m}))", shape, "ld_")
+        return " + ".join([f"{name}_ptr"] + parts), (" & ".join(mask) or None), shape
 
 
 class GemmGen:
@@ -282,6 +286,22 @@ class GemmGen:
         L.extend(em.lines)
         return replace(self.s.operand[side], table)
 
+    def fp8_operand(self, side, op, e, sh):
+        """(expression, comment) of operand ``side``'s tile as float8 for the dot (only on a GPU,
+        FP8_DOT): one conversion, not the emulation's round trip through float32. A float8
+        input is loaded as it is; a cast to float8_e4m3fn converts its operand directly (the
+        same rounding, saturation and NaN as the cast: codegen/row.py _rnd_e4m3); otherwise
+        the float32 tile of float8 values is converted (exact)."""
+        fmt = f"FMT_{side.upper()}"
+        if op.op == "In" and sh == "tile":
+            ptr, mask, _ = Frame(self, side, "operand").pointer(op.args[0])
+            return f"tl.load({ptr}, mask={mask}, other=0.0)", f"# operand {side}: the float8 input as stored"
+        src = self.graph.cast_src.get(e)
+        if src is not None and src[1] == "float8_e4m3fn":
+            return (f"tl.where(tmask_{side}, {src[0]}, 0.0).to(tl.float8e4nv)",
+                    f"# operand {side}: its cast's operand converted once (cvt.rn.satfinite: the cast itself)")
+        return f"_as_fp8(op_{side}, {fmt})", f"# operand {side}: float8 values held in float32, converted (exact)"
+
     def _emitter(self, side, kind, indent):
         fr = Frame(self, side, kind)
         em = Emitter(fr, indent=indent, counter=self.graph.counter)
@@ -332,6 +352,7 @@ class GemmGen:
             ops[side] = self.hoist(side, L)
         L.append(f"    # ---- main loop over {self.k!r}: each operand tile computed from its inputs (never stored)")
         L.append("    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+        f8 = {}
         L.append("    for k0 in range(0, K, BLOCK_K):")
         L.append("        ks = k0 + ks0")
         L.append("        kmask = ks < K")
@@ -347,9 +368,13 @@ class GemmGen:
             # padding (rows past the end, k past K) contributes 0 whatever the operand's value of 0 is
             em.assign(f"op_{side}", f"tl.where(tmask_{side}, {e}, 0.0)")
             L.extend(em.lines)
+            f8[side] = self.fp8_operand(side, ops[side], e, sh)
         L.append("        if FP8_DOT:")
         L.append("            # both operands are float8 values: the dot in float8, accumulating in float32")
-        L.append("            acc = tl.dot(_as_fp8(op_a, FMT_A), tl.trans(_as_fp8(op_b, FMT_B)), acc)")
+        for side in ("a", "b"):
+            L.append(f"            {f8[side][1]}")
+            L.append(f"            op_{side}_f8 = {f8[side][0]}")
+        L.append("            acc = tl.dot(op_a_f8, tl.trans(op_b_f8), acc)")
         L.append("        else:")
         L.append("            acc = tl.dot(op_a, tl.trans(op_b), acc, input_precision=\"ieee\")")
         L.append("    # ---- epilogue: " + pretty(s.epilogue).replace("\n", " "))
