@@ -674,7 +674,8 @@ def test_region_calls_work_out_their_plan_once():
     cf(x, w)
     r, = cf.regions
     feeds, run, kw = r._plan
-    assert [chain for _, _, chain in feeds] == [(), ()]                 # x's widening cast is not replayed
+    # x's widening cast is not replayed: both sources are fed as they are (no adapter)
+    assert [(name, adapter) for name, _, adapter in feeds] == [(s.name, None) for s in r.imp.inputs]
     assert all(o._steps is not None for o in r.imp.outputs)
     plan = r._plan
     torch.testing.assert_close(cf(x, w), llama_rms_norm(x, w), atol=0, rtol=0)

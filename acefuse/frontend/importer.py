@@ -96,6 +96,46 @@ class InputSpec:
         return t
 
 
+    def adapter(self, t: torch.Tensor, fdtype, chain=None):
+        """``make`` for source tensors of ``t``'s shape and dtype, worked out once: a function
+        that runs only the steps such a tensor needs (the chain, the size-1 dims dropped, the
+        conversion), or None where ``make`` returns its argument unchanged. A caller keeps it
+        for as long as the shapes and dtypes are those of ``t`` (one call signature)."""
+        chain = tuple(self.chain if chain is None else chain)
+        y = apply_chain(t, chain)
+        drop = tuple(0 if n == 1 else slice(None) for n in y.shape) if 1 in y.shape else None
+        y = y[drop] if drop is not None else y
+        conv = None       # (what make() does after the view chain, for y's dtype)
+        if self.role == "index":
+            lo_hi = (0, self.extra[1] - 1) if self.extra and self.extra[0] == "clamp" else None
+            to_long = y.dtype not in (torch.int32, torch.int64)
+            if lo_hi is not None or to_long:
+                def conv(x):
+                    x = x.clamp(*lo_hi) if lo_hi is not None else x
+                    return x.long() if to_long else x
+        elif self.extra and self.extra[0] == "ne":
+            value, dt = self.extra[1], fdtype or torch.float32
+
+            def conv(x):
+                return (x != value).to(dt)
+        else:
+            dt = (None if y.dtype.is_floating_point else torch.float32) if fdtype is None else \
+                (fdtype if y.dtype != fdtype else None)
+            if dt is not None:
+                def conv(x):
+                    return x.to(dt)
+        if not chain and drop is None and conv is None:
+            return None
+
+        def adapt(x):
+            if chain:
+                x = apply_chain(x, chain)
+            if drop is not None:
+                x = x[drop]
+            return conv(x) if conv is not None else x
+        return adapt
+
+
 class OutputSpec:
     """A program output and how to put it back in torch layout."""
 
@@ -112,6 +152,33 @@ class OutputSpec:
                      for n, s in zip(self.dim_names, self.shape))
         self._steps = (perm, view, view != tuple(self.shape))
         return self._steps
+
+    def adapter(self, t: torch.Tensor):
+        """``to_torch`` for kernel outputs of ``t``'s shape, dtype and strides, worked out once:
+        a function that runs only the steps such an output needs. It checks the kernel output's
+        shape, dtype and strides first and takes ``to_torch`` for any other."""
+        perm, view, expand = self._steps or self._layout()
+        y = t.permute(perm) if perm is not None else t
+        reshape = y.shape != view
+        y = y.reshape(view) if reshape else y
+        y = y.expand(self.shape).contiguous() if expand else y
+        cast = self.dtype if y.dtype != self.dtype else None
+        y = y.to(cast) if cast is not None else y
+        restride = self.stride is not None and y.stride() != self.stride and y.numel() > 1
+        sig = (t.shape, t.dtype, t.stride())
+        shape, stride = self.shape, self.stride
+
+        def adapt(x):
+            if (x.shape, x.dtype, x.stride()) != sig:
+                return self.to_torch(x)
+            x = x.permute(perm) if perm is not None else x
+            x = x.reshape(view) if reshape else x
+            x = x.expand(shape).contiguous() if expand else x
+            x = x.to(cast) if cast is not None else x
+            if restride:
+                x = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+            return x
+        return adapt
 
     def to_torch(self, t: torch.Tensor) -> torch.Tensor:
         perm, view, expand = self._steps or self._layout()   # (worked out once: the program fixes them)

@@ -40,6 +40,7 @@ the reductions around them are retried, as for inference. Grad mode and
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import torch
@@ -75,6 +76,9 @@ class CompiledRegion(torch.nn.Module):
         self.calls = {"kernel": 0, "grad": 0, "torch": 0}
         self._fd = None               # the compute dtype: fixed per specialisation (dtypes are in the signature)
         self._plan = False            # the plain kernel's call without widened copies (Imported.direct_plan)
+        self._grad_feeds = None       # the differentiable kernel's input adapters (_run_grad)
+        self._outs = {}               # "kernel"/"grad" -> the output adapters (_torch_outputs)
+        self._sources = imp.sources
 
     def _inputs(self, values):
         if self._fd is None:
@@ -85,26 +89,54 @@ class CompiledRegion(torch.nn.Module):
         """The plain kernel on these source values: float inputs read in their own types and each
         output written in eager's (``Imported.direct_plan``), else through the widening adapters.
         What a call does is worked out on the first one (shapes, dtypes and devices are fixed per
-        specialisation): which source feeds each input through which chain, and the launcher
-        called directly on the GPU (no per-call grad or empty-input checks: inputs are not empty
-        and grad mode is off here)."""
+        specialisation): which source feeds each input through which adapter (None: the source
+        itself), and the launcher called directly (no per-call grad or empty-input checks: inputs
+        are not empty and grad mode is off here; the launcher reuses its own plan per signature)."""
         if self._plan is False:
-            values = dict(zip(self.imp.sources, srcs))
+            self._plan = self._plain_plan(srcs)
+        feeds, run, kw = self._plan
+        return run(**{name: srcs[i] if f is None else f(srcs[i]) for name, i, f in feeds}, **kw)
+
+    def _plain_plan(self, srcs):
+        values = dict(zip(self._sources, srcs))
+        if self._fd is None:
+            self._fd = self.imp.compute_dtype(values)
+        plan = self.imp.direct_plan(values, self.kernel, self._fd)
+        chains, fd, kw = (None, self._fd, {}) if plan is None else (plan[0], None, {"out_dtypes": plan[1]})
+        at = {s: i for i, s in enumerate(self._sources)}
+        feeds = [(s.name, at[s.src], s.adapter(srcs[at[s.src]], fd, None if chains is None else chains[s.name]))
+                 for s in self.imp.inputs]
+        run = self.kernel
+        # a one-module kernel's launcher, called directly: what Kernel.__call__ adds (the grad
+        # refusal, the empty-input result) cannot apply here
+        if isinstance(run, _ONE_MODULE) and all(t.numel() for t in srcs if isinstance(t, torch.Tensor)):
+            run = run.module.run
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                run = _interpreted(run)
+        return feeds, run, kw
+
+    def _run_grad(self, srcs):
+        """The differentiable kernel on these source values (widened to the compute dtype: its
+        saved values and backward are in it); the input adapters are worked out on the first call."""
+        if self._grad_feeds is None:
+            values = dict(zip(self._sources, srcs))
             if self._fd is None:
                 self._fd = self.imp.compute_dtype(values)
-            plan = self.imp.direct_plan(values, self.kernel, self._fd)
-            if plan is not None:
-                chains, odt = plan
-                at = {s: i for i, s in enumerate(self.imp.sources)}
-                feeds = [(s, at[s.src], chains[s.name]) for s in self.imp.inputs]
-                run = self.kernel.module.run
-                fast = all(t.device.type == "cuda" and t.numel() for t in srcs if isinstance(t, torch.Tensor))
-                plan = (feeds, run if fast else self.kernel, {"out_dtypes": odt})
-            self._plan = plan
-        if self._plan is None:
-            return self.kernel(**self.imp.program_inputs(dict(zip(self.imp.sources, srcs)), self._fd))
-        feeds, run, kw = self._plan
-        return run(**{s.name: s.make(srcs[i], None, chain) for s, i, chain in feeds}, **kw)
+            at = {s: i for i, s in enumerate(self._sources)}
+            self._grad_feeds = [(s.name, at[s.src], s.adapter(srcs[at[s.src]], self._fd)) for s in self.imp.inputs]
+        return self.grad(**{name: srcs[i] if f is None else f(srcs[i]) for name, i, f in self._grad_feeds})
+
+    def _torch_outputs(self, outs, how):
+        """The region's torch results from the kernel's outputs (``how``: "kernel" or "grad"), through
+        output adapters worked out on the first call (each checks its output's layout)."""
+        if not isinstance(outs, dict):
+            outs = {self.imp.outputs[0].name: outs}
+        ad = self._outs.get(how)
+        if ad is None:
+            if not all(isinstance(outs.get(o.name), torch.Tensor) for o in self.imp.outputs):
+                return tuple(self.imp.torch_outputs(outs))
+            ad = self._outs[how] = [(o.name, o.adapter(outs[o.name])) for o in self.imp.outputs]
+        return tuple(f(outs[name]) for name, f in ad)
 
     def _torch(self, srcs):
         self.calls["torch"] += 1
@@ -114,7 +146,7 @@ class CompiledRegion(torch.nn.Module):
         if self.kernel is None:
             return self._torch(srcs)
         if _needs_grad(srcs):
-            values = dict(zip(self.imp.sources, srcs))
+            values = dict(zip(self._sources, srcs))
             # (a parameter read inside the graph may require grad although no argument did
             # when the region was specialised: the differentiable kernel is built now)
             if self.grad is None and self.grad_error is None:
@@ -126,14 +158,14 @@ class CompiledRegion(torch.nn.Module):
             if self.grad is None:
                 return self._torch(srcs)
             try:
-                outs = self.grad(**self._inputs(values))
+                outs = self._run_grad(srcs)
             except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
                 _warn(self.imp.nodes, f"its differentiable kernel failed at run time and is disabled "
                                       f"({type(e).__name__}: {e})")
                 self.grad, self.grad_error = None, e
                 return self._torch(srcs)
             self.calls["grad"] += 1
-            return tuple(self.imp.torch_outputs(outs))
+            return self._torch_outputs(outs, "grad")
         try:
             outs = self._run_plain(srcs)
         except Exception as e:  # noqa: BLE001 - a kernel that fails must not break the model
@@ -141,10 +173,30 @@ class CompiledRegion(torch.nn.Module):
             self.kernel, self.kernel_error = None, f"{type(e).__name__}: {_first(e)}"
             return self._torch(srcs)
         self.calls["kernel"] += 1
-        return tuple(self.imp.torch_outputs(outs))
+        return self._torch_outputs(outs, "kernel")
 
     def extra_repr(self):
         return repr(self.program)
+
+
+def _one_module_kernels() -> tuple:
+    from acefuse.codegen.compile import Kernel
+    from acefuse.frontend.kernels import _Loaded
+    return Kernel, _Loaded
+
+
+_ONE_MODULE = _one_module_kernels()
+
+
+def _interpreted(run):
+    """A launcher called under Triton's CPU interpreter, which evaluates masked lanes too
+    (codegen.compile.run_module's floating-point error state)."""
+    import numpy as np
+
+    def call(**kw):
+        with np.errstate(all="ignore"):
+            return run(**kw)
+    return call
 
 
 def requires_grad_inputs(imp, values: dict) -> list:
