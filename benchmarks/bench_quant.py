@@ -90,7 +90,7 @@ def eager_fp8_linear(x, wq, ws, out_dtype):
     return ((q.float() @ wq.float().t()) * s[:, None] * ws[None, :]).to(out_dtype)
 
 
-def check_gemm(what, out, x, wq, ws, rows):
+def check_gemm(what, out, x, wq, ws, rows, fatal=True):
     """``out[:rows]`` against a float64 matmul of the dequantized float8 values (the IEEE scale,
     torch's cast of x / scale): |err| <= 2 K 2^-24 sum|q w| s ws + (4 2^-24 + the output's
     rounding) |ref| (float32 accumulation, the epilogue's products, the output's rounding)."""
@@ -104,8 +104,13 @@ def check_gemm(what, out, x, wq, ws, rows):
         + (4 * 2.0 ** -24 + {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}[out.dtype]) * ref.abs()
     bad = int(((out[:rows].double() - ref).abs() > tol).sum())
     if bad:
-        sys.exit(f"{what}: {bad} of {ref.numel()} checked outputs differ from the float64 matmul of the "
-                 f"dequantized values beyond the float32 accumulation bound")
+        msg = (f"{what}: {bad} of {ref.numel()} checked outputs differ from the float64 matmul of the "
+               f"dequantized values beyond the float32 accumulation bound")
+        if fatal:
+            sys.exit(msg)
+        # eager torch on CUDA divides by a Python scalar through its reciprocal (module docstring):
+        # a scale an ulp off moves some q by one float8 step; reported, not fatal
+        print(f"  note: {msg}")
 
 
 def gemm_part(args, dev, bench, name):
@@ -140,12 +145,17 @@ def gemm_part(args, dev, bench, name):
                     out = call()
                     check_gemm(f"{dname} n={n} {label}", out, x, wq, ws, min(t, 256))
                     res[label] = (bench(call), gg.last_path)
-            e_out = eager_fp8_linear(x, wq, ws, dt if dt != torch.float32 else torch.float32)
-            check_gemm(f"{dname} n={n} eager", e_out, x, wq, ws, min(t, 256))
-            t_eager = bench(lambda: eager_fp8_linear(x, wq, ws, dt))
-            t_comp = None
-            if comp is not None:
-                check_gemm(f"{dname} n={n} torch.compile", comp(x, wq, ws, dt), x, wq, ws, min(t, 256))
+            t_eager = t_comp = None
+            try:
+                e_out = eager_fp8_linear(x, wq, ws, dt)
+            except RuntimeError as exc:   # e.g. row-wise _scaled_mm with float32 output on some torch versions
+                print(f"  note: eager quantize + _scaled_mm with {dname} output: {str(exc).splitlines()[0]}; "
+                      "eager and torch.compile not timed")
+            else:
+                check_gemm(f"{dname} n={n} eager", e_out, x, wq, ws, min(t, 256), fatal=False)
+                t_eager = bench(lambda: eager_fp8_linear(x, wq, ws, dt))
+            if comp is not None and t_eager is not None:
+                check_gemm(f"{dname} n={n} torch.compile", comp(x, wq, ws, dt), x, wq, ws, min(t, 256), fatal=False)
                 t_comp = bench(lambda: comp(x, wq, ws, dt))
             tf = lambda ms: flops / (ms * 1e-3) / 1e12   # noqa: E731
             best_pro = min((l for l in res if l.startswith("prologue")), key=lambda l: res[l][0])
@@ -153,7 +163,7 @@ def gemm_part(args, dev, bench, name):
                        model_bytes={c.form: c.hbm_bytes for c in costs.values()},
                        model_l2_bytes={c.form: c.l2_bytes for c in costs.values()},
                        forms={l: dict(ms=v[0], tflops=tf(v[0]), path=v[1]) for l, v in res.items()},
-                       eager_ms=t_eager, eager_tflops=tf(t_eager), compile_ms=t_comp,
+                       eager_ms=t_eager, eager_tflops=tf(t_eager) if t_eager else None, compile_ms=t_comp,
                        compile_tflops=tf(t_comp) if t_comp else None)
             rows_out.append(row)
             print(f"gemm {dname} t={t} k={k} n={n}: model chose {form} ({why})")
@@ -162,7 +172,8 @@ def gemm_part(args, dev, bench, name):
                       + (f" + {c.l2_bytes / 1e6:.2f} MB L2" if c.l2_bytes else "") + f", {c.flops / 1e9:.1f} GFLOP")
             for l, v in res.items():
                 print(f"    acefuse {l:22s} {v[0]:9.3f} ms {tf(v[0]):8.1f} TFLOP/s  ({v[1]})")
-            print(f"    eager (quantize + _scaled_mm) {t_eager:9.3f} ms {tf(t_eager):8.1f} TFLOP/s; "
+            print((f"    eager (quantize + _scaled_mm) {t_eager:9.3f} ms {tf(t_eager):8.1f} TFLOP/s; " if t_eager
+                   else "    eager (not timed); ")
                   + (f"torch.compile {t_comp:9.3f} ms {tf(t_comp):8.1f} TFLOP/s" if t_comp else "torch.compile (skipped)")
                   + f"; best prologue blocks {best_pro}; the chosen form measured "
                   f"{'faster' if res[form][0] <= min(res['scaled_mm'][0], res['prologue'][0]) else 'slower'} "
