@@ -223,3 +223,15 @@ def test_gpu_forms_match_float64(form, t, k, n):
         assert "float8 dot" in g.last_path
     elif k % 16 == 0 and n % 16 == 0:
         assert g.last_path == "torch._scaled_mm"
+
+
+@pytest.mark.slow
+def test_benchmark_gemm_part_smoke():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_quant.py"), "--part", "gemm", "--cpu-smoke",
+                        "--dtypes", "bfloat16"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "model chose" in r.stdout and "TFLOP/s" in r.stdout and "MB HBM" in r.stdout
