@@ -311,7 +311,7 @@ class GemmKernel:
         L = [f"program {s.name!r}, output {s.output!r}: a GEMM over {s.k!r}, out[{s.axis_a}, {s.axis_b}]",
              f"  operand a [{s.axis_a}, {s.k}] = {pretty(s.operand['a'])}",
              f"  operand b [{s.axis_b}, {s.k}] = {pretty(s.operand['b'])}",
-             f"  epilogue = {pretty(s.epilogue)}   (acc = {pretty(s.contraction)})"]
+             f"  epilogue = {pretty(s.epilogue).replace('acc_J', 'acc')}   (acc = {pretty(s.contraction)})"]
         for side in "ab":
             reds = kreductions(s.operand[side], s.k)
             if reds:

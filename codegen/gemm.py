@@ -377,7 +377,7 @@ class GemmGen:
         L.append("            acc = tl.dot(op_a_f8, tl.trans(op_b_f8), acc)")
         L.append("        else:")
         L.append("            acc = tl.dot(op_a, tl.trans(op_b), acc, input_precision=\"ieee\")")
-        L.append("    # ---- epilogue: " + pretty(s.epilogue).replace("\n", " "))
+        L.append("    # ---- epilogue: " + pretty(s.epilogue).replace("acc_J", "acc"))
         em = self._emitter(None, "epilogue", "    ")
         self.var_side["acc"] = "acc"
         e, sh = em.emit(replace(s.epilogue, self.hoisted))   # the operands' per-row values, not recomputed
