@@ -106,6 +106,8 @@ class SumGen:
         self.lines: list = []
         self.n = 0
         self.full = False      # emitting the body of a full loop tile (no loop-axis mask)
+        self.alltrue = False   # ... of a tile where every mask condition is true
+        self._conds: list = []
         self._memo: dict = {}
         self._raw: dict = {}   # tensor -> its load, in the tensor's storage type
         self._wide: dict = {}  # raw load -> the same value as float32
@@ -210,7 +212,7 @@ class SumGen:
             masks.append(f"{m}[None, :]")
         shape = ((("r" if has_r else "f"), vs[0]) if vs else
                  "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
-        if self.full and has_f and vs:
+        if self._count and has_f and vs:
             self.loopvec[name] = vs[0]
         if self.full and has_f:   # a full loop tile: no loop-axis mask
             masks = [m for m in masks if not m.startswith("fmask")]
@@ -221,6 +223,10 @@ class SumGen:
         # the storage type: widened to float32 where elementwise math reads it (``widen``),
         # converted straight to the dot type where a dot reads it
         return self.bind(f"tl.load({ptr}{m})", shape, "ld_")
+
+    @property
+    def _count(self):   # the body whose dots and loads the launcher's estimate counts
+        return self.full and not self.alltrue
 
     def raw(self, t: Term):
         """A loaded tensor in its storage type (loaded once per body)."""
@@ -282,6 +288,8 @@ class SumGen:
             # exp(s * c - m) -> exp2(s * (c * log2 e) - m * log2 e), the per-row part above the loop)
             a, sa = self.emit(_scale_log2e(t.args[0], None))
             return self.bind(f"tl.exp2({a})", sa)
+        if op == "Where" and self.alltrue and t.args[0] in self._conds:
+            return self.emit(t.args[1])
         args = [self.emit(c) for c in t.children]
         if op in ("LAnd", "LOr", "LNot", "Where"):   # a value read as float (a bool mask) is a condition if != 0
             conds = t.children if op != "Where" else t.children[:1]
@@ -315,7 +323,7 @@ class SumGen:
         shapes = [self._shape_of(f) for f in on_t]
         if len(on_t) == 2 and sorted(shapes, key=str) == [("f", ax), ("r", ax)]:
             rt, lt = on_t if shapes[0] == ("r", ax) else on_t[::-1]
-            if self.full:
+            if self._count:
                 self.dots.append(ax)
             out = self.bind(f"tl.dot({self.dot_operand(rt)}, tl.trans({self.dot_operand(lt)}), "
                             "input_precision=PREC)", "rf", "dot_")
@@ -424,10 +432,13 @@ class SumGen:
         blocks = ", ".join(f"BLOCK_V_{a}: tl.constexpr, VMASK_{a}: tl.constexpr" for a in self.V)
         L = ["@triton.jit",
              f"def {self.name}_sum({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
-             f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
+             f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr, "
+             "REV: tl.constexpr):",
              f"    # grid: (row tiles over {' '.join(self.R)}, {' '.join(self.G) or 'one'}); "
              f"loop over tiles of {F!r} carrying the sums"]
-        L.append("    pid_r = tl.num_programs(0) - 1 - tl.program_id(0)")
+        L.append("    pid_r = tl.program_id(0)")
+        L.append("    if REV:   # the row tiles in reverse order (the launcher times both on a GPU)")
+        L.append("        pid_r = tl.num_programs(0) - 1 - pid_r")
         L.append("    pid_g = tl.program_id(1)")
         L.append("    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)")
         L.append("    rmask = rows < n_rows")
@@ -459,42 +470,81 @@ class SumGen:
         skip = bool(conds) and all(self._zero_if_false(b, conds)
                                    for b in list(self.states.values()) + list(self.tiles.values()))
         self.skips = skip
-        if skip:
-            L.append(f"    # mask analysis: interval arithmetic over each {F!r} tile's index box; tiles where "
-                     "every mask")
-            L.append("    # condition is false add 0 to every sum (checked symbolically) and are skipped")
+        self._conds = conds
+        if conds:
+            L.append(f"    # mask analysis: interval arithmetic over each {F!r} tile's index box (this program's rows)")
+            if skip:
+                L.append("    # tiles where every mask condition is false add 0 to every sum (checked symbolically) "
+                         "and are skipped;")
+            L.append("    # full tiles where every condition is true everywhere (one run of them) need no where()")
             L.append("    BIG = 2147483647")
             L.append("    first = 0 * n_f + BIG")
             L.append("    end = 0 * n_f")
+            L.append("    tfirst = 0 * n_f + BIG")
+            L.append("    tend = 0 * n_f")
+            L.append("    ntrue = 0 * n_f")
             L.append("    for t0 in range(0, n_f, SCAN * BLOCK_J):")
             L.append("        start = t0 + tl.arange(0, SCAN) * BLOCK_J")
             L.append("        valid = start < n_f")
             L.append("        f_lo = start * 1.0")
             L.append("        f_hi = (tl.minimum(start + BLOCK_J, n_f) - 1) * 1.0")
             ivl: list = []
-            falses = []
+            trues, falses = [], []
             for c in conds:
-                falses.append(self.truth(c, ivl)[1])
+                t_, f_ = self.truth(c, ivl)
+                trues.append(t_)
+                falses.append(f_)
             L.extend(f"        {x}" for x in ivl)
-            L.append(f"        seen = (~({' & '.join(falses)})) & valid")
-            L.append("        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))")
-            L.append("        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_f), 0), axis=0))")
-            L.append("    first = tl.where(first == BIG, 0, first)")
-            L.append("    end = tl.maximum(end, first)")
+            if skip:
+                L.append(f"        seen = (~({' & '.join(falses)})) & valid")
+                L.append("        first = tl.minimum(first, tl.min(tl.where(seen, start, BIG), axis=0))")
+                L.append("        end = tl.maximum(end, tl.max(tl.where(seen, tl.minimum(start + BLOCK_J, n_f), 0), axis=0))")
+            L.append(f"        alltrue = ({' & '.join(trues)}) & valid & (start + BLOCK_J <= n_f)")
+            L.append("        tfirst = tl.minimum(tfirst, tl.min(tl.where(alltrue, start, BIG), axis=0))")
+            L.append("        tend = tl.maximum(tend, tl.max(tl.where(alltrue, start + BLOCK_J, 0), axis=0))")
+            L.append("        ntrue = ntrue + tl.sum(alltrue.to(tl.int32), axis=0)")
+            if skip:
+                L.append("    first = tl.where(first == BIG, 0, first)")
+                L.append("    end = tl.maximum(end, first)")
+            else:
+                L.append("    first = 0")
+                L.append("    end = n_f")
+            L.append("    # the all-true tiles as one run [tfirst, tend), else none")
+            L.append("    one_run = ntrue * BLOCK_J == tend - tfirst")
+            L.append("    tfirst = tl.where(one_run, tfirst, 0)")
+            L.append("    tend = tl.where(one_run, tend, 0)")
         else:
             L.append("    first = 0")
             L.append("    end = n_f")
         accs = self._accs = {}
         full = self._body(True, accs)
+        true = self._body(True, accs, alltrue=True) if conds else []
         tail = self._body(False, accs)
         for q, (init, _) in accs.items():
             L.append(f"    {q} = {init}")
-        L2 = ["    # full tiles first, unmasked along the loop axis; then the last, partial tile (if any)",
-              "    last = end",
-              "    end = first + (last - first) // BLOCK_J * BLOCK_J",
-              "    for start in range(first, end, BLOCK_J):",
-              "        cols = start + tl.arange(0, BLOCK_J)"]
-        L2 += full
+        if conds:
+            L2 = ["    # full tiles first, unmasked along the loop axis: the all-true run [tlo, thi) cut out of",
+                  "    # [first, end) runs after the others without the where()s; then the partial last tile",
+                  "    last = end",
+                  "    end = first + (last - first) // BLOCK_J * BLOCK_J",
+                  "    tlo = tl.minimum(tl.maximum(tfirst, first), end)",
+                  "    thi = tl.minimum(tl.maximum(tend, tlo), end)",
+                  "    cut = thi - tlo",
+                  "    end = end - cut",
+                  "    for start in range(first, end, BLOCK_J):",
+                  "        cols = start + tl.where(start < tlo, 0, cut) + tl.arange(0, BLOCK_J)"]
+            L2 += full
+            L2 += ["    for start in range(tlo, thi, BLOCK_J):",
+                   "        cols = start + tl.arange(0, BLOCK_J)"]
+            L2 += true
+            L2 += ["    end = end + cut"]
+        else:
+            L2 = ["    # full tiles first, unmasked along the loop axis; then the last, partial tile (if any)",
+                  "    last = end",
+                  "    end = first + (last - first) // BLOCK_J * BLOCK_J",
+                  "    for start in range(first, end, BLOCK_J):",
+                  "        cols = start + tl.arange(0, BLOCK_J)"]
+            L2 += full
         L2 += ["    if end < last:",
                "        cols = end + tl.arange(0, BLOCK_J)",
                "        fmask = cols < last",
@@ -515,13 +565,14 @@ class SumGen:
             store.append(f"    tl.store({ptr}, {q}.to({o}_ptr.dtype.element_ty), mask={mask})")
         return "\n".join(L + self.hoisted + L2 + store)
 
-    def _body(self, full, accs):
+    def _body(self, full, accs, alltrue=False):
         """The loop body over one tile, as lines: ``full``, a tile wholly inside the loop's
         range (no mask along the loop axis: each output row depends on its own row of every
         tile, so rows past the end only reach rows that are not stored); else the masked last
         tile. Loop-invariant values are shared (named once above the loop)."""
         F = self.F
         self.full = full
+        self.alltrue = alltrue   # tiles where every mask condition holds: where(c, a, b) is a
         self._memo, self._raw = {}, {}
         self._wide = {k: v for k, v in self._wide.items() if not _over_f(v[1])}
         body = []
@@ -546,7 +597,7 @@ class SumGen:
                 if sh in ("r", "s"):
                     e = f"({e}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
                 a = wsh[1]
-                if full:
+                if self._count:
                     self.dots.append(a)
                 accs[q] = (f"tl.zeros([BLOCK_I, BLOCK_V_{a}], tl.float32)", ("r", a))
                 self.lines.append(f"{q} = tl.dot({masked(e)}.to(DOT_T), {w}, acc={q}, input_precision=PREC)")
@@ -573,7 +624,7 @@ class SumGen:
             body.extend("        " + x for x in self.lines)
             body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
                         f"{e}.to({o}_ptr.dtype.element_ty), mask={'rmask[:, None]' if full else 'tmask'})")
-        self.full = False
+        self.full = self.alltrue = False
         return body
 
     def _shape_of(self, t: Term):
@@ -682,7 +733,12 @@ class SumGen:
             "        cands = configs(vs, ref.element_size(), _smem_limit(dev))",
             "        _TUNING.append(1)",
             "        try:",
-            "            _TUNED[key] = _fastest(cands, lambda c: run(**c, **inputs))",
+            "            best = _fastest(cands, lambda c: run(**c, **inputs))",
+            "            # then the row tiles' order with the chosen configuration: the programs with the",
+            "            # longest loops (a causal mask's) are better launched first than last",
+            "            if best is not None:",
+            "                best = _fastest([best, dict(best, reverse=False)], lambda c: run(**c, **inputs))",
+            "            _TUNED[key] = best",
             "        finally:",
             "            _TUNING.pop()",
             "    return _TUNED[key]",
@@ -703,7 +759,7 @@ class SumGen:
             "",
             "",
             "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
-            "        num_stages=None, **inputs):",
+            "        num_stages=None, reverse=None, **inputs):",
             "    \"\"\"Launch the kernel; returns the output (a dict when there are several). On a GPU, with no",
             "    launch option given, the first call per shape class times the configurations ``configs``",
             "    keeps and runs the fastest from then on; explicit options win.\"\"\"",
@@ -719,9 +775,10 @@ class SumGen:
             "    n_f = sizes[AXIS]",
             "    on_gpu = dev.type == 'cuda'",
             "    block_i = block_i or block_r",
-            "    cfg = _auto_config(inputs, sizes, ref, dev, (block_i, block_j, num_warps, num_stages) != (None,) * 4)",
+            "    cfg = _auto_config(inputs, sizes, ref, dev, (block_i, block_j, num_warps, num_stages, reverse) != (None,) * 5)",
             "    if cfg is not None:",
-            "        block_i, block_j, num_warps, num_stages = (cfg[k] for k in ('block_i', 'block_j', 'num_warps', 'num_stages'))",
+            "        block_i, block_j, num_warps, num_stages, reverse = (cfg.get(k) for k in ('block_i', 'block_j', 'num_warps',",
+            "                                                                    'num_stages', 'reverse'))",
             "    outs = {o: (torch.zeros if ZERO_TILE_OUTPUTS and o in TILE_OUTPUTS else torch.empty)(",
             "        [sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
             "    argv = []",
@@ -743,7 +800,8 @@ class SumGen:
             "    vb = {a: max(16, _np2(sizes[a])) for a in VEC_AXES}",
             "    kw = {f'BLOCK_V_{a}': vb[a] for a in VEC_AXES}",
             "    kw.update({f'VMASK_{a}': vb[a] != sizes[a] for a in VEC_AXES})",
-            "    kw.update(BLOCK_I=bi, BLOCK_J=bj, PREC=prec, DOT_T=dot_t, SCAN=scan, num_warps=num_warps or 4)",
+            "    kw.update(BLOCK_I=bi, BLOCK_J=bj, PREC=prec, DOT_T=dot_t, SCAN=scan, REV=reverse is not False,",
+            "              num_warps=num_warps or 4)",
             "    if on_gpu and num_stages:",
             "        kw['num_stages'] = num_stages",
             f"    {self.name}_sum[(triton.cdiv(n_rows, bi), n_g)](*argv, **kw)",

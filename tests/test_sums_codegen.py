@@ -18,9 +18,10 @@ import torch
 import acefuse as af
 
 SCALE = 0.125
+GAP = 20
 
 
-def _programs():
+def _programs(mask="causal"):
     q = af.tensor("q", "b h i d")
     k = af.tensor("k", "b h j d")
     v = af.tensor("v", "b h j e")
@@ -29,23 +30,24 @@ def _programs():
     dd = af.tensor("dd", "b h i")
     lse = af.tensor("l", "b h i")
     i, j = af.index("i"), af.index("j")
-    s = af.where(j <= i, af.sum(q * k, "d") * SCALE, af.NEG_INF)
-    p = af.exp(s - m) * af.where(lse == 0, 0.0, 1.0 / lse)   # per query row: above dQ's loop
+    keep = (j <= i) if mask == "causal" else (j <= i) | (j >= i + GAP)   # "gap": two all-true runs per row
+    s = af.where(keep, af.sum(q * k, "d") * SCALE, af.NEG_INF)
+    p = af.exp(s - m) * af.where(lse.eq(0.0), 0.0, 1.0 / lse)   # per query row: above dQ's loop
     ds = p * (af.sum(go * v, "e") - dd) * SCALE
-    dq = af.program("sums_dq", grad_q=af.sum(ds * k, "j"))
-    dkv = af.program("sums_dkv", grad_k=af.sum(ds * q, "i"), grad_v=af.sum(p * go, "i"))
+    dq = af.program(f"sums_dq_{mask}", grad_q=af.sum(ds * k, "j"))
+    dkv = af.program(f"sums_dkv_{mask}", grad_k=af.sum(ds * q, "i"), grad_v=af.sum(p * go, "i"))
     return dq, dkv
 
 
 _KERNELS = {}
 
 
-def _kernel(which):
-    if not _KERNELS:
-        dq, dkv = _programs()
-        _KERNELS["dq"] = af.compile(dq, axis="j")
-        _KERNELS["dkv"] = af.compile(dkv, axis="i")
-    return _KERNELS[which]
+def _kernel(which, mask="causal"):
+    if (which, mask) not in _KERNELS:
+        dq, dkv = _programs(mask)
+        _KERNELS["dq", mask] = af.compile(dq, axis="j")
+        _KERNELS["dkv", mask] = af.compile(dkv, axis="i")
+    return _KERNELS[which, mask]
 
 
 def _kernel_fn(src):
@@ -63,6 +65,7 @@ def _loop(src):
     body = fn.split(head, 1)[1]
     full, _, tail = body.partition("    if end < last:\n")
     full, tail = full.split("\n    tl.store(", 1)[0], tail.split("\n    tl.store(", 1)[0]
+    full = full.split("    for start in range(tlo, thi, BLOCK_J):\n")[0]   # the mixed tiles' body
     return ([ln.strip() for ln in full.splitlines() if ln.strip()],
             [ln.strip() for ln in tail.splitlines() if ln.strip()])
 
@@ -127,11 +130,12 @@ def test_full_tiles_unmasked_last_tile_masked(which):
     assert "tl.where(tmask" in t and "mask=fmask" in t
 
 
-def _reference(ins):
+def _reference(ins, mask="causal"):
     d = {n: x.double() for n, x in ins.items()}
     ni, nj = d["q"].shape[2], d["k"].shape[2]
     s = torch.einsum("bhid,bhjd->bhij", d["q"], d["k"]) * SCALE
-    causal = torch.arange(nj)[None, :] <= torch.arange(ni)[:, None]
+    i, j = torch.arange(ni)[:, None], torch.arange(nj)[None, :]
+    causal = (j <= i) if mask == "causal" else (j <= i) | (j >= i + GAP)
     p = torch.where(causal, torch.exp(s - d["m"][..., None]), 0.0) / d["l"][..., None]
     ds = p * (torch.einsum("bhie,bhje->bhij", d["go"], d["v"]) - d["dd"][..., None]) * SCALE
     return {"grad_q": torch.einsum("bhij,bhjd->bhid", ds, d["k"]),
@@ -150,18 +154,19 @@ def _inputs(seed, ni, nj, dk, de, dtype=torch.float32):
     return {n: x.to(dtype) for n, x in ins.items()}
 
 
-@pytest.mark.parametrize("ni,nj,dk,de", [(37, 29, 16, 16),    # partial last tiles, whole vector blocks
-                                         (32, 48, 20, 12),    # whole loop tiles, vector axes shorter than a block
-                                         (19, 53, 16, 24)])
-def test_sum_kernels_match_float64(ni, nj, dk, de):
+@pytest.mark.parametrize("ni,nj,dk,de,mask", [(37, 29, 16, 16, "causal"),   # partial last tiles, whole vector blocks
+                                              (32, 48, 20, 12, "causal"),   # whole loop tiles, short vector axes
+                                              (19, 53, 16, 24, "causal"),
+                                              (70, 115, 16, 16, "gap")])     # all-true tiles in two runs: no cut
+def test_sum_kernels_match_float64(ni, nj, dk, de, mask):
     ins = _inputs(ni * nj + dk, ni, nj, dk, de)
-    ref = _reference(ins)
-    gq = _kernel("dq")(**ins)
-    gkv = _kernel("dkv")(**ins)
+    ref = _reference(ins, mask)
+    gq = _kernel("dq", mask)(**ins)
+    gkv = _kernel("dkv", mask)(**ins)
     for name, got in (("grad_q", gq), ("grad_k", gkv["grad_k"]), ("grad_v", gkv["grad_v"])):
         r = ref[name]
         err = (got.double() - r).abs().max().item()
-        assert err <= 2e-5 * (1 + r.abs().max().item()), f"{name} ({ni}x{nj}, d={dk}, e={de}): max error {err}"
+        assert err <= 2e-5 * (1 + r.abs().max().item()), f"{name} ({mask} {ni}x{nj}, d={dk}, e={de}): max error {err}"
 
 
 def test_float64_check_catches_a_wrong_kernel():
@@ -214,7 +219,7 @@ def test_config_choice_is_timed_once_per_shape_class(monkeypatch):
         sizes = {"b": 1, "h": 2, "i": n, "j": n, "d": 16, "e": 16}
         cfg = mod._tuned(ins, sizes, ins["q"], cpu)
         assert cfg in mod.configs({"d": 16, "e": 16}, 4, 227 * 1024)
-    assert len(calls) == 2 and len(mod._TUNED) == 2
+    assert len(calls) == 4 and len(mod._TUNED) == 2   # per class: the candidates, then the row order
 
 
 def test_explicit_options_and_the_cpu_skip_the_timing(monkeypatch):
@@ -233,3 +238,23 @@ def test_explicit_options_and_the_cpu_skip_the_timing(monkeypatch):
     assert len(called) == 1
     _kernel("dq")(**ins)   # on the CPU run() never times
     assert len(called) == 1
+
+
+def _true_body(src):
+    fn = _kernel_fn(src)
+    head = "    for start in range(tlo, thi, BLOCK_J):\n"
+    assert head in fn
+    return fn.split(head, 1)[1].split("\n    end = end + cut", 1)[0]
+
+
+@pytest.mark.parametrize("which", ["dq", "dkv"])
+def test_all_true_tiles_run_without_the_mask(which):
+    """The mask analysis finds the run of full tiles where the causal condition holds
+    everywhere (for this program's rows); their body has no index comparison and no where()
+    of it, while the other full tiles keep it."""
+    src = _kernel(which).source
+    body = "\n".join(ln for ln in _true_body(src).splitlines() if not ln.strip().startswith("#"))
+    assert "<=" not in body and "float('-inf')" not in body
+    full, _ = _loop(src)
+    assert any("<=" in ln for ln in full)
+    assert "one_run = ntrue * BLOCK_J == tend - tfirst" in _kernel_fn(src)
