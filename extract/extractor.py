@@ -66,12 +66,17 @@ class Extractor:
         self.t_classes = [c for c, nids in self.cls_nodes.items()
                           if c not in self.blk and any(self._is_term(n) for n in nids)]
         self._dep_map = None
+        self._leaf_list = None
+        self._prog_table = None   # _program_cost_fn's per-node dispatch
         self._stress = None
         self._info: dict = {}
         self._bounded: dict = {}
         # states whose form failed the adversarial float32 check (extract/simulate.py): their
         # forms may only use exponentials whose argument is proved bounded above
         self.strict_exp: set = set()
+        # solve()'s result per (reach, target, target in strict_exp): the program normal form
+        # extracts every output with the same Reach, and each solve visits the whole e-graph
+        self._solved: dict = {}
 
     # -- helpers -------------------------------------------------------------------------
     def cls(self, nid):
@@ -252,9 +257,53 @@ class Extractor:
         return self._dep_map
 
     def _leaves(self):
-        return [nid for cid in self.t_classes for nid in self.cls_nodes[cid]
-                if self._is_term(nid) and not any(self._is_term(c) and OPS[self.nodes[c]["op"]].sort == "T"
-                                                  for c in self.nodes[nid]["children"])]
+        if self._leaf_list is None:   # a function of the e-graph alone: computed once
+            self._leaf_list = [nid for cid in self.t_classes for nid in self.cls_nodes[cid]
+                               if self._is_term(nid) and not any(
+                                   self._is_term(c) and OPS[self.nodes[c]["op"]].sort == "T"
+                                   for c in self.nodes[nid]["children"])]
+        return self._leaf_list
+
+    def _program_cost_fn(self, costs):
+        """``node_cost`` for ``Reach("program", ...)`` without a target, with the per-node
+        dispatch of ``_program_cost`` decided once per node: the same cases, the same float
+        operations in the same order (so the same costs and choices), fewer calls per
+        evaluation (the normal form's extraction evaluates millions of nodes)."""
+        table = self._prog_table
+        if table is None:
+            table = self._prog_table = {}
+            INF, LEAF = C.INF, C.LEAF
+            for cid in self.t_classes:
+                for nid in self.cls_nodes[cid]:
+                    if not self._is_term(nid):
+                        continue
+                    op, kids, ukids, fixed, _ = self._static(nid)
+                    if op in ("St", "Out"):
+                        table[nid] = (0, INF)
+                    elif op in ("Num", "Par", "Cnt", "Elm"):
+                        table[nid] = (0, LEAF)
+                    elif op in ("Sum", "RMax", "RMin"):
+                        table[nid] = (0, INF) if self.blk.get(kids[0]) != "J" else (1, kids[1])
+                    elif fixed == INF:
+                        table[nid] = (0, INF)
+                    else:
+                        table[nid] = (2, fixed, ukids, kids[0] if op == "Exp" else None)
+        get = costs.get
+        INF, REDUCE, TILE = C.INF, C.REDUCE, C.TILE
+        penalty = self._exp_penalty
+
+        def cost(nid, ctx):
+            t = table.get(nid)
+            if t is None:   # (not a term node: node_cost's own answer)
+                return self.node_cost(nid, ctx, Reach("program", frozenset(), frozenset()), costs, None)
+            kind = t[0]
+            if kind == 0:
+                return t[1]
+            if kind == 1:
+                return REDUCE + TILE * get((t[1], "B"), INF)
+            total = t[1] + sum(get((c, ctx), INF) for c in t[2])
+            return total + (penalty("Exp", (t[3],), ctx) if t[3] is not None else 0.0)
+        return cost
 
     def solve(self, reach: Reach, target=None):
         """Cheapest cost per (class, ctx): a worklist over the nodes whose children improved
@@ -267,6 +316,12 @@ class Extractor:
         ctxs = (None, "B", "A") if reach.discover else (None, "B")
         work = deque((nid, ctx) for nid in self._leaves() for ctx in ctxs)
         queued = set(work)
+        if reach.mode == "program" and target is None:
+            node_cost = self._program_cost_fn(costs)
+        else:
+            def node_cost(nid, ctx):
+                return self.node_cost(nid, ctx, reach, costs, target)
+        nodes = self.nodes
 
         def improve(key, c, choice):
             if c < costs.get(key, C.INF) - 1e-9:
@@ -279,16 +334,18 @@ class Extractor:
                 if key[1] is None and key[0] in self.inv:   # hoisted into a tile
                     improve((key[0], "B"), c / C.TILE, "hoist")
 
+        INF = C.INF
+        popleft, discard = work.popleft, queued.discard
         while work:
-            nid, ctx = work.popleft()
-            queued.discard((nid, ctx))
-            c = self.node_cost(nid, ctx, reach, costs, target)
-            if c < C.INF:
-                improve((self.cls(nid), ctx), c, nid)
+            item = popleft()
+            discard(item)
+            c = node_cost(*item)
+            if c < INF:
+                improve((nodes[item[0]]["eclass"], item[1]), c, item[0])
         # deterministic ties: the first node of a class (in e-graph order) that reaches the optimum
         for (cid, ctx), opt in costs.items():
             for nid in self.cls_nodes[cid]:
-                if self._is_term(nid) and self.node_cost(nid, ctx, reach, costs, target) <= opt + 1e-9:
+                if self._is_term(nid) and node_cost(nid, ctx) <= opt + 1e-9:
                     best[(cid, ctx)] = nid
                     break
         return costs, best
@@ -331,7 +388,10 @@ class Extractor:
 
     def extract(self, cid, reach: Reach, target=None):
         """(cost, term) of the cheapest reachable form of a class, or (inf, None)."""
-        costs, best = self.solve(reach, target)
+        key = (reach, target, target in self.strict_exp)
+        if key not in self._solved:   # (costs depend on nothing else: every other cache is a function of the e-graph)
+            self._solved[key] = self.solve(reach, target)
+        costs, best = self._solved[key]
         c = costs.get((cid, None), C.INF)
         if c == C.INF:
             return C.INF, None
