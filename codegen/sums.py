@@ -108,6 +108,7 @@ class SumGen:
         self.full = False      # emitting the body of a full loop tile (no loop-axis mask)
         self.alltrue = False   # ... of a tile where every mask condition is true
         self._conds: list = []
+        self._scale: dict = {}   # state -> the constant factor of its body, applied at the store
         self._memo: dict = {}
         self._raw: dict = {}   # tensor -> its load, in the tensor's storage type
         self._wide: dict = {}  # raw load -> the same value as float32
@@ -562,7 +563,8 @@ class SumGen:
                 mask = "rmask"
             if isinstance(sh, tuple) != any(a in self.V for a in self.out_axes[o]):
                 raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
-            store.append(f"    tl.store({ptr}, {q}.to({o}_ptr.dtype.element_ty), mask={mask})")
+            val = f"({q} * {self._scale[q]!r})" if q in self._scale else q
+            store.append(f"    tl.store({ptr}, {val}.to({o}_ptr.dtype.element_ty), mask={mask})")
         return "\n".join(L + self.hoisted + L2 + store)
 
     def _body(self, full, accs, alltrue=False):
@@ -581,7 +583,9 @@ class SumGen:
             return e if full else f"tl.where(tmask, {e}, 0.0)"
         for q, b in self.states.items():
             self.lines = []
-            fs = _flat_mul(b)
+            c, fs = _const_factor(_flat_mul(b))
+            if c != 1.0:   # sum_F(t * c) = c * sum_F(t): the constant applied once, at the store
+                self._scale[q] = c
             vecs = [f for f in fs if isinstance(self._shape_of(f), tuple) and self._shape_of(f)[0] == "f"]
             if len(vecs) == 1:
                 rest = [f for f in fs if f is not vecs[0]] or [Term("Num", (1.0,))]
@@ -602,7 +606,10 @@ class SumGen:
                 accs[q] = (f"tl.zeros([BLOCK_I, BLOCK_V_{a}], tl.float32)", ("r", a))
                 self.lines.append(f"{q} = tl.dot({masked(e)}.to(DOT_T), {w}, acc={q}, input_precision=PREC)")
             else:
-                e, sh = self.emit(b)
+                bb = fs[0]
+                for f in fs[1:]:
+                    bb = Term("Mul", (bb, f))
+                e, sh = self.emit(bb)
                 if sh not in ("rf", "f"):
                     raise CodegenError(f"state {q}: `{pretty(b)}` has shape {sh}; expected a (rows x {F!r}) tile")
                 e = self.bcast(e, sh, "rf") if sh != "rf" else e
@@ -808,6 +815,20 @@ class SumGen:
             "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
         ]
         return "\n".join(L)
+
+
+def _const_factor(fs):
+    """(c, factors): the product c of the constant factors of a product (finite, magnitudes in
+    [1e-30, 1e30], so that moving them out of a sum neither overflows nor underflows where the
+    sum as written would not), and the other factors ([1.0] when none is left)."""
+    c, rest = 1.0, []
+    for f in fs:
+        v = f.args[0] if f.op == "Num" and not isinstance(f.args[0], Term) else None
+        if v is not None and 1e-30 <= abs(float(v)) <= 1e30 and 1e-30 <= abs(c * float(v)) <= 1e30:
+            c *= float(v)
+        else:
+            rest.append(f)
+    return c, rest or [Term("Num", (1.0,))]
 
 
 def _over_f(shape) -> bool:

@@ -258,3 +258,11 @@ def test_all_true_tiles_run_without_the_mask(which):
     full, _ = _loop(src)
     assert any("<=" in ln for ln in full)
     assert "one_run = ntrue * BLOCK_J == tend - tfirst" in _kernel_fn(src)
+
+
+def test_constant_factor_applied_once_at_the_store():
+    """sum_F(t * c) = c * sum_F(t): the body's constant factor leaves the loop."""
+    src = _kernel_fn(_kernel("dq").source)
+    full, tail = _loop(_kernel("dq").source)
+    assert not any(ln.endswith(f"* {SCALE!r}") for ln in full + tail)
+    assert f"(s * {SCALE!r})" in src.split("    if end < last:")[1]
