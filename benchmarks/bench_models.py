@@ -21,6 +21,21 @@ times); ``--layers`` overrides the layer count. Without a GPU only ``--size tiny
 ``--take`` restricts the region kinds acefuse takes (``af.Backend(take=...)``); the rest is
 Inductor's (or eager torch's): which of acefuse's kernels beat Inductor's fusion in the model.
 
+Time (issue 12: training runs used to end at the device's time limit while acefuse's first training
+call compiled the backward regions): each implementation's first call (``first_call_s``: Dynamo,
+acefuse's and Inductor's compilation, forward and backward, and the correctness check) and three
+warm-up steps run before anything is timed; the timed steps then take at most ``--timed-s``
+seconds (fewer steps when a step is slow, at least 2). ``--time-limit S`` is the run's own wall-clock
+budget: an implementation that would start after ``S - --reserve-s`` seconds is reported skipped
+(``"skipped"``), and ``--out`` is rewritten after every implementation, so a run stopped from
+outside keeps what it measured. ``--cache-dir D`` puts acefuse's, Triton's and Inductor's compile
+caches under ``D`` (ignored ``benchmarks/kernels/cache`` carries between device calls);
+``--compile-only`` runs every first call (compiling and checking, no timing) to fill them, so that
+a second run spends its time limit on the timed steps:
+
+    python3 benchmarks/bench_models.py --size quick --mode training --cache-dir benchmarks/kernels/cache --compile-only
+    python3 benchmarks/bench_models.py --size quick --mode training --cache-dir benchmarks/kernels/cache --time-limit 540
+
 A training step is forward + loss + backward + AdamW step, with a fixed batch. Before timing,
 each implementation's loss (and, for training, the gradient norm of every parameter) is
 compared with eager's on the same weights; a mismatch is reported, never timed (and the exit
@@ -76,15 +91,28 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, steps):
+def timed(fn, steps, budget_s=None):
+    """Seconds per call of ``fn``: three warm-up calls, then ``steps`` timed calls, fewer (at least
+    2, or ``steps`` if fewer) when the warm-up says they would take more than ``budget_s``. Returns
+    (seconds, steps)."""
+    _sync()
+    t0 = time.perf_counter()
     for _ in range(3):
         fn()
     _sync()
+    warm = (time.perf_counter() - t0) / 3
+    if budget_s is not None and warm > 0:
+        steps = max(min(2, steps), min(steps, int(budget_s / warm)))
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
     _sync()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, steps
+
+
+def _write(path, info, rows):
+    if path:
+        Path(path).write_text(json.dumps(dict(info, rows=rows), indent=1))
 
 
 def main(argv=None):
@@ -93,7 +121,18 @@ def main(argv=None):
     ap.add_argument("--size", choices=tuple(SIZES), default=None, help="model and batch size (default full)")
     ap.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 for --size tiny)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON results, rewritten after every implementation")
+    ap.add_argument("--timed-s", type=float, default=20.0,
+                    help="seconds the timed steps of one implementation may take (fewer steps when slow; default 20)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="the run's wall-clock budget: implementations that would start after S - --reserve-s "
+                         "seconds are skipped (reported)")
+    ap.add_argument("--reserve-s", type=float, default=120.0,
+                    help="with --time-limit: the time kept for one implementation's compile and steps (default 120)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="acefuse's, Triton's and Inductor's compile caches under this folder (kept between runs)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="run each implementation's first call (compile, check) and no timed steps: fills --cache-dir")
     ap.add_argument("--mode", choices=("inference", "training", "both"), default="both")
     ap.add_argument("--take", default=None,
                     help="comma-separated region kinds acefuse takes (attention, loss, softmax, norm; default all): "
@@ -105,6 +144,14 @@ def main(argv=None):
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         ap.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+    start = time.perf_counter()
+    if args.cache_dir:            # (before acefuse, Triton or Inductor read their cache locations)
+        import os
+        root = Path(args.cache_dir).resolve()
+        for var, sub in (("ACEFUSE_CACHE_DIR", "acefuse"), ("TRITON_CACHE_DIR", "triton"),
+                         ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+            os.environ[var] = str(root / sub)
+            (root / sub).mkdir(parents=True, exist_ok=True)
     modes = ("inference", "training") if args.mode == "both" else (args.mode,)
     size = args.size or ("quick" if args.quick else "full")
     cuda = torch.cuda.is_available()
@@ -127,10 +174,21 @@ def main(argv=None):
     ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=g)
     base = build(cfg, dev, dtype)
     rows = []
+    info = dict(device=torch.cuda.get_device_name() if cuda else "cpu", size=size, take=args.take, B=B, T=T,
+                hidden=cfg.hidden_size, layers=cfg.num_hidden_layers)
     for mode in modes:
         ref = None
         for impl in impls:
             res = {"mode": mode, "impl": impl}
+            spent = time.perf_counter() - start
+            if args.time_limit is not None and spent > args.time_limit - args.reserve_s and \
+                    not (impl == "eager" and ref is None):
+                res["skipped"] = (f"time limit: {spent:.0f} s spent of --time-limit {args.time_limit:.0f} s, "
+                                  f"{args.reserve_s:.0f} s reserved per implementation")
+                rows.append(res)
+                print(f"{mode:9s} {impl:13s} skipped ({res['skipped']})", flush=True)
+                _write(args.out, info, rows)
+                continue
             model = copy.deepcopy(base)
             model.train(mode == "training")
             take = None if args.take is None else [k for k in args.take.split(",") if k]
@@ -163,6 +221,8 @@ def main(argv=None):
                 ok = res.get("loss_diff", 0) < 2e-2 * max(1.0, abs(ref[0])) and res.get("grad_norm_rel_diff", 0) < 5e-2
                 if not ok:
                     res["wrong"] = True
+                elif args.compile_only:
+                    pass
                 else:
                     if mode == "inference":
                         def step():
@@ -175,7 +235,9 @@ def main(argv=None):
                             fn(ids).backward()
                             opt.step()
                             opt.zero_grad(set_to_none=True)
-                    sec = timed(step, args.steps or (2 if size == "tiny" else 10))
+                    # (the first call compiled the forward and, in training, the backward regions;
+                    # timed() runs three more untimed steps: the optimizer's state, Triton's tuning)
+                    sec, res["steps"] = timed(step, args.steps or (2 if size == "tiny" else 10), args.timed_s)
                     res["ms"] = sec * 1e3
                     res["tokens_per_s"] = B * T / sec
             except Exception as exc:
@@ -188,9 +250,11 @@ def main(argv=None):
                 res["inductor_errors"] = [g.error for cf in be.functions for g in cf.graphs.values()
                                           if getattr(g, "error", None)]
             rows.append(res)
-            print(f"{mode:9s} {impl:13s} " + (f"{res['tokens_per_s']:9.0f} tokens/s ({res['ms']:.1f} ms/step)"
-                                             if "tokens_per_s" in res else
-                                             ("WRONG " + str(res) if res.get("wrong") else res.get("error", ""))),
+            _write(args.out, info, rows)
+            print(f"{mode:9s} {impl:13s} " + (f"{res['tokens_per_s']:9.0f} tokens/s ({res['ms']:.1f} ms/step, "
+                                             f"{res['steps']} steps)" if "tokens_per_s" in res else
+                                             ("WRONG " + str(res) if res.get("wrong") else
+                                              res.get("error", "compiled and checked (--compile-only)"))),
                   f" first call {res.get('first_call_s')} s", flush=True)
             if be is not None:
                 print(f"  acefuse took {res['taken']} regions; left to torch: {len(res['left'])}")
@@ -207,11 +271,10 @@ def main(argv=None):
             if t.get(impl) and t.get("eager"):
                 print(f"{mode}: {impl} / eager {t[impl] / t['eager']:.2f}x"
                       + (f", {impl} / inductor {t[impl] / t['inductor']:.2f}x" if t.get("inductor") else ""))
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name() if cuda else "cpu", size=size,
-                                                  take=args.take, B=B, T=T,
-                                                  hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, rows=rows),
-                                             indent=1))
+    _write(args.out, info, rows)
+    skipped = [f"{r['mode']} {r['impl']}" for r in rows if r.get("skipped")]
+    if skipped:
+        print("bench_models: skipped at the time limit (run them apart, or raise --time-limit):", ", ".join(skipped))
     bad = [f"{r['mode']} {r['impl']}" for r in rows if r.get("wrong") or r.get("error")]
     if bad:
         print("bench_models: wrong or failed:", ", ".join(bad))
