@@ -77,6 +77,7 @@ class ShardedKernel:
         self.mode, self.why = self._plan()
         self._kernels = {}
         self._warned = False
+        self.keep_wide = frozenset()    # outputs written in float32 whatever the inputs' type (saved values)
 
     # -- planning --------------------------------------------------------------------------
     def _plan(self):
@@ -127,12 +128,7 @@ class ShardedKernel:
         names = list(self.program.tensors)
         bind_inputs(name, names, args, inputs)
         req = [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-        if req and torch.is_grad_enabled():
-            raise DistributedError(
-                f"program {name!r}: input(s) {req} require grad, and the backward of a call sharded across "
-                f"ranks (process_group=, sharded_axis={self.axis!r}) is not implemented: its result would have "
-                "no gradient. Call it under torch.no_grad() for inference, or gather the shards and call the "
-                "kernel without process_group (its derived backward runs on one process)")
+        req = req if torch.is_grad_enabled() else []
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         offsets = dict(axis_offsets or {})
@@ -158,6 +154,9 @@ class ShardedKernel:
                                      f"in {t!r}; inputs must agree on every axis")
         n_loc = local[self.axis]
         if world == 1:
+            if req and (any(offsets.values()) or gsizes):
+                raise DistributedError(f"program {name!r}: a differentiable call on a group of one rank with "
+                                       "axis_offsets/axis_sizes is not supported; call the kernel without process_group")
             return self._local(inputs, opts, offsets, gsizes)
         dev = inputs[shard_names[0]].device
         if shard_sizes is not None:
@@ -173,6 +172,8 @@ class ShardedKernel:
         if any(s <= 0 for s in sizes):
             raise DistributedError(f"program {name!r}: the shards along {self.axis!r} have lengths {sizes}; every "
                                    "rank needs at least one element (re-split the axis, or use a smaller group)")
+        if req:
+            return self._grad_call(inputs, req, names, opts, sizes, rank, world, offsets, gsizes, zigzag)
         j0 = sum(sizes[:rank])
         n_glob = sum(sizes)
         offsets[self.axis] = j0
@@ -197,6 +198,30 @@ class ShardedKernel:
         if self.mode == "ring":
             return self._ring(inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag or ())
         return self._states(inputs, opts, offsets, gsizes, sizes, rank, local)
+
+    def _grad_call(self, inputs, req, names, opts, sizes, rank, world, offsets, gsizes, zigzag):
+        """A call on inputs that require grad: the augmented forward sharded like this call
+        (its saved values merged across ranks), and a grad_fn running the derived backward on
+        the shards (acefuse/distributed/grad.py)."""
+        import torch
+        from acefuse.distributed.grad import ShardedGrad, sharded_function
+        floats = frozenset(n for n in names if inputs[n].dtype.is_floating_point)
+        key = ("grad", frozenset(req))
+        if key not in self._kernels:
+            self._kernels[key] = ShardedGrad(self, req, floats)
+        sg = self._kernels[key]
+        zz = () if zigzag is None else tuple([zigzag] if isinstance(zigzag, str) else zigzag)
+        D = set(offsets) | set(zz)
+        mode = sg.aug.mode
+        gs = dict(gsizes)
+        gs[self.axis] = sum(sizes)
+        info = {"mode": mode, "world": world, "rank": rank, "sizes": list(sizes), "offsets": dict(offsets),
+                "gsizes": gs, "zigzag": zz, "D": frozenset(D), "opts": dict(opts)}
+        call = dict(opts, shard_sizes=list(sizes), axis_offsets=dict(offsets) or None,
+                    axis_sizes=dict(gsizes) or None, zigzag=zigzag)
+        outs = sharded_function().apply(sg, call, info, names, *[inputs[n] for n in names])
+        keys = list(self.program.outputs)
+        return outs[0] if len(keys) == 1 else dict(zip(keys, outs))
 
     def _local(self, inputs, opts, offsets, gsizes):
         """One rank: the kernel itself (with other axes' offsets instantiated, if any)."""
@@ -434,6 +459,10 @@ class ShardedKernel:
         own = {t: v for t, v in inputs.items() if t in k.fusion.encoding.tensors}
         # no pass of its own: the loop kernel is the outputs (and the epilogue over the shard)
         fopts = {o: v for o, v in opts.items() if o in ("block_j", "block_r", "num_warps")}
+        if self.keep_wide:
+            from acefuse.autograd import takes_out_dtypes
+            if takes_out_dtypes(k):
+                fopts["out_dtypes"] = {o: torch.float32 for o in self.keep_wide if o in enc.outputs}
         out = k(**own, **extra, schedule="loop", **fopts)
         return self._finish_staged(out, inputs)
 
@@ -445,7 +474,7 @@ class ShardedKernel:
             v = evf.ev(t)[0]
             oa = enc.output_axes[o]
             v = v.expand([sizes_loc[a] if a in oa else 1 for a in P]).reshape([sizes_loc[a] for a in oa])
-            outs[o] = v.to(dt).contiguous() if dt is not None else v.contiguous()
+            outs[o] = v.to(dt).contiguous() if dt is not None and o not in self.keep_wide else v.contiguous()
         return self._finish_staged(outs if len(outs) > 1 else outs[next(iter(outs))], inputs)
 
     def _finish_staged(self, out, inputs):

@@ -1,0 +1,146 @@
+"""Gradients of programs sharded across gloo ranks (acefuse/distributed/grad.py): the derived
+backward on the shards, against float64 torch autograd of the plain math, unsharded.
+
+Ranks are forked (tests/test_distributed.py's run_ranks); shards are uneven where the layout
+allows it; inputs and cotangents are fresh random values (the seed is printed on failure).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import acefuse as af
+from tests.test_distributed import run_ranks, SEED, dist
+
+TOL = dict(rtol=1e-4, atol=1e-4)      # float32 kernels vs float64 autograd
+
+
+# ---- programs and their plain torch math -------------------------------------------------
+q = af.tensor("q", "b h i d")
+k = af.tensor("k", "b h j d")
+v = af.tensor("v", "b h j e")
+SCALE = 0.25
+s = af.sum(q * k, "d") * SCALE
+sc = af.where(af.index("j") <= af.index("i"), s, af.NEG_INF)
+mc = af.max(sc, "j")
+pc = af.exp(sc - mc)
+lc = af.sum(pc, "j")
+CAUSAL = af.program("causal_attention_g", o=af.sum(pc * v, "j") / lc)
+mg = af.max(s, "j")
+pg_ = af.exp(s - mg)
+GLOBAL = af.program("global_attention_g", o=af.sum(pg_ * v, "j") / af.sum(pg_, "j"))
+
+x = af.tensor("x", "r j")
+t = af.tensor("t", "r")
+m = af.max(x, "j")
+l_ = af.sum(af.exp(x - m), "j")
+CE = af.program("vocab_ce_g", loss=m + af.log(l_) - af.take(x, t, "j"))
+# of our own: a layer norm whose features are sharded (tensor parallel), with a weight over them
+g = af.tensor("g", "j")
+mu = af.mean(x, "j")
+var = af.mean((x - mu) * (x - mu), "j")
+LN = af.program("sharded_layernorm_g", y=(x - mu) * af.rsqrt(var + 1e-5) * g)
+
+
+def attention_ref(ins, causal, lse):
+    Q, K, V = (ins[n].double().requires_grad_(True) for n in "qkv")
+    sc_ = torch.einsum("bhid,bhjd->bhij", Q, K) * SCALE
+    if causal:
+        N = sc_.shape[-1]
+        sc_ = sc_.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    out = {"o": torch.softmax(sc_, -1) @ V}
+    if lse:
+        out["lse"] = torch.logsumexp(sc_, -1)
+    return (Q, K, V), out
+
+
+def ce_ref(ins):
+    X = ins["x"].double().requires_grad_(True)
+    return (X,), {"loss": torch.logsumexp(X, -1) - X.gather(1, ins["t"][:, None]).squeeze(1)}
+
+
+def ln_ref(ins):
+    X, G = ins["x"].double().requires_grad_(True), ins["g"].double().requires_grad_(True)
+    mu_ = X.mean(-1, keepdim=True)
+    var_ = ((X - mu_) ** 2).mean(-1, keepdim=True)
+    return (X, G), {"y": (X - mu_) * torch.rsqrt(var_ + 1e-5) * G}
+
+
+def ref_grads(leaves, outs, cots):
+    names = list(outs)
+    return torch.autograd.grad([outs[n] for n in names], list(leaves), [cots[n].double() for n in names])
+
+
+_KERNELS: dict = {}
+
+
+def kernel(prog):
+    if prog.name not in _KERNELS:
+        _KERNELS[prog.name] = af.compile(prog)
+    return _KERNELS[prog.name]
+
+
+def _sl(x, axis_dim, idx):
+    return x.index_select(axis_dim, idx).contiguous()
+
+
+# ---- on the ranks ------------------------------------------------------------------------
+def _attention_rank(rank, world, prog_name, ins, cots, sizes, exchange, zigzag, offsets_i):
+    prog = {"causal": CAUSAL, "global": GLOBAL}[prog_name]
+    idx = _layout(rank, world, sizes, zigzag)
+    loc = {n: _sl(ins[n], 2, idx).requires_grad_(True) for n in "qkv"}
+    kw = dict(process_group=dist.group.WORLD, sharded_axis="j", exchange=exchange, shard_sizes=sizes)
+    if zigzag:
+        kw["zigzag"] = ("i",)
+    elif offsets_i:
+        kw["axis_offsets"] = {"i": sum(sizes[:rank])}
+    out = kernel(prog)(**loc, **kw)
+    out = out if isinstance(out, dict) else {"o": out}
+    torch.autograd.backward([out[o] for o in out], [_sl(cots[o], 2, idx) for o in out])
+    return {n: loc[n].grad for n in "qkv"}
+
+
+def _layout(rank, world, sizes, zigzag):
+    if zigzag:
+        c = sizes[0] // 2
+        return torch.cat([torch.arange(rank * c, rank * c + c), torch.arange((2 * world - 1 - rank) * c,
+                                                                               (2 * world - rank) * c)])
+    j0 = sum(sizes[:rank])
+    return torch.arange(j0, j0 + sizes[rank])
+
+
+def _check(got, want, name, what):
+    assert got is not None, f"{what}: no gradient for {name}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite gradient of {name} (seed {SEED})"
+    torch.testing.assert_close(got.double(), want, **TOL, msg=lambda m_: f"{what}: grad {name} (seed {SEED}): {m_}")
+
+
+def attention_case(prog_name, sizes, exchange, zigzag=False, heads=2, D=16):
+    world = len(sizes)
+    N = sum(sizes)
+    gen = torch.Generator().manual_seed(SEED + hash((prog_name, exchange, zigzag)) % 1000)
+    ins = {"q": torch.randn(1, heads, N, D, generator=gen), "k": torch.randn(1, heads, N, D, generator=gen),
+           "v": torch.randn(1, heads, N, D, generator=gen)}
+    causal = prog_name == "causal"
+    cots = {"o": torch.randn(1, heads, N, D, generator=gen)}
+    from acefuse.distributed.grad import prepare
+    prepare(kernel(CAUSAL if causal else GLOBAL), "j", distributed_axes=("i",))   # derived here, not on the ranks
+    res = run_ranks(_attention_rank, world, prog_name, ins, cots, sizes, exchange, zigzag, True)
+    # the references after the ranks: a fork after torch's threaded kernels can hang the child
+    leaves, outs = attention_ref(ins, causal, False)
+    want = dict(zip("qkv", ref_grads(leaves, outs, cots)))
+    for rank, (got, warns) in enumerate(res):
+        idx = _layout(rank, world, sizes, zigzag)
+        for n in "qkv":
+            _check(got[n], want[n].index_select(2, idx), n, f"{prog_name} {exchange} zigzag={zigzag} rank {rank}")
+    return res
+
+
+@pytest.mark.parametrize("exchange", ["ring", "gather"])
+def test_causal_attention_context_parallel_gradients(exchange):
+    attention_case("causal", [13, 6, 10], exchange)
+
+
+def test_causal_attention_zigzag_gradients():
+    attention_case("causal", [10, 10], "ring", zigzag=True)
