@@ -10,7 +10,6 @@ from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.emit import CodegenError, _scale_log2e
 from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
-from acefuse.codegen.contraction_launch import TIMING_SRC, _prepare_src
 
 LOAD_HELPER = """@triton.jit
 def _ld(ptr, mask, MASKED: tl.constexpr):
@@ -44,6 +43,18 @@ class SumGen:
     all of them are false (checked symbolically: ``where(c, a, 0)``, ``exp(-inf) = 0``,
     ``0 * finite``), the loop runs only over the tiles between the first and the last tile
     the mask does not exclude entirely.
+
+    Rules of the generated code (each applies to any sum kernel; tests/test_sums_codegen.py):
+    - a load stays in its storage type; a dot reads it converted straight to DOT_T, elementwise
+      math widens it to float32 once (``widen``); accumulators are float32;
+    - a value that does not range over the loop axis is computed once, above the loop (``bind``);
+    - ``exp(x)`` is ``exp2(x * log2 e)`` with log2(e) folded into x's constants;
+    - a state's constant factor is applied once, at the store (``_const_factor``);
+    - full loop tiles run without the loop-axis mask (a vector axis is masked only when it is
+      shorter than its block: ``VMASK_<axis>``); the run of full tiles where every mask condition
+      holds everywhere runs without those where()s; the partial last tile runs masked;
+    - the launch configuration is timed on a GPU among the candidates an estimate keeps
+      (codegen/sums_launch.py).
     """
 
     def __init__(self, fusion):
@@ -649,172 +660,8 @@ class SumGen:
         return "\n\n\n".join(parts) + "\n"
 
     def launcher(self):
-        L = [
-            f"PROGRAM = {self.name!r}",
-            f"AXIS = {self.F!r}",
-            f"TENSORS = {dict(self.tensors)!r}",
-            "INDEX_TENSORS = []",
-            f"INT_OK = {sorted(n for n, ax in self.tensors.items() if not any(a in self.V for a in ax))!r}"
-            "   # may be integers or bool (read as float32: exact below 2**24)",
-            f"OUTPUTS = {dict(self.out_axes)!r}",
-            f"GRID_AXES = {self.G!r}",
-            f"ROW_AXES = {self.R!r}",
-            f"VEC_AXES = {self.V!r}",
-            f"TILE_OUTPUTS = {list(self.tiles)!r}   # written tile by tile"
-            + (" (zeroed first: the mask analysis skips tiles)" if self.tiles and self.skips else ""),
-            f"ZERO_TILE_OUTPUTS = {bool(self.tiles and self.skips)!r}",
-            "",
-            "",
-            "def _np2(n):",
-            "    return 1 << max(0, (int(n) - 1).bit_length())",
-            "",
-            "",
-            _prepare_src(self.name),
-            "",
-            "",
-            f"HELD = {sorted(self.held.values())!r}   # vector axes of the dot operands held over the loop ([rows, axis] blocks)",
-            f"LOOP_VEC = {sorted(self.loopvec.values())!r}   # vector axes of the tensors loaded per loop tile",
-            f"ACC = {[a[1][1] if isinstance(a[1], tuple) else '' for a in self._accs.values()]!r}"
-            "   # per state: its vector axis ('' for a sum per row)",
-            f"DOTS = {self.dots!r}   # per loop tile: the vector axis of each tl.dot (FLOPs: 2 * rows * tile * axis)",
-            "# launch configurations the GPU tries (then pruned by _fits): rows, loop tile, warps, stages",
-            "BLOCK_I_CHOICES, BLOCK_J_CHOICES, WARPS_CHOICES, STAGES_CHOICES = (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)",
-            "_TUNED = {}",
-            "_TUNING = []",
-            "",
-            "",
-            *TIMING_SRC,
-            "",
-            "",
-            "def estimate(cfg, vsizes, itemsize):",
-            "    \"\"\"(32-bit registers per thread, bytes of shared memory) a launch configuration needs,",
-            "    roughly: registers hold the float32 accumulators (rows x each state's vector block) and",
-            "    two float32 [rows, loop tile] tiles alive at once (a dot's result and the value built",
-            "    from it); shared memory holds the dot operands kept over the loop (rows x axis, storage",
-            "    type), the tensors loaded per loop tile (loop tile x axis, once per pipeline stage)",
-            "    and each accumulated tile staged for its dot (rows x loop tile, storage type).\"\"\"",
-            "    bi, bj, nw, ns = cfg['block_i'], cfg['block_j'], cfg['num_warps'], cfg['num_stages']",
-            "    acc = sum(bi * (vsizes[a] if a else 1) for a in ACC)",
-            "    regs = (acc + 2 * bi * bj) / (32 * nw)",
-            "    smem = (sum(bi * vsizes[a] for a in HELD) + max(1, ns) * sum(bj * vsizes[a] for a in LOOP_VEC)",
-            "            + sum(1 for a in ACC if a) * bi * bj) * itemsize",
-            "    return regs, smem",
-            "",
-            "",
-            "# registers a thread may use (255): past it the estimated values spill (on an H100, attention's",
-            "# backward at N=4096 D=128 bf16: every candidate estimated at 256 ran 1.5-4x slower than the best)",
-            "REG_LIMIT = 255",
-            "",
-            "",
-            "def configs(vsizes, itemsize, smem_limit):",
-            "    \"\"\"The candidate launch configurations whose estimate fits (registers, shared memory) and",
-            "    whose row block gives every warp at least 16 rows of each dot (an MMA's smallest M: a",
-            "    Hopper warpgroup of 4 warps takes 64 rows).\"\"\"",
-            "    out = []",
-            "    for bi in BLOCK_I_CHOICES:",
-            "        for bj in BLOCK_J_CHOICES:",
-            "            for nw in WARPS_CHOICES:",
-            "                for ns in STAGES_CHOICES:",
-            "                    cfg = dict(block_i=bi, block_j=bj, num_warps=nw, num_stages=ns)",
-            "                    regs, smem = estimate(cfg, vsizes, itemsize)",
-            "                    if regs <= REG_LIMIT and smem <= smem_limit and bi >= 16 * nw:",
-            "                        out.append(cfg)",
-            "    return out",
-            "",
-            "",
-            "def _smem_limit(dev):",
-            "    try:",
-            "        return triton.runtime.driver.active.utils.get_device_properties(dev.index or 0)['max_shared_mem']",
-            "    except Exception:",
-            "        return 227 * 1024   # an H100's per-block opt-in maximum",
-            "",
-            "",
-            "def _tuned(inputs, sizes, ref, dev):",
-            "    \"\"\"The fastest candidate configuration, timed once per (device, sizes rounded up to powers",
-            "    of two, input dtypes) and kept.\"\"\"",
-            "    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type",
-            "    key = (str(dev), name, tuple(sorted((a, _np2(n)) for a, n in sizes.items())),",
-            "           tuple(str(inputs[t].dtype) for t in TENSORS))",
-            "    if key not in _TUNED:",
-            "        vs = {a: max(16, _np2(sizes[a])) for a in VEC_AXES}",
-            "        cands = configs(vs, ref.element_size(), _smem_limit(dev))",
-            "        _TUNING.append(1)",
-            "        try:",
-            "            best = _fastest(cands, lambda c: run(**c, **inputs))",
-            "            # then the row tiles' order with the chosen configuration: the programs with the",
-            "            # longest loops (a causal mask's) are better launched first than last",
-            "            if best is not None:",
-            "                best = _fastest([best, dict(best, reverse=False)], lambda c: run(**c, **inputs))",
-            "            _TUNED[key] = best",
-            "        finally:",
-            "            _TUNING.pop()",
-            "    return _TUNED[key]",
-            "",
-            "",
-            "TUNE_MIN = 1 << 24   # rows x loop x grid below which the defaults run untimed (a guess: launch-bound)",
-            "",
-            "",
-            "def _auto_config(inputs, sizes, ref, dev, given):",
-            "    \"\"\"The timed configuration where run() chooses one: on a GPU, no launch option ``given``,",
-            "    a problem of at least TUNE_MIN (rows x loop x grid); else None (the defaults).\"\"\"",
-            "    n = sizes[AXIS]",
-            "    for a in ROW_AXES + GRID_AXES:",
-            "        n *= sizes[a]",
-            "    if dev.type != 'cuda' or given or _TUNING or n < TUNE_MIN:",
-            "        return None",
-            "    return _tuned(inputs, sizes, ref, dev)",
-            "",
-            "",
-            "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
-            "        num_stages=None, reverse=None, **inputs):",
-            "    \"\"\"Launch the kernel; returns the output (a dict when there are several). On a GPU, with no",
-            "    launch option given, the first call per shape class times the configurations ``configs``",
-            "    keeps and runs the fastest from then on; explicit options win.\"\"\"",
-            "    if schedule not in (None, 'loop'):",
-            f"        raise ValueError(f\"program {self.name!r} runs the 'loop' schedule only (got {{schedule!r}})\")",
-            "    inputs, sizes, ref, dev = _prepare(args, inputs)",
-            "    n_rows = 1",
-            "    for a in ROW_AXES:",
-            "        n_rows *= sizes[a]",
-            "    n_g = 1",
-            "    for a in GRID_AXES:",
-            "        n_g *= sizes[a]",
-            "    n_f = sizes[AXIS]",
-            "    on_gpu = dev.type == 'cuda'",
-            "    block_i = block_i or block_r",
-            "    cfg = _auto_config(inputs, sizes, ref, dev, (block_i, block_j, num_warps, num_stages, reverse) != (None,) * 5)",
-            "    if cfg is not None:",
-            "        block_i, block_j, num_warps, num_stages, reverse = (cfg.get(k) for k in ('block_i', 'block_j', 'num_warps',",
-            "                                                                    'num_stages', 'reverse'))",
-            "    outs = {o: (torch.zeros if ZERO_TILE_OUTPUTS and o in TILE_OUTPUTS else torch.empty)(",
-            "        [sizes[a] for a in ax], device=dev, dtype=ref.dtype) for o, ax in OUTPUTS.items()}",
-            "    argv = []",
-            "    for t in TENSORS:",
-            "        argv.append(inputs[t])",
-            "        argv.extend(inputs[t].stride())",
-            "    for o in OUTPUTS:",
-            "        argv.append(outs[o])",
-            "        argv.extend(outs[o].stride())",
-            "    argv.extend(sizes[a] for a in GRID_AXES + ROW_AXES + VEC_AXES)",
-            "    argv.extend([n_rows, n_f])",
-            "    wide = ref.dtype == torch.float32",
-            "    # the interpreter: small tiles (fast); a GPU without a timed choice: today's defaults",
-            "    bi = block_i or (max(16, min(64 if wide else 128, _np2(n_rows))) if on_gpu else max(16, min(32, _np2(n_rows))))",
-            "    bj = block_j or ((32 if wide else 64) if on_gpu else 16)",
-            "    prec = 'ieee' if ref.dtype == torch.float32 else 'tf32'",
-            "    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(ref.dtype, tl.float32) if on_gpu else tl.float32",
-            "    scan = max(16, min(256, _np2(triton.cdiv(n_f, bj))))",
-            "    vb = {a: max(16, _np2(sizes[a])) for a in VEC_AXES}",
-            "    kw = {f'BLOCK_V_{a}': vb[a] for a in VEC_AXES}",
-            "    kw.update({f'VMASK_{a}': vb[a] != sizes[a] for a in VEC_AXES})",
-            "    kw.update(BLOCK_I=bi, BLOCK_J=bj, PREC=prec, DOT_T=dot_t, SCAN=scan, REV=reverse is not False,",
-            "              num_warps=num_warps or 4)",
-            "    if on_gpu and num_stages:",
-            "        kw['num_stages'] = num_stages",
-            f"    {self.name}_sum[(triton.cdiv(n_rows, bi), n_g)](*argv, **kw)",
-            "    return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs",
-        ]
-        return "\n".join(L)
+        from acefuse.codegen.sums_launch import launcher
+        return launcher(self)
 
 
 def _const_factor(fs):

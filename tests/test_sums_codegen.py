@@ -196,9 +196,13 @@ def test_config_candidates_are_pruned_by_the_estimate():
     vs = {"d": 128, "e": 128}
     kept = mod.configs(vs, 2, 227 * 1024)
     assert 0 < len(kept) < len(every)
-    for cfg in every:
+    def fits(cfg):
         regs, smem = mod.estimate(cfg, vs, 2)
-        assert (cfg in kept) == (regs <= mod.REG_LIMIT and smem <= 227 * 1024 and cfg["block_i"] >= 16 * cfg["num_warps"])
+        return regs <= mod.REG_LIMIT and smem <= 227 * 1024 and cfg["block_i"] >= 16 * cfg["num_warps"]
+    for cfg in every:
+        deeper = [dict(cfg, num_stages=n) for n in mod.STAGES_CHOICES if n > 1]
+        one_only = cfg["num_stages"] == 1 and any(fits(c) for c in deeper)
+        assert (cfg in kept) == (fits(cfg) and not one_only), cfg
     # two 128x128 float32 accumulators with 128x128 tiles on 4 warps: 512 registers a thread
     assert dict(block_i=128, block_j=128, num_warps=4, num_stages=1) not in kept
     assert mod.ACC == ["d", "e"] and sorted(mod.HELD) == ["d", "e"] and len(mod.DOTS) == 4
