@@ -110,6 +110,13 @@ def _layout(rank, world, sizes, zigzag):
     return torch.arange(j0, j0 + sizes[rank])
 
 
+def _chunk_starts(rank, world, sizes, zigzag):
+    if zigzag:
+        c = sizes[0] // 2
+        return [(rank * c,), ((2 * world - 1 - rank) * c,)]
+    return [(sum(sizes[:rank]),)]
+
+
 def _check(got, want, name, what):
     assert got is not None, f"{what}: no gradient for {name}"
     assert torch.isfinite(got).all(), f"{what}: non-finite gradient of {name} (seed {SEED})"
@@ -125,7 +132,10 @@ def attention_case(prog_name, sizes, exchange, zigzag=False, heads=2, D=16):
     causal = prog_name == "causal"
     cots = {"o": torch.randn(1, heads, N, D, generator=gen)}
     from acefuse.distributed.grad import prepare
-    prepare(kernel(CAUSAL if causal else GLOBAL), "j", distributed_axes=("i",))   # derived here, not on the ranks
+    # derived here, not on the ranks (every block's global offsets)
+    starts = sorted({int(i[0]) for r in range(world) for i in _chunk_starts(r, world, sizes, zigzag)})
+    prepare(kernel(CAUSAL if causal else GLOBAL), "j", distributed_axes=("i",),
+            offsets=[{"i": a, "j": b} for a in starts for b in starts], sizes={"j": N})
     res = run_ranks(_attention_rank, world, prog_name, ins, cots, sizes, exchange, zigzag, True)
     # the references after the ranks: a fork after torch's threaded kernels can hang the child
     leaves, outs = attention_ref(ins, causal, False)

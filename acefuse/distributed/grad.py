@@ -287,19 +287,12 @@ class ShardedBackward:
                 base = self._kernels[(id(p), (), ())] = compile_stage(p.program, **self.kw)
             if not offs and not gs:
                 return base
-            f = getattr(base, "fusion", None)
-            k = None
-            if f is not None and len(getattr(f, "passes", ())) <= 1 and type(base).__name__ == "Kernel":
-                from acefuse.distributed.kernels import full_kernel
-                try:
-                    k = full_kernel(f, offs, gs, template=True)
-                except Exception:  # noqa: BLE001 - compile the instantiated program instead
-                    k = None
-            if k is None:
-                from acefuse.lang import Program, Expr
-                prog = Program(p.program.name, {o: Expr(instantiate(e.term, offs, gs), e.axes, e.tensors)
-                                                for o, e in p.program.outputs.items()})
-                k = compile_stage(prog, **self.kw)
+            # the program with its global positions fixed, derived again (a template's own
+            # instantiation of the fused forms does not reach every place the mask is read)
+            from acefuse.lang import Program, Expr
+            prog = Program(p.program.name, {o: Expr(instantiate(e.term, offs, gs), e.axes, e.tensors)
+                                            for o, e in p.program.outputs.items()})
+            k = compile_stage(prog, **self.kw)
             self._kernels[key] = k
         return k
 
@@ -628,17 +621,23 @@ def _runner(bwd, J, D, kw):
     return got
 
 
-def prepare(kernel, sharded_axis, wrt=None, distributed_axes=()):
+def prepare(kernel, sharded_axis, wrt=None, distributed_axes=(), offsets=(), sizes=None):
     """Compile on this process what a differentiable sharded call of ``kernel`` (from
     ``af.compile``) needs: its backward program, the augmented forward and the kernels of the
     sharded backward's programs, for inputs ``wrt`` requiring grad (default: every float input)
-    and the distributed axes (``axis_offsets``/``zigzag`` axes). Calls do this themselves on
-    first use; ranks forked from this process inherit the result (no derivation on the ranks).
-    Kernels with global offsets instantiated are generated on the ranks from these."""
+    and the distributed axes (``axis_offsets``/``zigzag`` axes), and the kernels with the
+    global offsets ``offsets`` (dicts axis -> offset: the blocks the ranks will run) and global
+    lengths ``sizes`` fixed. Calls do this themselves on first use; ranks forked from this
+    process inherit the result (a derivation after a fork of a process that derived before can
+    hang in egglog's threads: the tests prepare on the parent)."""
     floats = frozenset(n for n, ax in kernel.prog.tensors.items() if n not in _index_names(kernel.prog))
     dk = kernel._for(frozenset(wrt) if wrt is not None else floats, floats)
     bwd, _, kw = _grad_parts(dk, sharded_axis)
-    return _runner(bwd, sharded_axis, distributed_axes, kw).plan
+    r = _runner(bwd, sharded_axis, distributed_axes, kw)
+    for offs in offsets:
+        for p in r.plan.progs:
+            r._kernel(p, offs, dict(sizes or {}))
+    return r.plan
 
 
 def _index_names(prog):
