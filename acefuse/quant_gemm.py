@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -55,11 +56,50 @@ import torch
 from acefuse.lang import LanguageError, Expr, Program
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.gemm import free_of, replace, kreductions, generate, J
+from acefuse.codegen.contraction_launch import TIMING_SRC
 
 FP8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 _TORCH_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 ACC = Term("St", ("acc", J))
 FORMS = ("scaled_mm", "prologue")
+# the prologue form's launch candidates on a GPU: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+PROLOGUE_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4))
+
+
+_TIMING = {}     # TIMING_SRC's helpers (_time_calls, _fastest), executed once
+_MEASURED = {}   # (program, device, shapes rounded up to powers of two, dtypes) -> (best, {candidate: ms})
+
+
+def _cand_name(c):
+    if c[0] == "scaled_mm":
+        return "scaled_mm"
+    bm, bn, bk, w, st = c[1]
+    return f"prologue {bm}x{bn}x{bk} ({w} warps, {st} stages)"
+
+
+def _np2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _fastest_timed(cands, call):
+    """(the fastest candidate or None, {candidate: ms per call}): TIMING_SRC's ``_fastest``
+    (each candidate called once untimed, then timed; failing ones skipped) with its
+    ``_time_calls`` recording what it measured."""
+    if not _TIMING:
+        _TIMING["torch"] = torch
+        exec("\n".join(TIMING_SRC), _TIMING)
+    times, cur = {}, [None]
+
+    def record(fn, reps=5):
+        ms = _TIMING["_time_calls"](fn, reps)
+        times[cur[0]] = ms / reps
+        return ms
+
+    def tagged(cand):
+        cur[0] = cand
+        return call(cand)
+    fastest = types.FunctionType(_TIMING["_fastest"].__code__, dict(_TIMING, _time_calls=record))
+    return fastest(cands, tagged), times
 
 
 class GemmError(LanguageError):
@@ -230,6 +270,9 @@ class GemmKernel:
         self._sides = {}
         self.last_form = None
         self.last_path = None
+        # float8 products per wgmma partial sum before it joins the float32 accumulator
+        # (codegen/gemm.py FP8_PROMOTE; 32 = one Hopper float8 wgmma's k)
+        self.fp8_promote = 32
 
     # -- the cost model -----------------------------------------------------------------
     def blocks(self, device_is_cuda: bool):
@@ -239,13 +282,16 @@ class GemmKernel:
         # registers before the dot: a k step of 128 doubles them); interpreter: small blocks
         return (128, 128, 64) if device_is_cuda else (16, 16, 16)
 
-    def cost(self, M, N, K, dtypes: dict, out_bytes: int, cuda: bool = True) -> dict:
-        """Bytes (HBM, L2) and FLOPs of each form (module docstring) for sizes M, N, K."""
+    def cost(self, M, N, K, dtypes: dict, out_bytes: int, cuda: bool = True, device=None) -> dict:
+        """Bytes (HBM, L2) and FLOPs of each form (module docstring) for sizes M, N, K;
+        ``device`` (a CUDA device) gives the L2 size and SM count that decide whether the
+        prologue's main loop re-reads its pre-looped row tiles from L2 (none: from HBM)."""
         s = self.split
         bm, bn, _ = self.blocks(cuda)
         rep = {"a": math.ceil(N / bn), "b": math.ceil(M / bm)}
         rows = {"a": M, "b": N}
         es = {n: torch.empty((), dtype=d).element_size() for n, d in dtypes.items()}
+        l2 = self._l2_fits(M, N, K, es, bm, bn, device)
         out = {}
         a_bytes, p_bytes, p_l2, a_fl, p_fl = 0, 0, 0, 2 * M * N * K, 2 * M * N * K
         lines = []
@@ -261,15 +307,23 @@ class GemmKernel:
                 lines.append(f"operand {side} = input {op.args[0]!r}: read {c}x ({c * ins} B) in both forms")
                 continue
             q = r * K * (1 if operand_format(op, {}) else 4) + 4 * r
-            a_bytes += ins + q + c * (q - 4 * r)
+            a_bytes += ins + q + c * q
             a_fl += ops * r * K
             pre = bool(kreductions(op, s.k))
             p_bytes += c * ins
-            p_l2 += c * ins if pre else 0
+            if pre and l2:
+                p_l2 += c * ins
+            elif pre:
+                p_bytes += c * ins
             p_fl += c * ops * r * K
+            again = ""
+            if pre:
+                again = (", again from L2 after the pre-loop" if l2 else
+                         ", and again from HBM after the pre-loop (the resident row tiles do not fit in L2"
+                         + (")" if device is not None else ", or no device to say they do)"))
             lines.append(f"operand {side} = {pretty(op)}: scaled_mm reads its inputs once ({ins} B), writes "
-                         f"q and its scale ({q} B) and reads q {c}x; prologue reads its inputs {c}x "
-                         f"({c * ins} B{', again from L2 after the pre-loop' if pre else ''}) and computes it {c}x")
+                         f"q and its scale ({q} B) and reads them {c}x; prologue reads its inputs {c}x "
+                         f"({c * ins} B{again}) and computes it {c}x")
         o = M * N * out_bytes
         a_bytes += o
         p_bytes += o
@@ -277,9 +331,33 @@ class GemmKernel:
         out["prologue"] = Cost("prologue", p_bytes, p_l2, p_fl, "")
         return out
 
-    def choose(self, M, N, K, dtypes, out_bytes, cuda=True):
-        """(form, costs, why)."""
-        costs = self.cost(M, N, K, dtypes, out_bytes, cuda)
+    def _l2_fits(self, M, N, K, es, bm, bn, device) -> bool:
+        """The prologue's main loop finds its pre-looped row tiles in L2: between a tile's
+        pre-loop read and its main-loop read every resident program (one per SM) reads its whole
+        row tiles; in grouped order (GROUP_M = 8 row tiles cycled fastest) R resident programs
+        hold min(c_m, 8 * ceil(R / (8 * c_n))) row tiles of A and min(c_n, ceil(R / 8)) of B.
+        Those bytes must fit in the L2; unknown without a CUDA device (then: no)."""
+        if isinstance(device, torch.device):
+            if device.type != "cuda":
+                return False
+            props = torch.cuda.get_device_properties(device)
+        elif device is None:
+            return False
+        else:
+            props = device   # anything with multi_processor_count and L2_cache_size (bytes)
+        s = self.split
+        cm, cn = math.ceil(M / bm), math.ceil(N / bn)
+        R = min(props.multi_processor_count, cm * cn)
+        tiles = {"a": min(cm, 8 * math.ceil(R / (8 * cn))), "b": min(cn, math.ceil(R / 8))}
+        size = {"a": bm, "b": bn}
+        foot = sum(tiles[x] * size[x] * K * es[n] for x in "ab" for n in _inputs_of(s.operand[x])
+                   if s.k in s.tensors[n])
+        return foot <= props.L2_cache_size
+
+    def choose(self, M, N, K, dtypes, out_bytes, cuda=True, device=None):
+        """(form, costs, why): the byte model's choice (the CPU's; on a GPU the explanation,
+        measured times decide: __call__)."""
+        costs = self.cost(M, N, K, dtypes, out_bytes, cuda, device)
         why_not = self.scaled_mm_why_not(dtypes)
         if why_not:
             return "prologue", costs, f"scaled_mm does not apply: {why_not}"
@@ -290,7 +368,7 @@ class GemmKernel:
         win = costs[form]
         if win.hbm_bytes < other.hbm_bytes:
             why = (f"{form} moves {win.hbm_bytes:,} B from HBM, {other.form} "
-                   f"{other.hbm_bytes:,} B")
+                   f"{other.hbm_bytes:,} B ({100 * (other.hbm_bytes / win.hbm_bytes - 1):.2f}% more)")
         else:
             why = f"equal HBM bytes; {form} does {win.flops:.4g} FLOPs, {other.form} {other.flops:.4g}"
         return form, costs, why
@@ -327,15 +405,30 @@ class GemmKernel:
                  "prologue = inputs ceil(N/BLOCK_N) times + out")
         if inputs:
             M, N, K, dtypes, cuda = self._shapes(inputs)
-            out_bytes = torch.empty((), dtype=self._out_dtype(dtypes, None)).element_size()
-            form, costs, why = self.choose(M, N, K, dtypes, out_bytes, cuda)
+            dev = next(iter(inputs.values())).device
+            od = self._out_dtype(dtypes, None)
+            form, costs, why = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), cuda,
+                                           dev if cuda else None)
             bm, bn, bk = self.blocks(cuda)
             L.append(f"  at M={M}, N={N}, K={K} (blocks {bm}x{bn}x{bk}): "
                      + "; ".join(f"{c.form}: {c.hbm_bytes / 1e6:.3f} MB HBM"
                                  + (f" + {c.l2_bytes / 1e6:.3f} MB L2" if c.l2_bytes else "")
                                  + f", {c.flops / 1e9:.4g} GFLOP" for c in costs.values()))
             L.append(f"    {costs['scaled_mm'].detail}")
-            L.append(f"  chosen: {form} ({why})")
+            meas = self.measured(**inputs)
+            if not cuda:
+                L.append(f"  chosen: {form} (the byte model: {why})")
+            elif meas is None:
+                L.append(f"  byte model: {form} ({why}); on this GPU the first call times the forms "
+                         "(not yet measured for these shapes)")
+            else:
+                best, times = meas
+                L.append(f"  byte model: {form} ({why})")
+                L.append(f"  measured on {torch.cuda.get_device_name(dev)} (shapes rounded up to powers of two, "
+                         f"out {od}): " + "; ".join(
+                             f"{_cand_name(c)} {ms:.3f} ms" for c, ms in sorted(times.items(), key=lambda x: x[1])))
+                L.append(f"  chosen: {_cand_name(best)} (measured fastest"
+                         + ("; the byte model agrees)" if best[0] == form else "; the byte model disagrees)"))
         return "\n".join(L)
 
     # -- running --------------------------------------------------------------------------
@@ -369,11 +462,59 @@ class GemmKernel:
             out = torch.promote_types(out, d)
         return out
 
+    # -- the measured choice (a GPU) -------------------------------------------------------
+    def prologue_configs(self, cuda):
+        """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) candidates of the prologue form:
+        the given block only where gemm(block=...) fixed it; on the CPU one."""
+        if self.block is not None or not cuda:
+            return [tuple(self.blocks(cuda)) + ((8, 3) if cuda else (4, 1))]
+        return list(PROLOGUE_CONFIGS)
+
+    def _key(self, M, N, K, dtypes, od, dev):
+        s = self.split
+        return ((s.name, pretty(s.operand["a"]), pretty(s.operand["b"]), pretty(s.epilogue)), str(dev),
+                torch.cuda.get_device_name(dev), _np2(M), _np2(N), _np2(K),
+                tuple(sorted((n, str(d)) for n, d in dtypes.items())), str(od))
+
+    def measured(self, out_dtype=None, **inputs):
+        """(best candidate, {candidate: ms}) timed for these inputs' key, or None (not yet)."""
+        M, N, K, dtypes, cuda = self._shapes(inputs)
+        if not cuda:
+            return None
+        dev = next(iter(inputs.values())).device
+        return _MEASURED.get(self._key(M, N, K, dtypes, self._out_dtype(dtypes, out_dtype), dev))
+
+    def _measure(self, inputs, od, M, N, K, dtypes):
+        """Time every applicable candidate once per key (shapes rounded up to powers of two)
+        on these inputs, keep the fastest: ("scaled_mm", None) or ("prologue", config)."""
+        dev = next(iter(inputs.values())).device
+        key = self._key(M, N, K, dtypes, od, dev)
+        if key not in _MEASURED:
+            cands = [] if self.scaled_mm_why_not(dtypes) else [("scaled_mm", None)]
+            cands += [("prologue", c) for c in self.prologue_configs(True)]
+
+            def call(c):
+                if c[0] == "scaled_mm":
+                    return self._run_scaled(inputs, od, M, N, K)
+                return self._run_prologue(inputs, od, M, N, K, dtypes, True, config=c[1])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                best, times = _fastest_timed(cands, call)
+            if best is None:   # nothing ran: the byte model's choice, whose call raises the error
+                form = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), True, dev)[0]
+                return (form, None)
+            _MEASURED[key] = (best, times)
+        return _MEASURED[key][0]
+
     def __call__(self, form="auto", out_dtype=None, **inputs):
         M, N, K, dtypes, cuda = self._shapes(inputs)
         od = self._out_dtype(dtypes, out_dtype)
+        config = None
         if form == "auto":
-            form = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), cuda)[0]
+            if cuda:
+                form, config = self._measure(inputs, od, M, N, K, dtypes)
+            else:
+                form = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), cuda)[0]
         if form not in FORMS:
             raise GemmError(f"form {form!r}: one of {FORMS} or 'auto'")
         self.last_form = form
@@ -384,7 +525,7 @@ class GemmKernel:
                                 "form='prologue'")
             out = self._run_scaled(inputs, od, M, N, K)
         else:
-            out = self._run_prologue(inputs, od, M, N, K, dtypes, cuda)
+            out = self._run_prologue(inputs, od, M, N, K, dtypes, cuda, config=config)
         return {self.split.output: out}
 
     def side_program(self, side):
@@ -473,10 +614,15 @@ class GemmKernel:
         self._module()
         return self._prologue[0]
 
-    def _run_prologue(self, inputs, od, M, N, K, dtypes, cuda):
+    def _run_prologue(self, inputs, od, M, N, K, dtypes, cuda, config=None, promote=None):
+        """The generated GEMM; ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+        (default: blocks() with 8 warps, 3 stages), ``promote`` = FP8_PROMOTE (default
+        self.fp8_promote; negative: Triton's default, which on Hopper never promotes)."""
         mod = self._module()
         s = self.split
-        bm, bn, bk = self.blocks(cuda)
+        if config is None:
+            config = tuple(self.blocks(cuda)) + ((8, 3) if cuda else (4, 1))
+        bm, bn, bk, warps, stages = config
         args = []
         for name in sorted(s.tensors):
             t = inputs[name]
@@ -487,11 +633,13 @@ class GemmKernel:
         fa, fb = (operand_format(s.operand[x], dtypes) for x in "ab")
         fp8 = bool(mod._native()) and fa > 0 and fb > 0
         grid = (math.ceil(M / bm) * math.ceil(N / bn),)
-        kw = dict(num_warps=8, num_stages=3) if cuda else {}
+        kw = dict(num_warps=warps, num_stages=stages) if cuda else {}
         bf16 = od == torch.bfloat16
+        promote = self.fp8_promote if promote is None else promote
         getattr(mod, f"{s.name}_gemm")[grid](*args, out.view(torch.int16) if bf16 else out, out.stride(0),
                                              out.stride(1), M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                             GROUP_M=8, FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, OUT_BF16=bf16, **kw)
+                                             GROUP_M=8, FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, OUT_BF16=bf16,
+                                             FP8_PROMOTE=None if promote < 0 else min(promote, bk), **kw)
         self.last_path = "generated Triton GEMM" + (" (float8 dot)" if fp8 else " (float32 dot)")
         return out
 

@@ -323,7 +323,8 @@ class GemmGen:
         sig = ", ".join(self.args() + ["out_ptr", "s_out_m", "s_out_n", "M", "N", "K",
                                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr",
                                        "GROUP_M: tl.constexpr", "FMT_A: tl.constexpr", "FMT_B: tl.constexpr",
-                                       "FP8_DOT: tl.constexpr", "OUT_BF16: tl.constexpr"])
+                                       "FP8_DOT: tl.constexpr", "OUT_BF16: tl.constexpr",
+                                       "FP8_PROMOTE: tl.constexpr"])
         ax_a, ax_b = self.axis["a"], self.axis["b"]
         L.append("@triton.jit")
         L.append(f"def {self.name}_gemm({sig}):")
@@ -374,7 +375,10 @@ class GemmGen:
         for side in ("a", "b"):
             L.append(f"            {f8[side][1]}")
             L.append(f"            op_{side}_f8 = {f8[side][0]}")
-        L.append("            acc = tl.dot(op_a_f8, tl.trans(op_b_f8), acc)")
+        L.append("            # FP8_PROMOTE: products a wgmma accumulates before its partial sum is added to acc")
+        L.append("            # in float32 (Hopper's float8 MMA accumulates in reduced precision: Triton's default")
+        L.append("            # there never promotes, and K = 1024 already misses the float32 bound)")
+        L.append("            acc = tl.dot(op_a_f8, tl.trans(op_b_f8), acc, max_num_imprecise_acc=FP8_PROMOTE)")
         L.append("        else:")
         L.append("            acc = tl.dot(op_a, tl.trans(op_b), acc, input_precision=\"ieee\")")
         L.append("    # ---- epilogue: " + pretty(s.epilogue).replace("acc_J", "acc"))

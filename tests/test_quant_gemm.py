@@ -163,23 +163,33 @@ def test_other_operand_programs_use_the_prologue_form():
 
 def test_cost_model_choice_and_numbers():
     """The cost model (module docstring) recomputed here by hand: bf16 x at t=16384, k=8192,
-    blocks 128 x 128: prologue for n=128 (one column tile), scaled_mm for n=4096 and 8192."""
+    blocks 128 x 128. scaled_mm reads q and its scale once per column tile; the prologue's
+    main loop re-reads its pre-looped row tiles from HBM unless the resident ones fit in L2
+    (no device: they are not assumed to). Prologue only for one column tile (n=128)."""
+    from types import SimpleNamespace
     g = gemm(fp8_linear(), block=(128, 128, 64))
     M, K_ = 16384, 8192
     dt = dict(x=torch.bfloat16, wq=E4, ws=torch.float32)
-    for n, want in ((128, "prologue"), (384, "prologue"), (512, "scaled_mm"), (4096, "scaled_mm"),
-                    (8192, "scaled_mm")):
+    for n, want in ((128, "prologue"), (256, "scaled_mm"), (4096, "scaled_mm"), (8192, "scaled_mm")):
         form, costs, why = g.choose(M, n, K_, dt, 2)
         cn, cm = math.ceil(n / 128), math.ceil(M / 128)
-        scaled = M * K_ * 2 + (M * K_ + 4 * M) + cn * M * K_ + cm * n * K_ + M * n * 2
-        pro = cn * M * K_ * 2 + cm * n * K_ + M * n * 2
+        scaled = M * K_ * 2 + (1 + cn) * (M * K_ + 4 * M) + cm * n * K_ + M * n * 2
+        pro = 2 * cn * M * K_ * 2 + cm * n * K_ + M * n * 2
         assert costs["scaled_mm"].hbm_bytes == scaled and costs["prologue"].hbm_bytes == pro, n
+        assert costs["prologue"].l2_bytes == 0
         assert form == want, (n, why)
-    # float32 x: re-reading 4-byte inputs costs more; scaled_mm already from 2 column tiles
-    assert g.choose(M, 256, K_, dict(dt, x=torch.float32), 2)[0] == "scaled_mm"
+    # a device with 132 SMs and a 50 MiB L2: at n=4096 the 132 resident programs hold 8 row tiles
+    # of x (16 MiB) and 17 of wq (17 MiB): the re-read is L2's; at n=128 (128 distinct row
+    # tiles, 256 MiB) it is not
+    dev = SimpleNamespace(multi_processor_count=132, L2_cache_size=50 * 2 ** 20)
+    c = g.cost(M, 4096, K_, dt, 2, device=dev)["prologue"]
+    assert c.l2_bytes == 32 * M * K_ * 2 and c.hbm_bytes == 32 * M * K_ * 2 + 128 * 4096 * K_ + M * 4096 * 2
+    assert g.cost(M, 128, K_, dt, 2, device=dev)["prologue"].l2_bytes == 0
+    # float32 x: re-reading 4-byte inputs costs more
+    assert g.choose(M, 128, K_, dict(dt, x=torch.float32), 2)[0] == "scaled_mm"
     text = g.explain(x=torch.empty(M, K_, dtype=torch.bfloat16, device="meta"),
                      wq=torch.empty(128, K_, dtype=E4, device="meta"), ws=torch.empty(128, device="meta"))
-    assert "chosen: prologue" in text and "MB HBM" in text
+    assert "chosen: prologue (the byte model" in text and "MB HBM" in text
 
 
 def test_errors_name_the_program_and_the_fix():
@@ -223,6 +233,25 @@ def test_gpu_forms_match_float64(form, t, k, n):
         assert "float8 dot" in g.last_path
     elif k % 16 == 0 and n % 16 == 0:
         assert g.last_path == "torch._scaled_mm"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_choice_is_measured():
+    """On the GPU the automatic choice times the forms (and the prologue's launch candidates)
+    once per key and keeps the fastest; explain() shows the byte model and the measured times;
+    the chosen form's output is checked like the forced ones."""
+    seed = _seed()
+    cpu = inputs(seed, torch.bfloat16, t=512, k=1024, n=256)
+    inp = {a: v.cuda() for a, v in cpu.items()}
+    g = gemm(fp8_linear(f"auto_{seed}"))
+    assert g.measured(**inp) is None
+    out = g(**inp)["out"]
+    best, times = g.measured(**inp)
+    assert {c[0] for c in times} == {"scaled_mm", "prologue"}, times
+    assert times[best] == min(times.values()) and g.last_form == best[0]
+    text = g.explain(**inp)
+    assert "measured on" in text and "byte model:" in text and "MB HBM" in text, text
+    check_out(out.cpu(), cpu, f"auto ({best}), seed {seed}")
 
 
 @pytest.mark.slow
