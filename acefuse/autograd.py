@@ -5,7 +5,9 @@
   cotangents by name; it returns ``{grad_<input>: tensor}``, each in its input's shape
   (an output constant along an axis is expanded). Saved max/min values that are
   +-inf (fully masked rows) are read as 0, and index inputs as float32 (see
-  acefuse.backward).
+  acefuse.backward). Stages run in dependency order: a pre-stage's outputs
+  (``bwd.intermediates``, attention's D_i) are kept in float32 (float64 for float64
+  inputs) and passed to the stages that read them, never returned.
 - ``DifferentiableKernel`` (``af.compile(prog)``): the plain forward kernel when no
   input requires grad; otherwise a ``torch.autograd.Function`` whose forward runs the
   augmented forward kernel (outputs + saved values), saves the inputs and the saved
