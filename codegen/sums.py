@@ -260,7 +260,7 @@ class SumGen:
         DOT_T is the storage type, and float32 -> DOT_T rounds once either way)."""
         e, sh = self.raw(t) if t.op == "In" else self.emit(t)
         if not _over_f(sh):
-            if isinstance(sh, tuple) and self.full:
+            if isinstance(sh, tuple) and self._count:
                 self.held[e] = sh[1]
             return self.bind(f"{e}.to(DOT_T)", sh, "d")[0]
         return f"{e}.to(DOT_T)"
