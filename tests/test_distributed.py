@@ -74,8 +74,12 @@ def run_ranks(fn, world, *args, timeout=240):
     os.unlink(path)
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, "file://" + path, q, args)) for r in range(world)]
+    import gc
+    gc.collect()
+    gc.freeze()     # the ranks' collections skip the parent's objects (no copy-on-write of the whole heap)
     for p in procs:
         p.start()
+    gc.unfreeze()
     got = {}
     try:
         for _ in range(world):

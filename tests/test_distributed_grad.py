@@ -154,3 +154,55 @@ def test_causal_attention_context_parallel_gradients(exchange):
 
 def test_causal_attention_zigzag_gradients():
     attention_case("causal", [10, 10], "ring", zigzag=True)
+
+
+def test_global_attention_gradients_all_gather():
+    attention_case("global", [9, 12], "gather")
+
+
+# ---- vocab-parallel cross-entropy and a sharded layer norm (states exchanged) -----------------
+def _rows_rank(rank, world, name, ins, cots, sizes):
+    prog = {"ce": CE, "ln": LN}[name]
+    j0, n = sum(sizes[:rank]), sizes[rank]
+    loc = {"x": ins["x"][:, j0:j0 + n].contiguous().requires_grad_(True)}
+    if name == "ce":
+        loc["t"] = ins["t"]
+    else:
+        loc["g"] = ins["g"][j0:j0 + n].contiguous().requires_grad_(True)
+    out = kernel(prog)(**loc, process_group=dist.group.WORLD, sharded_axis="j", shard_sizes=sizes)
+    (oname,) = prog.outputs
+    cot = cots[oname] if name == "ce" else cots[oname][:, j0:j0 + n]
+    out.backward(cot)
+    return {k_: v_.grad for k_, v_ in loc.items() if v_.dtype.is_floating_point}
+
+
+def rows_case(name, sizes, R=5):
+    from acefuse.distributed.grad import prepare
+    world, N = len(sizes), sum(sizes)
+    gen = torch.Generator().manual_seed(SEED + (7 if name == "ce" else 8))
+    X = torch.randn(R, N, generator=gen) * 3
+    X[0] += 30.0
+    ins = {"x": X, "t": torch.randint(0, N, (R,), generator=gen), "g": torch.rand(N, generator=gen) + 0.5}
+    cots = {"loss": torch.randn(R, generator=gen), "y": torch.randn(R, N, generator=gen)}
+    prog = CE if name == "ce" else LN
+    starts = [sum(sizes[:r]) for r in range(world)]
+    prepare(kernel(prog), "j", offsets=[{"j": s_} for s_ in starts], sizes={"j": N})
+    res = run_ranks(_rows_rank, world, name, ins, cots, sizes)
+    leaves, outs = ce_ref(ins) if name == "ce" else ln_ref(ins)
+    want = ref_grads(leaves, outs, cots if name == "ce" else {"y": cots["y"]})
+    for rank, (got, _) in enumerate(res):
+        j0, n = starts[rank], sizes[rank]
+        _check(got["x"], want[0][:, j0:j0 + n], "x", f"{name} rank {rank}")
+        if name == "ln":
+            _check(got["g"], want[1][j0:j0 + n], "g", f"{name} rank {rank}")
+    return res
+
+
+def test_vocab_parallel_cross_entropy_gradients():
+    rows_case("ce", [11, 4, 16])
+
+
+def test_sharded_layernorm_gradients():
+    """Features sharded: the backward's sums over features are partial on each rank (hoisted
+    and all-reduced); the weight's gradient, a sum over the rows, is local to its shard."""
+    rows_case("ln", [7, 13])
