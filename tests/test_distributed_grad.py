@@ -86,8 +86,11 @@ def _sl(x, axis_dim, idx):
 
 
 # ---- on the ranks ------------------------------------------------------------------------
-def _attention_rank(rank, world, prog_name, ins, cots, sizes, exchange, zigzag, offsets_i):
+def _attention_rank(rank, world, prog_name, ins, cots, sizes, exchange, zigzag, offsets_i, broken=False):
     prog = {"causal": CAUSAL, "global": GLOBAL}[prog_name]
+    if broken:
+        from acefuse.distributed.grad import ShardedBackward
+        ShardedBackward.send_home = False
     idx = _layout(rank, world, sizes, zigzag)
     loc = {n: _sl(ins[n], 2, idx).requires_grad_(True) for n in "qkv"}
     kw = dict(process_group=dist.group.WORLD, sharded_axis="j", exchange=exchange, shard_sizes=sizes)
@@ -123,7 +126,7 @@ def _check(got, want, name, what):
     torch.testing.assert_close(got.double(), want, **TOL, msg=lambda m_: f"{what}: grad {name} (seed {SEED}): {m_}")
 
 
-def attention_case(prog_name, sizes, exchange, zigzag=False, heads=2, D=16):
+def attention_case(prog_name, sizes, exchange, zigzag=False, heads=2, D=16, broken=False):
     world = len(sizes)
     N = sum(sizes)
     gen = torch.Generator().manual_seed(SEED + hash((prog_name, exchange, zigzag)) % 1000)
@@ -136,7 +139,7 @@ def attention_case(prog_name, sizes, exchange, zigzag=False, heads=2, D=16):
     starts = sorted({int(i[0]) for r in range(world) for i in _chunk_starts(r, world, sizes, zigzag)})
     prepare(kernel(CAUSAL if causal else GLOBAL), "j", distributed_axes=("i",),
             offsets=[{"i": a, "j": b} for a in starts for b in starts], sizes={"j": N})
-    res = run_ranks(_attention_rank, world, prog_name, ins, cots, sizes, exchange, zigzag, True)
+    res = run_ranks(_attention_rank, world, prog_name, ins, cots, sizes, exchange, zigzag, True, broken)
     # the references after the ranks: a fork after torch's threaded kernels can hang the child
     leaves, outs = attention_ref(ins, causal, False)
     want = dict(zip("qkv", ref_grads(leaves, outs, cots)))
@@ -206,3 +209,10 @@ def test_sharded_layernorm_gradients():
     """Features sharded: the backward's sums over features are partial on each rank (hoisted
     and all-reduced); the weight's gradient, a sum over the rows, is local to its shard."""
     rows_case("ln", [7, 13])
+
+
+def test_a_broken_reverse_ring_fails_the_check():
+    """Without the last hops of the reverse ring the key/value gradients stay on the wrong
+    rank: the comparison above must catch it."""
+    with pytest.raises(AssertionError, match="grad k"):
+        attention_case("global", [6, 5], "ring", broken=True)

@@ -258,6 +258,8 @@ class Plan:
 class ShardedBackward:
     """Runs a Plan on the ranks of a ShardedKernel's group."""
 
+    send_home = True   # False only in tests: the reverse ring skipped (a broken exchange must fail them)
+
     def __init__(self, bwd, plan, compile_kw):
         self.sk, self.bwd, self.plan = None, bwd, plan
         self.kw = dict(compile_kw)
@@ -512,7 +514,7 @@ class ShardedBackward:
                             local.setdefault(o, []).append(v)
             for r in reqs:
                 r.wait()
-            if home:     # the accumulators follow their shard to the next rank
+            if home and self.send_home:     # the accumulators follow their shard to the next rank
                 ops, got = [], {}
                 for o in home:
                     got[o] = torch.empty_like(acc[o])
