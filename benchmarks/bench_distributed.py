@@ -323,6 +323,191 @@ def torch_cp(Q, K, V, device, reps, tol):
                              device, got=full)
 
 
+# ---- training: forward + backward -----------------------------------------------------------
+class MegatronCE(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy with its backward (softmax minus one-hot on the
+    local shard, no collective), in torch."""
+
+    @staticmethod
+    def forward(ctx, x_loc, target, v0):
+        xf = x_loc.float()
+        mx = xf.max(dim=-1).values
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        xf = xf - mx[:, None]
+        n = x_loc.shape[-1]
+        mask = (target < v0) | (target >= v0 + n)
+        loc = (target - v0).clamp(0, n - 1)
+        pred = xf.gather(1, loc[:, None]).squeeze(1)
+        pred = torch.where(mask, torch.zeros_like(pred), pred)
+        dist.all_reduce(pred, op=dist.ReduceOp.SUM)
+        e = xf.exp()
+        se = e.sum(dim=-1)
+        dist.all_reduce(se, op=dist.ReduceOp.SUM)
+        ctx.save_for_backward(e, se, loc, mask)
+        ctx.dtype = x_loc.dtype
+        return se.log() - pred
+
+    @staticmethod
+    def backward(ctx, g):
+        e, se, loc, mask = ctx.saved_tensors
+        grad = e / se[:, None]
+        grad.scatter_add_(1, loc[:, None], torch.where(mask, 0.0, -1.0)[:, None].to(grad.dtype))
+        return (grad * g[:, None]).to(ctx.dtype), None, None
+
+
+def fwd_bwd(fn, leaves, cot):
+    """One training step's attention/loss part: the forward and the backward, grads reset."""
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        out.backward(cot)
+    return step
+
+
+def check_grads(step, leaves, wants, tol):
+    step()
+    worst, good = "", True
+    for t, w in zip(leaves, wants):
+        g_ok, why = ok(t.grad, w, tol)
+        worst = f"{worst}; {why}" if worst else why
+        good = good and g_ok
+    flag = torch.tensor([1.0 if good else 0.0], device=leaves[0].device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return worst, bool(flag.item())
+
+
+def part_ce_bwd(args, device, dtype, kernels, T, V):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = split(V, world)
+    v0 = sum(sizes[:rank])
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    X = (torch.randn(T, V, generator=gen) * 2).to(device=device, dtype=dtype)
+    tgt = torch.randint(0, V, (T,), generator=gen).to(device)
+    gl = torch.randn(T, generator=gen).to(device)
+    Xr = X.float().clone().requires_grad_(True)
+    F.cross_entropy(Xr, tgt, reduction="none").backward(gl)
+    want = Xr.grad[:, v0:v0 + sizes[rank]]
+    x_loc = X[:, v0:v0 + sizes[rank]].contiguous().requires_grad_(True)
+    k = kernels["ce"]
+    tol = TOL_GPU if device.type == "cuda" else TOL_CPU
+    impls = {"acefuse (states exchanged, derived backward)": lambda: k(
+                 x=x_loc, t=tgt, process_group=dist.group.WORLD, sharded_axis="j", shard_sizes=sizes),
+             "Megatron (3 all-reduces, torch)": lambda: MegatronCE.apply(x_loc, tgt, v0)}
+    rows = []
+    for name, fn in impls.items():
+        row = {"impl": name, "T": T, "V": V, "world": world}
+        try:
+            step = fwd_bwd(fn, [x_loc], gl)
+            why, good = check_grads(step, [x_loc], [want], tol)
+            if not good:
+                row["error"] = f"wrong gradient on some rank ({why} here)"
+            else:
+                ms = slowest(timed(step, args.reps, device), device)
+                # read x, write grad x (bytes of the logits shard, twice) + the forward's read
+                row.update(ms=ms, local_GBps=3 * T * sizes[rank] * X.element_size() / ms / 1e6, check=why)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = error_text(e)
+            if args.verbose:
+                traceback.print_exc()
+        rows.append(row)
+    try:
+        Xg = X.clone().requires_grad_(True)
+        base = one_gpu(fwd_bwd(lambda: k(x=Xg, t=tgt), [Xg], gl), args.reps, device)
+        for row in rows:
+            if "ms" in row and row["impl"].startswith("acefuse"):
+                row.update(one_gpu_ms=base, speedup=base / row["ms"], scaling_eff=base / (world * row["ms"]))
+    except Exception as e:  # noqa: BLE001
+        rows.append({"impl": "acefuse on one GPU", "error": error_text(e)})
+    return rows
+
+
+def part_cp_bwd(args, device, dtype, kernels, lens, shape):
+    """Context-parallel causal attention, forward + backward (the ring in reverse for dK/dV).
+    TFLOP/s count the backward as 2.5x the forward's FLOPs."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    B, H, D = shape
+    k = kernels["causal"]
+    rows = []
+    for N in lens:
+        sizes = split(N, world)
+        j0 = sum(sizes[:rank])
+        gen = torch.Generator(device="cpu").manual_seed(N + 1)
+        Q, K, V, GO = (torch.randn(B, H, N, D, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+        C = N // (2 * world)
+        zidx = torch.cat([torch.arange(rank * C, rank * C + C),
+                          torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)]).to(device)
+        cidx = torch.arange(j0, j0 + sizes[rank], device=device)
+        wants = None
+        if args.check_bwd:
+            leaves = [t.float().clone().requires_grad_(True) for t in (Q, K, V)]
+            F.scaled_dot_product_attention(*leaves, is_causal=True).backward(GO.float())
+            wants = [t.grad for t in leaves]
+            del leaves
+        flops = 2.0 * B * H * N * N * D * 3.5
+        tol = TOL_GPU if device.type == "cuda" else TOL_CPU
+        impls = {}
+        for ex in ("ring", "gather"):
+            if ex in args.cp_impls:
+                impls[f"acefuse {ex}"] = (ex, cidx, dict(axis_offsets={"i": j0}, shard_sizes=sizes))
+            if f"{ex}-zigzag" in args.cp_impls and N % (2 * world) == 0:
+                impls[f"acefuse {ex} zig-zag"] = (ex, zidx, dict(zigzag=("i",), shard_sizes=[2 * C] * world))
+        for name, (ex, idx, kw) in impls.items():
+            row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
+            try:
+                loc = [t[:, :, idx].contiguous().requires_grad_(True) for t in (Q, K, V)]
+                go = GO[:, :, idx].contiguous()
+                step = fwd_bwd(lambda loc=loc, ex=ex, kw=kw: k(q=loc[0], k=loc[1], v=loc[2],
+                                                               process_group=dist.group.WORLD, sharded_axis="j",
+                                                               exchange=ex, **kw), loc, go)
+                if wants is not None:
+                    why, good = check_grads(step, loc, [w[:, :, idx] for w in wants], tol)
+                else:
+                    why, good = "not checked (--no-check-bwd)", True
+                if not good:
+                    row["error"] = f"wrong gradient on some rank ({why} here)"
+                else:
+                    ms = slowest(timed(step, args.reps, device), device)
+                    row.update(ms=ms, TFLOPs=flops / ms / 1e9, check=why)
+                del loc
+            except Exception as e:  # noqa: BLE001
+                row["error"] = error_text(e)
+                if args.verbose:
+                    traceback.print_exc()
+            rows.append(row)
+        if "torch" in args.cp_impls:
+            row = {"impl": "torch context_parallel (SDPA ring)", "N": N, "B": B, "H": H, "D": D, "world": world}
+            try:
+                ms = torch_cp_bwd(Q, K, V, GO, device, args.reps)
+                row.update(ms=ms, TFLOPs=flops / ms / 1e9, check="not checked (torch's own)")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = error_text(e)
+            rows.append(row)
+        try:
+            full = [t.clone().requires_grad_(True) for t in (Q, K, V)]
+            base = one_gpu(fwd_bwd(lambda: k(q=full[0], k=full[1], v=full[2]), full, GO), args.reps, device)
+            del full
+            for row in rows:
+                if "ms" in row:
+                    row.update(one_gpu_acefuse_ms=base, speedup_vs_one_gpu=base / row["ms"],
+                               scaling_eff=base / (world * row["ms"]))
+        except Exception as e:  # noqa: BLE001
+            rows.append({"impl": "acefuse on one GPU", "N": N, "error": error_text(e)})
+    return rows
+
+
+def torch_cp_bwd(Q, K, V, GO, device, reps):
+    """PyTorch's context parallelism, forward + backward, ms per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    q, k, v, go = Q.clone(), K.clone(), V.clone(), GO.clone()
+    with context_parallel(mesh, buffers=[q, k, v, go], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, go}):
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        step = fwd_bwd(lambda: F.scaled_dot_product_attention(*leaves, is_causal=True), leaves, go)
+        return slowest(timed(step, reps, device), device)
+
+
 # ---- sharded-KV decode ----------------------------------------------------------------------
 def part_decode(args, device, dtype, kernels, shape):
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -385,7 +570,7 @@ def main_rank(args):
     dtype = torch.float32 if smoke else torch.bfloat16
     progs = programs()
     kernels = {n: af.compile(p) for n, p in progs.items()}
-    parts = ["ce", "cp", "decode"] if args.part == "all" else [args.part]
+    parts = ["ce", "cp", "decode", "ce-bwd", "cp-bwd"] if args.part == "all" else [args.part]
     res = {"world": dist.get_world_size(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu (Triton interpreter)", "dtype": str(dtype), "torch": torch.__version__, "parts": {}}
     with warnings.catch_warnings(record=True) as wlist:
@@ -404,6 +589,20 @@ def main_rank(args):
                 kernels["causal"] = af2.compile(af2.program("causal_attention_smoke",
                                                             o=af2.sum(p * v, "j") / af2.sum(p, "j")))
             res["parts"]["cp"] = part_cp(args, device, dtype, kernels, lens, shape)
+        if "ce-bwd" in parts:
+            T, V = (6, 50) if smoke else CE
+            res["parts"]["ce-bwd"] = part_ce_bwd(args, device, dtype, kernels, T, V)
+        if "cp-bwd" in parts:
+            lens, shape = ((24,), (1, 2, 16)) if smoke else (tuple(args.cp_lens), CP_SHAPE)
+            if smoke and kernels["causal"].prog.name != "causal_attention_smoke":
+                import acefuse as af2
+                q, k, v = af2.tensor("q", "b h i d"), af2.tensor("k", "b h j d"), af2.tensor("v", "b h j e")
+                s = af2.where(af2.index("j") <= af2.index("i"), af2.sum(q * k, "d") * 0.25, af2.NEG_INF)
+                mx = af2.max(s, "j")
+                p = af2.exp(s - mx)
+                kernels["causal"] = af2.compile(af2.program("causal_attention_smoke",
+                                                            o=af2.sum(p * v, "j") / af2.sum(p, "j")))
+            res["parts"]["cp-bwd"] = part_cp_bwd(args, device, dtype, kernels, lens, shape)
         if "decode" in parts:
             if smoke:
                 import acefuse as af2
@@ -446,7 +645,9 @@ def _smoke_child(rank, world, init, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="all", choices=["ce", "cp", "decode", "all"])
+    ap.add_argument("--part", default="all", choices=["ce", "cp", "decode", "ce-bwd", "cp-bwd", "all"])
+    ap.add_argument("--no-check-bwd", dest="check_bwd", action="store_false",
+                    help="cp-bwd: skip the float32 SDPA autograd reference of the whole sequence (its memory)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cp-lens", type=int, nargs="+", default=list(CP_LENS))
     ap.add_argument("--cp-impls", default="gather,ring,gather-zigzag,ring-zigzag,torch",
@@ -470,6 +671,9 @@ def main():
         mp.spawn(_smoke_child, args=(2, "file://" + path, args), nprocs=2)
         print("cpu smoke: OK")
         return 0
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # under torchrun: before acefuse imports Triton
+        args.reps = min(args.reps, 2)
     failed = main_rank(args)
     return 1 if failed else 0
 
