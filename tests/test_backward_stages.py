@@ -133,3 +133,28 @@ def test_row_dependent_reductions_are_not_hoisted():
     prog = af.program("hs_ln", y=xc / af.sqrt(af.mean(xc * xc, "j") + 1e-5) * w)
     bwd = af.backward(prog)
     assert not bwd.intermediates and not any(s.hoisted for s in bwd.stages)
+
+
+def test_elementwise_stage_carrier_reads_only_the_tensors():
+    """A stage without reductions runs with a carrier sum whose body is the product of the
+    tensors it reads, not a copy of the gradient: the copy was normalised again, and
+    ``grad_y / size(j) * (1 - tanh(x) * tanh(x))`` took minutes to fuse (the fuzzer's slowest
+    stages). Its gradient still matches float64 torch autograd."""
+    x = af.tensor("x", "r j")
+    prog = af.program("hs_mean_tanh", y=af.mean(af.tanh(x), "j"))
+    bwd = af.backward(prog)
+    (st,) = bwd.stages
+    carrier = st.outputs["carrier_"].term
+    assert not any(u.op == "Tanh" for u in carrier.walk()), str(st.outputs["carrier_"])
+    k = af.compile(prog)
+    gen = torch.Generator().manual_seed(11)
+    X = torch.randn(6, 23, generator=gen)
+    xl = X.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFallbackWarning)
+        y = k(x=xl)
+        cot = torch.randn(y.shape, generator=gen)
+        y.backward(cot)
+    xr = X.double().requires_grad_()
+    torch.tanh(xr).mean(-1).backward(cot.double())
+    _close(xl.grad, xr.grad, "grad_x", *TOL[torch.float32])
