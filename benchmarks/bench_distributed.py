@@ -675,6 +675,8 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")   # under torchrun: before acefuse imports Triton
         args.reps = min(args.reps, 2)
     failed = main_rank(args)
+    if args.cpu_smoke:   # as in the spawned smoke: PyTorch's CP peer has no CPU sharding strategy
+        failed = [r for r in failed if not r["impl"].startswith("torch context_parallel")]
     return 1 if failed else 0
 
 

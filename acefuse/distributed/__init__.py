@@ -35,8 +35,10 @@ another axis start at global position ``i0`` (a query shard: causal masks see gl
 ``zigzag=("i",)`` lays the sharded axis and ``i`` out as chunks r and 2W-1-r of 2W equal
 chunks (balanced causal work), each chunk with its own global offset.
 
-Gradients: a sharded call on inputs that require grad is refused with a
-``DistributedError`` (never a silently missing gradient); see docs/distributed.md.
+Gradients: a sharded call on inputs that require grad runs the augmented forward sharded (its
+saved values merged across ranks) and returns outputs with a ``grad_fn`` whose backward runs
+``af.backward``'s stages on the shards, exchanging what the derivation says must be exchanged
+(acefuse/distributed/grad.py; docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from acefuse.distributed.base import (DistributedError, DistributedFallbackWarni
 from acefuse.distributed.merge import StateEval, merge_tree, merge_bracketed
 from acefuse.distributed.kernels import state_axes, partial_kernel, full_kernel, final_kernel
 from acefuse.distributed.sharded import ShardedKernel
+from acefuse.distributed.grad import prepare as prepare_backward
 
 
 # ---- entry points -------------------------------------------------------------------------
@@ -73,4 +76,4 @@ def call_sharded(kernel, args, inputs):
 
 __all__ = ["ShardedKernel", "DistributedError", "DistributedFallbackWarning", "compile_sharded", "call_sharded",
            "merge_tree", "merge_bracketed", "StateEval", "instantiate", "state_axes", "partial_kernel",
-           "full_kernel", "final_kernel", "EXCHANGES", "RUN_KW"]
+           "full_kernel", "final_kernel", "EXCHANGES", "RUN_KW", "prepare_backward"]
