@@ -5,8 +5,9 @@ torch.compile, in one run, on the same inputs, beside the measured copy bandwidt
     python benchmarks/bench_quant.py --cpu-smoke      # tiny size through Triton's interpreter
     python benchmarks/bench_quant.py --part gemm [--gemm-n 128,4096,8192] [--dtypes bfloat16]
                                                       # quantization feeding a GEMM (af.gemm):
-                                                      # both forms (and block variants of the
-                                                      # prologue form), eager quantize + _scaled_mm,
+                                                      # both forms (and launch candidates of the
+                                                      # prologue form), the automatic (measured)
+                                                      # choice, eager quantize + _scaled_mm,
                                                       # torch.compile of it; TFLOP/s = 2 t n k /
                                                       # time, the cost model's bytes per form
     ACEFUSE_NATIVE=0 python benchmarks/bench_quant.py # the emulated casts on the GPU too (the
@@ -122,7 +123,10 @@ def gemm_part(args, dev, bench, name):
     ns = [int(v) for v in args.gemm_n.split(",")]
     rows_out = []
     comp = None if args.no_compile else torch.compile(eager_fp8_linear)
-    blocks = [None] + ([(128, 128, 64), (128, 128, 128), (128, 256, 64), (64, 128, 128)] if dev == "cuda" else [])
+    from acefuse.quant_gemm import PROLOGUE_CONFIGS
+    # the prologue form at its default (the first candidate) and each launch candidate the
+    # automatic choice times, plus one more tile shape
+    blocks = [None] + (list(PROLOGUE_CONFIGS) + [(128, 256, 64, 8, 3)] if dev == "cuda" else [])
     for dname in args.dtypes.split(","):
         dt = getattr(torch, dname)
         for n in ns:
@@ -135,7 +139,14 @@ def gemm_part(args, dev, bench, name):
             inputs = dict(x=x, wq=wq, ws=ws)
             flops = 2 * t * n * k
             form, costs, why = g.choose(t, n, k, {"x": dt, "wq": wq.dtype, "ws": ws.dtype}, 2 if dt != torch.float32 else 4,
-                                        cuda=dev == "cuda")
+                                        cuda=dev == "cuda", device=x.device if dev == "cuda" else None)
+            auto = None
+            if dev == "cuda":   # the automatic choice: times the forms once for this key, keeps the fastest
+                ga = af.gemm(prog)
+                check_gemm(f"{dname} n={n} auto", ga(**inputs)["out"], x, wq, ws, min(t, 256))
+                best, times = ga.measured(**inputs)
+                auto = dict(best=list(best[:1]) + [list(best[1]) if best[1] else None],
+                            times={str(c): ms for c, ms in times.items()})
             res = {}
             for f in ("scaled_mm", "prologue"):
                 for blk in (blocks if f == "prologue" else [None]):
@@ -159,14 +170,15 @@ def gemm_part(args, dev, bench, name):
                 t_comp = bench(lambda: comp(x, wq, ws, dt))
             tf = lambda ms: flops / (ms * 1e-3) / 1e12   # noqa: E731
             best_pro = min((l for l in res if l.startswith("prologue")), key=lambda l: res[l][0])
-            row = dict(part="gemm", dtype=dname, t=t, k=k, n=n, flops=flops, chosen=form, why=why,
+            row = dict(part="gemm", dtype=dname, t=t, k=k, n=n, flops=flops, chosen=form, why=why, auto=auto,
                        model_bytes={c.form: c.hbm_bytes for c in costs.values()},
                        model_l2_bytes={c.form: c.l2_bytes for c in costs.values()},
                        forms={l: dict(ms=v[0], tflops=tf(v[0]), path=v[1]) for l, v in res.items()},
                        eager_ms=t_eager, eager_tflops=tf(t_eager) if t_eager else None, compile_ms=t_comp,
                        compile_tflops=tf(t_comp) if t_comp else None)
             rows_out.append(row)
-            print(f"gemm {dname} t={t} k={k} n={n}: model chose {form} ({why})")
+            print(f"gemm {dname} t={t} k={k} n={n}: model chose {form} ({why})"
+                  + (f"; measured choice {auto['best']}" if auto else ""))
             for c in costs.values():
                 print(f"    model {c.form:9s}: {c.hbm_bytes / 1e6:10.2f} MB HBM"
                       + (f" + {c.l2_bytes / 1e6:.2f} MB L2" if c.l2_bytes else "") + f", {c.flops / 1e9:.1f} GFLOP")
@@ -175,7 +187,7 @@ def gemm_part(args, dev, bench, name):
             print((f"    eager (quantize + _scaled_mm) {t_eager:9.3f} ms {tf(t_eager):8.1f} TFLOP/s; " if t_eager
                    else "    eager (not timed); ")
                   + (f"torch.compile {t_comp:9.3f} ms {tf(t_comp):8.1f} TFLOP/s" if t_comp else "torch.compile (skipped)")
-                  + f"; best prologue blocks {best_pro}; the chosen form measured "
+                  + f"; best prologue blocks {best_pro}; the model's form measured "
                   f"{'faster' if res[form][0] <= min(res['scaled_mm'][0], res['prologue'][0]) else 'slower'} "
                   "than the other at default blocks")
     return rows_out

@@ -14,10 +14,13 @@ their column tiles while they are in L2). Per tile:
 - HOIST: the operand's per-row values (e.g. scale = absmax / 448), computed once per tile;
 - PROLOGUE (each k step of the main loop): the operand tile from its inputs (e.g.
   cast(x / scale, float8_e4m3fn)), so the operand is never written to memory; then
-  ``acc = tl.dot(a, b^T, acc)``: float8 operands in float8 on a GPU of compute capability >= 9.0
-  (both operands float8 and a float8 value of each is exactly representable: the dot's inputs
-  are the operands' exact values), else in float32 (``input_precision="ieee"``, Triton's
-  interpreter included);
+  the dot: float8 operands in float8 on a GPU of compute capability >= 9.0 (both operands
+  float8 and a float8 value of each is exactly representable: the dot's inputs are the
+  operands' exact values) as ``acc = acc + tl.dot(a, b^T, zero_acc)``: Hopper's float8 MMA
+  sums in reduced precision, so it sums one k step (BLOCK_K products) and the float32 add
+  accumulates (Triton's own ``max_num_imprecise_acc=32`` failed to compile in its pipeliner
+  here; its default never promotes); else ``acc = tl.dot(a, b^T, acc)`` in float32
+  (``input_precision="ieee"``, Triton's interpreter included);
 - EPILOGUE: E of the accumulator and the per-row (m) and per-column (n) values, stored.
 
 Shapes seen by the Emitter (the row family's names): in an operand's frame ``row`` is
@@ -323,8 +326,7 @@ class GemmGen:
         sig = ", ".join(self.args() + ["out_ptr", "s_out_m", "s_out_n", "M", "N", "K",
                                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr",
                                        "GROUP_M: tl.constexpr", "FMT_A: tl.constexpr", "FMT_B: tl.constexpr",
-                                       "FP8_DOT: tl.constexpr", "OUT_BF16: tl.constexpr",
-                                       "FP8_PROMOTE: tl.constexpr"])
+                                       "FP8_DOT: tl.constexpr", "OUT_BF16: tl.constexpr"])
         ax_a, ax_b = self.axis["a"], self.axis["b"]
         L.append("@triton.jit")
         L.append(f"def {self.name}_gemm({sig}):")
@@ -353,6 +355,9 @@ class GemmGen:
             ops[side] = self.hoist(side, L)
         L.append(f"    # ---- main loop over {self.k!r}: each operand tile computed from its inputs (never stored)")
         L.append("    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+        L.append("    if FP8_DOT:")
+        L.append("        # 0 at run time (K >= 0), but not a constant: the float8 dot's own starting value")
+        L.append("        zero_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.where(K < 0, 1.0, 0.0)")
         f8 = {}
         L.append("    for k0 in range(0, K, BLOCK_K):")
         L.append("        ks = k0 + ks0")
@@ -375,10 +380,12 @@ class GemmGen:
         for side in ("a", "b"):
             L.append(f"            {f8[side][1]}")
             L.append(f"            op_{side}_f8 = {f8[side][0]}")
-        L.append("            # FP8_PROMOTE: products a wgmma accumulates before its partial sum is added to acc")
-        L.append("            # in float32 (Hopper's float8 MMA accumulates in reduced precision: Triton's default")
-        L.append("            # there never promotes, and K = 1024 already misses the float32 bound)")
-        L.append("            acc = tl.dot(op_a_f8, tl.trans(op_b_f8), acc, max_num_imprecise_acc=FP8_PROMOTE)")
+        L.append("            # Hopper's float8 MMA sums its products in reduced precision, and Triton's default")
+        L.append("            # there never adds them to a float32 accumulator (at k = 1024 the result missed the")
+        L.append("            # float32 bound on an H100). So each k step's dot starts from zero (a zero Triton")
+        L.append("            # cannot fold the add into the dot with) and is added to acc in float32: at most")
+        L.append("            # BLOCK_K products are summed by the MMA")
+        L.append("            acc = acc + tl.dot(op_a_f8, tl.trans(op_b_f8), zero_acc)")
         L.append("        else:")
         L.append("            acc = tl.dot(op_a, tl.trans(op_b), acc, input_precision=\"ieee\")")
         L.append("    # ---- epilogue: " + pretty(s.epilogue).replace("acc_J", "acc"))

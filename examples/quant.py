@@ -37,8 +37,9 @@ quant_fp8_error = af.program("quant_fp8_error", scale=scale, err=err)
 # above, a weight wq [n, h] already in float8 with its per-channel scale ws. af.gemm reads the
 # program as out = epilogue(sum_h A * B) with A = cast(x / scale, e4m3), B = wq, and generates
 # either the quantization kernel above followed by torch._scaled_mm, or one Triton GEMM that
-# quantizes A's tiles in its prologue (q never written); a cost model in bytes picks one
-# (g.explain(**inputs) says which and why)
+# quantizes A's tiles in its prologue (q never written); on a GPU the first call for a shape
+# times both and keeps the faster, on the CPU a cost model in bytes picks one
+# (g.explain(**inputs) says which and why: the model's bytes, and the measured times)
 wq = af.tensor("wq", "n h")
 ws = af.tensor("ws", "n")
 fp8_linear = af.program("fp8_linear", out=af.sum(af.cast(x / scale, "float8_e4m3fn") * wq, "h") * scale * ws)

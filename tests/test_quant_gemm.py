@@ -113,6 +113,10 @@ def test_prologue_form_never_writes_the_quantized_operand():
     assert src.count("tl.store(") == src.count("tl.store(optr, ") == 2   # bfloat16 bits, or the output dtype
     assert "optr = out_ptr + " in src
     assert "pre-loop" in src and "tl.dot(" in src
+    # the float8 dot (a GPU) sums one k step and adds it to the float32 accumulator: Triton's
+    # default fp8 accumulation missed the float32 bound at k=1024 on an H100 (the GPU test below)
+    assert "acc = acc + tl.dot(op_a_f8, tl.trans(op_b_f8), zero_acc)" in src
+    assert "zero_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.where(K < 0, 1.0, 0.0)" in src
 
 
 @pytest.mark.parametrize("form", ["scaled_mm", "prologue"])
