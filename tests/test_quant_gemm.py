@@ -239,6 +239,28 @@ def test_gpu_forms_match_float64(form, t, k, n):
         assert g.last_path == "torch._scaled_mm"
 
 
+def test_measured_choice_records_what_fastest_timed(monkeypatch):
+    """_fastest_timed runs contraction_launch's _fastest with its _time_calls recording: the
+    times per candidate are those the timer returned (per call), a failing candidate is
+    skipped, the fastest is returned (a fake timer here: no GPU)."""
+    import acefuse.quant_gemm as qg
+    qg._fastest_timed([], lambda c: None)   # executes TIMING_SRC once
+    fake = {"a": 5.0, "b": 1.0, "c": 2.5}
+    cur = []
+
+    def timer(fn, reps=5):
+        fn()
+        return fake[cur[-1]] * reps
+    monkeypatch.setitem(qg._TIMING, "_time_calls", timer)
+
+    def call(c):
+        cur.append(c)
+        if c == "b":
+            raise RuntimeError("out of shared memory")
+    best, times = qg._fastest_timed(["a", "b", "c"], call)
+    assert best == "c" and times == {"a": 5.0, "c": 2.5}
+
+
 @pytest.mark.gpu
 def test_gpu_auto_choice_is_measured():
     """On the GPU the automatic choice times the forms (and the prologue's launch candidates)
