@@ -802,7 +802,7 @@ def _hoist(groups: dict, outputs: dict) -> dict:
             seen.add(u)
             if u.op in RED and u.args[0].op == "Ax" and not root:
                 missing = rows - axes_of(u)
-                if missing:
+                if missing and _not_larger(u, axes_of(u), tensors):
                     found[u] = (a, missing)
                     return
             for c in u.children:
@@ -812,6 +812,15 @@ def _hoist(groups: dict, outputs: dict) -> dict:
         for r in roots:
             visit(r, True, seen)
     return found
+
+
+def _not_larger(u: Term, axes: set, tensors: dict) -> bool:
+    """A hoisted value is written once and read back: it must not range over more than one of
+    the tensors it reads does (``D = sum_e(grad_o * o)`` over (b, h, i) is smaller than
+    ``grad_o``). ``sum_d(q * k)`` over (b, h, i, j) is larger than q and k: hoisting it would
+    write the N x N scores that a fused kernel exists to avoid, so it stays in its stage."""
+    read = {s.args[0] for s in u.walk() if s.op in ("In", "Take")}
+    return any(axes <= set(tensors[n]) for n in read if n in tensors)
 
 
 def _row_axes(a, terms, tensors: dict, out_axes: set) -> set:

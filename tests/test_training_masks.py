@@ -158,13 +158,15 @@ def test_bias_gradient_is_a_tile_output_of_the_key_loop():
     is stored from dQ's loop over key tiles; the causal mask's skipped tiles are zeroed by the
     launcher, and the bias is read as [query tile, key tile] blocks in both stages."""
     bwd = backward(PROGRAMS["causal_bias"]())
-    assert {s.axis: sorted(s.outputs) for s in bwd.stages} == {"j": ["grad_bias", "grad_q"],
+    # D_i = sum_e(grad_o * o) comes from a pre-stage (backward._hoist); no N x N value is hoisted
+    assert {s.axis: sorted(s.outputs) for s in bwd.stages} == {"e": ["pre1"], "j": ["grad_bias", "grad_q"],
                                                               "i": ["grad_k", "grad_v"]}
+    assert bwd.intermediates == {"pre1": ("b", "h", "i")}
     dk = _kernel("causal_bias")
     x, cot = _inputs(3)
     _run("causal_bias", x, cot, ("q", "k", "v", "bias"))
     bk = dk._for(frozenset("qkv") | {"bias"}, frozenset("qkv") | {"bias"})._bwd_kernel
-    src_j, src_i = (kk.source for kk in bk.kernels)
+    src_j, src_i = (kk.source for st, kk in zip(bk.program.stages, bk.kernels) if st.axis in ("j", "i"))
     assert "tl.store(grad_bias_ptr" in src_j.split("for start in range(first, end, BLOCK_J):")[1]
     assert "ZERO_TILE_OUTPUTS = True" in src_j and "are skipped" in src_j
     for src in (src_j, src_i):
@@ -305,3 +307,17 @@ def test_a_later_call_asking_for_more_gradients_gets_them():
             _close(got[n], ref[n], f"{wrt}: grad_{n}")
     assert set(dk._by_wrt) >= {frozenset("qkv"), frozenset("v")}
     assert all(c.grad_fallback is None for c in dk._by_wrt.values())
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@pytest.mark.parametrize("wrt", [("q", "v", "bias"), ("q", "k", "v"), ("v",), ("bias",)])
+def test_no_hoisted_value_is_larger_than_what_it_reads(name, wrt):
+    """A pre-stage value (backward._hoist) is written and read back: the scores sum_d(q * k)
+    or dP = sum_e(grad_o * v) over (i, j) must stay inside the fused stages (with wrt without
+    k they were hoisted as N x N tensors, and the stage over keys then refused the bool mask)."""
+    wrt = tuple(n for n in wrt if n in PROGRAMS[name]().tensors)
+    if not wrt:
+        pytest.skip(f"{name} has none of these inputs")
+    bwd = backward(PROGRAMS[name](), wrt=list(wrt))
+    for n, axes in bwd.intermediates.items():
+        assert not {"i", "j"} <= set(axes), (name, wrt, n, axes)
