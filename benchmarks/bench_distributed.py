@@ -486,7 +486,6 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
         try:
             full = [t.clone().requires_grad_(True) for t in (Q, K, V)]
             base = one_gpu(fwd_bwd(lambda: k(q=full[0], k=full[1], v=full[2]), full, GO), args.reps, device)
-            del full
             for row in rows:
                 if "ms" in row:
                     row.update(one_gpu_acefuse_ms=base, speedup_vs_one_gpu=base / row["ms"],

@@ -420,6 +420,8 @@ def test_bad_input_fallbacks_and_gradients():
     full_soft = kernel(ROWS["softmax"])(x=inputs["x"])
     full_mad = kernel(NOT_FUSIBLE)(x=inputs["x"])          # compiled here, before the ranks fork
     full_ce = kernel(CE_MEAN)(x=inputs["x"], t=inputs["t"])
+    from acefuse.distributed import prepare_backward
+    prepare_backward(kernel(ROWS["softmax"]), "j")      # derived here: the ranks are forked
     outs = run_ranks(_errors_on_rank, len(sizes), sizes, inputs)
     for rank, (res, warns) in enumerate(outs):
         assert "sharded_axis 'r'" in res["wrong_axis"] and "fused axis 'j'" in res["wrong_axis"]

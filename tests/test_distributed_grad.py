@@ -6,7 +6,6 @@ allows it; inputs and cotangents are fresh random values (the seed is printed on
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

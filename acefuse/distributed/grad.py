@@ -388,7 +388,6 @@ class ShardedBackward:
         return res
 
     def _level(self, progs, env, opts):
-        import torch
         plan, info = self.plan, self.info
         J = plan.J
         kinds = {o: p.kinds[o] for p in progs for o in p.outputs}
@@ -544,7 +543,7 @@ class ShardedBackward:
         import torch
         plan, info, sk = self.plan, self.info, self.sk
         J = plan.J
-        world, rank, sizes, zz = info["world"], info["rank"], info["sizes"], bool(info["zigzag"])
+        rank, sizes, zz = info["rank"], info["sizes"], bool(info["zigzag"])
         gs = dict(info["gsizes"])
         names = self._needed(progs, env)
         jn = [n for n in names if J in plan.tensors[n]]

@@ -203,7 +203,6 @@ class ShardedKernel:
         """A call on inputs that require grad: the augmented forward sharded like this call
         (its saved values merged across ranks), and a grad_fn running the derived backward on
         the shards (acefuse/distributed/grad.py)."""
-        import torch
         from acefuse.distributed.grad import ShardedGrad, sharded_function
         floats = frozenset(n for n in names if inputs[n].dtype.is_floating_point)
         key = ("grad", frozenset(req))
