@@ -820,6 +820,11 @@ def _not_larger(u: Term, axes: set, tensors: dict) -> bool:
     ``grad_o``). ``sum_d(q * k)`` over (b, h, i, j) is larger than q and k: hoisting it would
     write the N x N scores that a fused kernel exists to avoid, so it stays in its stage."""
     read = {s.args[0] for s in u.walk() if s.op in ("In", "Take")}
+    # a reduction over an axis none of its tensors has (``sum_j(saved_v)`` with saved_v over r:
+    # its body is constant along j) is not hoisted either: a pre-stage fused over j would have
+    # no input over j to run on, and inline it is one product with size(j)
+    if u.args[0].args[0] not in {a for n in read if n in tensors for a in tensors[n]}:
+        return False
     return any(axes <= set(tensors[n]) for n in read if n in tensors)
 
 

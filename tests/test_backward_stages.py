@@ -158,3 +158,37 @@ def test_elementwise_stage_carrier_reads_only_the_tensors():
     xr = X.double().requires_grad_()
     torch.tanh(xr).mean(-1).backward(cot.double())
     _close(xl.grad, xr.grad, "grad_x", *TOL[torch.float32])
+
+
+def test_constant_body_sum_is_not_hoisted_and_compiles():
+    """GPU fuzz seed 3102 (97ddf86): this program's backward holds ``sum_j(saved_v3)`` with
+    saved_v3 over r (a body constant along j). Hoisted, its pre-stage fused over j had no input
+    over j (EncodeError at compile, a crash). It stays inline (``_not_larger``), and the
+    gradients match float64 torch autograd."""
+    x, w = af.tensor("x", "r j"), af.tensor("w", "j")
+    t1 = x * w
+    t2 = t1 - af.sum(t1, "j") / af.size("j")
+    prog = af.program("hs_const_body", o0=(x + w) * (af.sum(x * 0.5, "j") / af.size("j")),
+                      o1=af.sqrt(af.sum((t2 - af.sum(t2, "j") / af.size("j")) ** 2, "j") / af.size("j") + 1e-05))
+    bwd = af.backward(prog)
+    for s in bwd.stages:   # every stage has an input over its fused axis
+        assert s.axis in {a for ax in s.tensors.values() for a in ax}, (s.name, dict(s.tensors))
+    gen = torch.Generator().manual_seed(3102)
+    X, W = torch.randn(3, 17, generator=gen, dtype=torch.float64), torch.randn(17, generator=gen, dtype=torch.float64)
+    k = af.compile(prog)
+    xx, ww = X.float().requires_grad_(), W.float().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = k(x=xx, w=ww)
+        c0 = torch.randn(3, 17, generator=gen, dtype=torch.float64)
+        c1 = torch.randn(3, generator=gen, dtype=torch.float64)
+        torch.autograd.backward([out["o0"], out["o1"]], [c0.float(), c1.float()])
+    assert k.grad_fallback is None
+    xr, wr = X.clone().requires_grad_(), W.clone().requires_grad_()
+    a = xr * wr
+    c = a - a.mean(-1, keepdim=True)
+    o0 = (xr + wr) * (xr * 0.5).mean(-1, keepdim=True)
+    o1 = torch.sqrt(((c - c.mean(-1, keepdim=True)) ** 2).mean(-1) + 1e-5)
+    torch.autograd.backward([o0, o1], [c0, c1])
+    _close(xx.grad, xr.grad, "grad_x", *TOL[torch.float32])
+    _close(ww.grad, wr.grad, "grad_w", *TOL[torch.float32])
