@@ -58,6 +58,8 @@ operand, ``where``, casts and lookups here apply to each candidate.
 """
 from __future__ import annotations
 
+import itertools
+
 import builtins
 import math
 import re
@@ -248,11 +250,15 @@ def tensor(name: str, axes) -> Expr:
     if not isinstance(name, str) or not _NAME.match(name):
         raise LanguageError(f"tensor name {name!r} must be an identifier")
     ax = _axes(axes, f"tensor {name!r}")
-    _DECLARED.setdefault((name, ax), len(_DECLARED))
+    # the latest declaration counts: a program is laid out by the declarations of the code that
+    # builds it, not by what an earlier program in the same process declared first (with the
+    # first one kept, x "t k" declared after an older wq "n k" laid out an [t, n] output as [n, t])
+    _DECLARED[(name, ax)] = next(_SERIAL)
     return Expr(Term("In", (name,)), ax, {name: ax})
 
 
-_DECLARED: dict = {}   # (name, axes) -> order of first declaration (the layout rule, axis_order)
+_DECLARED: dict = {}   # (name, axes) -> order of its latest declaration (the layout rule, axis_order)
+_SERIAL = itertools.count()
 _LATE = float("inf")
 
 
@@ -639,7 +645,7 @@ class Program:
 
 def axis_order(tensors: dict) -> tuple:
     """The program's axis order, which is every output's layout. Inputs are taken in
-    the order they were declared with ``af.tensor`` (then by name); each axis not yet
+    the order of their latest ``af.tensor`` declarations (then by name); each axis not yet
     placed goes right before the next axis of that input's declaration that is placed,
     else right after the previous one, else last. It depends only on the declarations,
     never on the order of outputs or operands: with ``x: "r j"`` and ``w: "j"`` every

@@ -117,3 +117,16 @@ def test_a_failing_kernel_launch_names_the_program(monkeypatch):
     from acefuse.codegen.compile import KernelError
     with pytest.raises(KernelError, match="plain_max"):
         k(x=torch.randn(3, 40), schedule="loop", block_j=3)   # not a power of two: Triton refuses
+
+
+def test_layout_follows_the_latest_declarations_not_process_history():
+    """An output's layout comes from the declarations of the code that builds the program: a
+    tensor ("wb", "n k") declared earlier in the process must not put n before t when a later
+    program declares x "t k" first (the first-declaration rule laid af.gemm's [t, n] output out
+    as [n, t] after another test file had run)."""
+    af.tensor("wb_hist", "n k")   # an earlier program's declaration
+    x, w = af.tensor("x_hist", "t k"), af.tensor("wb_hist", "n k")
+    prog = af.program("layout_hist", out=af.sum(x * w, "k"))
+    assert prog.outputs["out"].axes == ("t", "n")
+    w2, x2 = af.tensor("wb_hist", "n k"), af.tensor("x_hist", "t k")
+    assert af.program("layout_hist2", out=af.sum(x2 * w2, "k")).outputs["out"].axes == ("n", "t")
