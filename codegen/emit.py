@@ -202,6 +202,12 @@ class Emitter:
             (a, sa), (b, sb) = self.cond(t.args[0]), self.cond(t.args[1])
             s = self.join(sa, sb)
             sym = {"LAnd": "&", "LOr": "|"}[op]
+            if sa != sb and "scalar" in (sa, sb):
+                # a 0-d condition (a comparison of a loaded scalar) with a vector one: Triton's
+                # interpreter has no bitwise and/or of those two kinds of bool (a TypeError), so
+                # the operands go through int32 there and on the GPU alike
+                return self.bind(f"(({self._bcast(a, sa, s)}).to(tl.int32) {sym} ({self._bcast(b, sb, s)})"
+                                 f".to(tl.int32) != 0)", s, "c")
             return self.bind(f"({self._bcast(a, sa, s)} {sym} {self._bcast(b, sb, s)})", s, "c")
         if op == "LNot":
             a, sa = self.cond(t.args[0])

@@ -354,3 +354,23 @@ def test_run_and_derive_use_the_files_rules(tmp_path, capsys):
     bad.write_text((EXAMPLES / "user_rule.py").read_text() + "\nRULES = ['not a rule']\n")
     with pytest.raises(SystemExit, match="RULES must list Rule objects"):
         cli.main(["derive", str(bad)])
+
+
+def test_a_0d_condition_joined_with_a_vector_one():
+    """``(x > 0.5) & (s > 0)`` with ``s`` 0-d: Triton's interpreter has no bitwise and/or of a
+    vector bool and a 0-d one (a TypeError; the gradient fuzz's pre-stage over saved 0-d values
+    crashed on it), so such conditions go through int32. Both branches of the 0-d condition,
+    against float64 torch."""
+    import torch
+    x, s = af.tensor("x", "r j"), af.tensor("s0d", "")
+    prog = af.program("and_or_0d", y=af.sum(af.where((x > 0.5) & (s > 0.0), x, 0.0 * x), "j"),
+                      z=af.sum(af.where((x > 0.5) | (s > 0.0), x, 0.0 * x), "j"))
+    k = af.compile(prog)
+    X = torch.randn(5, 33, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    for sv in (1.0, -1.0):
+        S = torch.tensor(sv, dtype=torch.float64)
+        out = k(x=X.float(), s0d=S.float())
+        ry = torch.where((X > 0.5) & (S > 0), X, 0.0).sum(-1)
+        rz = torch.where((X > 0.5) | (S > 0), X, 0.0).sum(-1)
+        assert torch.allclose(out["y"].double(), ry, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(out["z"].double(), rz, atol=1e-5, rtol=1e-5)
