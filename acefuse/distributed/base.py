@@ -41,3 +41,28 @@ def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None) -> Term:
 
 def _uses(terms, pred) -> bool:
     return any(pred(u) for t in terms for u in t.walk())
+
+
+def ring_peers(group, rank: int, world: int) -> tuple:
+    """(next, previous) rank of ``rank`` around the ring, as global ranks (what point-to-point
+    calls take; a subgroup's rank r is ``dist.get_global_rank(group, r)``)."""
+    import torch.distributed as dist
+
+    def glob(r):
+        if group is None or group is dist.group.WORLD:
+            return r
+        return dist.get_global_rank(group, r)
+    return glob((rank + 1) % world), glob((rank - 1) % world)
+
+
+def ring_shift(tensors: dict, nxt_rank: int, prv_rank: int, group) -> tuple:
+    """Post one ring step: send each tensor to the next rank and receive the previous rank's
+    into a new tensor of the same shape. Returns ({name: receiving tensor}, requests to wait on)."""
+    import torch
+    import torch.distributed as dist
+    got, ops = {}, []
+    for n, t in tensors.items():
+        got[n] = torch.empty_like(t)
+        ops.append(dist.P2POp(dist.isend, t, nxt_rank, group=group))
+        ops.append(dist.P2POp(dist.irecv, got[n], prv_rank, group=group))
+    return got, (dist.batch_isend_irecv(ops) if ops else [])

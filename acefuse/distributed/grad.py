@@ -27,7 +27,7 @@ The plan is read off the backward program's terms, nothing names a workload:
 from __future__ import annotations
 
 from acefuse.rewrite.terms import Term, pretty
-from acefuse.distributed.base import DistributedError, instantiate
+from acefuse.distributed.base import DistributedError, instantiate, ring_peers, ring_shift
 
 _LIN = ("Add", "Sub", "Neg")
 
@@ -451,7 +451,6 @@ class ShardedBackward:
         """J shards travel the ring; sums over J accumulate on the rows' rank, sums over the
         distributed axes travel with their J shard and return home after the last step."""
         import torch
-        import torch.distributed as dist
         plan, info, sk = self.plan, self.info, self.sk
         J = plan.J
         world, rank, sizes, zz = info["world"], info["rank"], info["sizes"], bool(info["zigzag"])
@@ -478,20 +477,11 @@ class ShardedBackward:
         local = {}
         src = rank
 
-        def glob(r):
-            if sk.group is None or sk.group is dist.group.WORLD:
-                return r
-            return dist.get_global_rank(sk.group, r)
-        nxt_rank, prv_rank = glob((rank + 1) % world), glob((rank - 1) % world)
+        nxt_rank, prv_rank = ring_peers(sk.group, rank, world)
         for step in range(world):
             reqs, nxt = [], {}
             if step < world - 1:
-                ops = []
-                for t in jn:
-                    nxt[t] = torch.empty_like(cur[t])
-                    ops.append(dist.P2POp(dist.isend, cur[t], nxt_rank, group=sk.group))
-                    ops.append(dist.P2POp(dist.irecv, nxt[t], prv_rank, group=sk.group))
-                reqs = dist.batch_isend_irecv(ops)
+                nxt, reqs = ring_shift({t: cur[t] for t in jn}, nxt_rank, prv_rank, sk.group)
             run = [p for p in progs if any(kinds[o] in ("rows", "home") for o in p.outputs) or src == rank]
             for start, n_src, off in sk._chunks(src, sizes, zz):
                 kv = {t: cur[t].narrow(plan.tensors[t].index(J), start, n_src) for t in jn}
@@ -514,12 +504,8 @@ class ShardedBackward:
             for r in reqs:
                 r.wait()
             if home and self.send_home:     # the accumulators follow their shard to the next rank
-                ops, got = [], {}
-                for o in home:
-                    got[o] = torch.empty_like(acc[o])
-                    ops.append(dist.P2POp(dist.isend, acc[o], nxt_rank, group=sk.group))
-                    ops.append(dist.P2POp(dist.irecv, got[o], prv_rank, group=sk.group))
-                for r in dist.batch_isend_irecv(ops):
+                got, hreqs = ring_shift({o: acc[o] for o in home}, nxt_rank, prv_rank, sk.group)
+                for r in hreqs:
                     r.wait()
                 acc = got
             if step < world - 1:

@@ -6,7 +6,7 @@ import warnings
 from acefuse.rewrite.terms import Term, reblock, pretty
 from acefuse.codegen.compile import bind_inputs
 from acefuse.distributed.base import (J, A_, B_, EXCHANGES, RUN_KW, DistributedError, DistributedFallbackWarning,
-                                      _uses, instantiate)
+                                      _uses, instantiate, ring_peers, ring_shift)
 from acefuse.distributed.merge import (StateEval, MERGE_OPS, OUTPUT_OPS, _ARITH, _merge2, merge_tree)
 from acefuse.distributed.kernels import (state_axes, _axes_fn, partial_kernel, full_kernel, final_kernel)
 
@@ -514,7 +514,6 @@ class ShardedKernel:
         devices), while the next shard is in flight. ``zigzag``: axes (besides the sharded
         one) laid out as chunks r and 2W-1-r, which balances causal work."""
         import torch
-        import torch.distributed as dist
         f = self.fusion
         p = f.passes[0]
         world = len(sizes)
@@ -529,20 +528,11 @@ class ShardedKernel:
         pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
         runs = [None] * len(pieces)
         src = rank
-        def glob(r):   # a rank of the group -> its global rank (what point-to-point calls take)
-            if self.group is None or self.group is dist.group.WORLD:
-                return r
-            return dist.get_global_rank(self.group, r)
-        nxt_rank, prv_rank = glob((rank + 1) % world), glob((rank - 1) % world)
+        nxt_rank, prv_rank = ring_peers(self.group, rank, world)
         for step in range(world):
             reqs, nxt = [], {}
             if step < world - 1:
-                ops = []
-                for t in shard_names:
-                    nxt[t] = torch.empty_like(cur[t])
-                    ops.append(dist.P2POp(dist.isend, cur[t], nxt_rank, group=self.group))
-                    ops.append(dist.P2POp(dist.irecv, nxt[t], prv_rank, group=self.group))
-                reqs = dist.batch_isend_irecv(ops)
+                nxt, reqs = ring_shift({t: cur[t] for t in shard_names}, nxt_rank, prv_rank, self.group)
             for start, n_src, off in self._chunks(src, sizes, bool(zigzag)):
                 kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
                 for h, (ins, offs, _) in enumerate(pieces):
