@@ -8,6 +8,7 @@ import math
 import torch
 
 import acefuse as af
+from acefuse.backward import EXT_REL
 
 BOUND = 3e4          # finite inputs are within [-BOUND, BOUND] (offsets 1e4 plus a spread 1e4)
 MAX_J = 130
@@ -438,6 +439,11 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
             a = mags[0].amax(dim=1, keepdim=True) if tr else None
             if tr:   # a runner-up within the error bound of the extremum: the argmax may move
                 tol = C_A * U32 * a + 2 * TINY32
+                if n.kids[0].op != "in":
+                    # and, over a computed body, within the backward's window (acefuse.backward
+                    # EXT_REL): the adjoint is shared with such a runner-up (the documented
+                    # near-tie convention), where torch gives it to the exact extremum
+                    tol = torch.maximum(tol, EXT_REL * v.abs())
                 close = ((x - v).abs() <= tol) & torch.isfinite(v)
                 ctx.amb = ctx.amb | ((close & (x != v)).any(dim=1, keepdim=True))
     else:  # pragma: no cover
