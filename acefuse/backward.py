@@ -850,10 +850,80 @@ def _row_axes(a, terms, tensors: dict, out_axes: set) -> set:
     return set(out_axes)
 
 
+def _sum_nest(e):
+    """``(axes, E)`` when ``e`` is a sum over several axes of a body ``E`` whose only reductions
+    are contractions, once each sum is taken out of a product with a factor that does not
+    range over its axis (``sum_j(sum_i(sum_b(dS) * (j - i)))`` -> ``([j, i, b], dS * (j - i))``:
+    a per-head ALiBi slope's gradient); else None."""
+    axes_of = _Axes(e.tensors)
+
+    def flat(t):
+        if t.op == "Sum" and t.args[0].op == "Ax" and not _is_contraction(t):
+            r = flat(t.args[1])
+            return None if r is None else ([t.args[0].args[0]] + r[0], r[1])
+        if t.op == "Neg":
+            r = flat(t.args[0])
+            return None if r is None else (r[0], Term("Neg", (r[1],)))
+        if t.op == "Mul":
+            x, y = flat(t.args[0]), flat(t.args[1])
+            if x is None or y is None or (x[0] and y[0]):
+                return None
+            inner, other = (x, y[1]) if x[0] else (y, x[1])
+            if axes_of(other) & set(inner[0]):   # the factor varies along a summed axis: not invariant
+                return None
+            return inner[0], Term("Mul", (inner[1], other) if x[0] else (other, inner[1]))
+        if any(u.op in RED and not _is_contraction(u) for u in t.walk()):
+            return None
+        return [], t
+
+    r = flat(e.term)
+    if r is None or len(r[0]) < 2 or len(set(r[0])) < len(r[0]) or set(r[0]) & set(e.axes):
+        return None
+    return r
+
+
+def _split_loop_sum(k, e, outputs: dict, order, finish: dict) -> bool:
+    """A gradient summed over several axes (``sum_{b,i,j}(dS * (j - i))``: a per-head slope)
+    whose body reduces only by contractions: a stage fused over one summed axis ``a`` reduces
+    the body over ``a`` (``sum_j(dS * (j - i))`` over (b, h, i): one more output of dQ's
+    stage, which computes dS anyway) and the sum over the other summed axes is a second step,
+    so the body (N x N) is never written whole. ``a`` is preferably the fused axis of a stage
+    that computes the body's contractions; else the part is a stage of its own. The part
+    must range over no more axes than a tensor the body reads (``_not_larger``). Returns
+    whether ``outputs``/``finish`` were changed."""
+    nest = _sum_nest(e)
+    if nest is None:
+        return False
+    red, body = nest
+    own = _contractions_in(body)
+    if not own:
+        return False
+    def shares(a):
+        ks = [n for n, o in outputs.items() if n != k and _inner_axis(o.term) == a]
+        return bool(ks) and own <= set().union(*(_contractions_in(outputs[n].term) for n in ks))
+    read = {a for n in {u.args[0] for u in body.walk() if u.op in ("In", "Take")} for a in e.tensors.get(n, ())}
+    # a stage that computes the body's contractions anyway first; else (no such stage: only this
+    # gradient asked for) a stage of its own over a summed axis some tensor it reads ranges over
+    for a in [a for a in red if shares(a)] + [a for a in red if a in read and not shares(a)]:
+        rest = set(red) - {a}
+        paxes = tuple(x for x in order if x in set(e.axes) | rest) if order else tuple(sorted(set(e.axes) | rest))
+        if len(paxes) != len(set(e.axes) | rest):
+            continue
+        part = Term("Sum", (Term("Ax", (a,)), body))
+        if not _not_larger(part, set(paxes), e.tensors):
+            continue
+        del outputs[k]
+        outputs[f"part_{k}"] = _retensor(part, paxes, e.tensors)
+        finish[k] = (f"part_{k}", tuple(x for x in paxes if x in rest))
+        return True
+    return False
+
+
 def _split_finish(outputs: dict, order, finish: dict, forward) -> None:
     for k, e in list(outputs.items()):   # a gradient that sums a tile output of another stage over
         part = _summed_part(e)           # axes of that stage's grid: the
         if part is None:                 # stage stores the tile output, the sum is a second step
+            _split_loop_sum(k, e, outputs, order, finish)
             continue
         x, red = part
         looped = {t.args[0].args[0] for o in [o for n, o in outputs.items() if n != k]
