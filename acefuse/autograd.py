@@ -259,7 +259,10 @@ class BackwardKernel:
         """The partial sums the host stage's kernel wrote for its riders' outputs, folded
         over the programs (absent when the kernel ran another schedule: the rider stage
         then runs itself)."""
-        from acefuse.codegen.riders import fold
+        from acefuse.codegen.riders import fold, finish
+        # a sum-family host adds its riders' tiles into one float32 buffer each (RIDER_SCALE: the
+        # constant factor left to apply); a row-family host writes per-program partials
+        scale = getattr(getattr(self.kernels[host], "module", None), "RIDER_SCALE", None)
         for i, h in self._riders.items():
             if h != host:
                 continue
@@ -272,7 +275,8 @@ class BackwardKernel:
                         and inputs[n].dtype.is_floating_point), None)
             dt = ref.dtype if ref is not None and ref.dtype.itemsize > 1 else torch.float32
             for n in keep:
-                out[n], out_axes[n] = fold(res[n], dt), oaxes[n]
+                out[n] = fold(res[n], dt) if scale is None else finish(res[n], dt, scale.get(n, 1.0))
+                out_axes[n] = oaxes[n]
 
     def _sizes(self, inputs) -> dict:
         sizes = {}

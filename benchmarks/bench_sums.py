@@ -29,7 +29,11 @@ has 4, S^T, dP^T, dK += dS^T Q and dV += P^T dO). Causal: half of that (the tria
 analysis visits; the diagonal tiles it also visits are not counted). The whole backward is
 also rated by the FlashAttention convention, 2.5x the forward's 4*B*H*N*N*D (halved for
 causal): the 5 matmuls of a fused backward, the same count SDPA's rows use, so the rates
-compare (acefuse's two stages execute 7 matmuls for those 5).
+compare. Run apart, acefuse's two stages execute 7 matmuls for those 5; when the stage of sums
+over keys rides the pass over queries (codegen/riders.py: dQ's tiles added with atomic adds in
+the dK/dV pass), the backward executes 5. A host stage is timed both ways: alone (its own
+outputs) and ``with_riders`` (the riding stage's outputs too; its FLOPs include the riders'
+dots), and the riding stage alone; ``backward`` is the BackwardKernel's call (riders on).
 
 Correctness: the whole backward's gradients against SDPA's (flash, else math) in bf16, norm-
 relative error <= 3e-2 (bench_training's tolerance); a wrong result is reported and not timed.
@@ -89,11 +93,14 @@ def _stage_sizes(mod, kin):
     return sizes
 
 
-def stage_flops(mod, kin, causal):
-    """FLOPs of one run of a sum-kernel stage (module docstring), or None for another kernel."""
+def stage_flops(mod, kin, causal, riders=False):
+    """FLOPs of one run of a sum-kernel stage (module docstring), or None for another kernel;
+    ``riders``: with the per-tile dots of the stages riding its pass (RIDER_ACC)."""
     dots = getattr(mod, "DOTS", None)
     if dots is None:
         return None
+    if riders:
+        dots = list(dots) + [a for a in getattr(mod, "RIDER_ACC", []) if a]
     s = _stage_sizes(mod, kin)
     n = s[mod.AXIS]
     for a in list(mod.ROW_AXES) + list(mod.GRID_AXES):
@@ -158,6 +165,10 @@ def run_program(af, A, name, size, dtype, dev, sweep, timer, cpu):
     fwd = af.compile(bwd.augmented)
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     row["stage_names"] = [s.name for s in bwd.stages]
+    hosts = {}
+    if hasattr(bk, "_riders"):
+        row["riders"] = {bwd.stages[b].name: bwd.stages[a].name for b, a in bk._riders.items()}
+        hosts = set(bk._riders.values())
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(B, H, N, D, generator=g).to(dev, dtype) for _ in range(3))
     aug = fwd(q=q, k=k, v=v)
@@ -194,7 +205,7 @@ def run_program(af, A, name, size, dtype, dev, sweep, timer, cpu):
     # the stages, in order, each one's outputs available to the later ones
     avail = dict(inputs)
     total = 0.0
-    for st, kern in zip(bwd.stages, bk.kernels):
+    for si, (st, kern) in enumerate(zip(bwd.stages, bk.kernels)):
         mod = kern.module
         kin = {n: avail[n] for n in st.tensors}
         onames = list(st.outputs)
@@ -206,10 +217,23 @@ def run_program(af, A, name, size, dtype, dev, sweep, timer, cpu):
         _sync()
         srow["first_call_s"] = round(time.perf_counter() - t, 2)
         if srow["sum_kernel"] and getattr(mod, "_TUNED", None):
-            srow["auto_config"] = list(mod._TUNED.values())[-1]
+            srow["auto_config"] = next((c for k2, c in reversed(list(mod._TUNED.items())) if not k2[-1]), None)
         ms = timer(lambda: kern(**kin))
         srow["auto"] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if flops and ms else None}
         total += ms
+        if si in hosts:   # the same pass with the riding stages' outputs too
+            rflops = stage_flops(mod, kin, causal, riders=True)
+            kern(**kin, riders=True)   # the first call: times the candidates with riders on a GPU
+            _sync()
+            rms = timer(lambda: kern(**kin, riders=True))
+            srow["with_riders"] = {"ms": rms, "tflops": rflops / (rms * 1e-3) / 1e12 if rflops and rms else None,
+                                   "riders": list(getattr(mod, "RIDERS", {}))}
+            if getattr(mod, "_TUNED", None):
+                srow["with_riders"]["config"] = next((c for k2, c in mod._TUNED.items() if k2[-1]), None)
+            print(f"  {name} {st.name} with riders {srow['with_riders']['riders']}: {rms:.3f} ms"
+                  + (f" ({srow['with_riders']['tflops']:.1f} TFLOP/s)" if srow["with_riders"]["tflops"] else "")
+                  + (f" config {srow['with_riders'].get('config')}" if srow["with_riders"].get("config") else ""),
+                  flush=True)
         if srow["sum_kernel"]:
             srow["sweep"] = _sweep(mod, kern, kin, onames, auto, flops, sweep, timer, cpu)
         avail.update(auto)

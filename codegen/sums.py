@@ -57,7 +57,7 @@ class SumGen:
       (codegen/sums_launch.py).
     """
 
-    def __init__(self, fusion):
+    def __init__(self, fusion, riders=None):
         self.f = fusion
         enc = fusion.encoding
         self.enc = enc
@@ -112,6 +112,13 @@ class SumGen:
             if o in self.tiles and any(a in self.V for a in ax):
                 raise CodegenError(f"program {self.name!r}: output {o!r} ranges over the loop axis {F!r} and a "
                                    "vector axis (a tile output is over rows and the loop axis only)")
+        # riders (codegen/riders.py): {output of another stage: (the body of its sum over this
+        # kernel's row axis, the output's axes)}, added per tile into float32 buffers (RIDE)
+        self.riders = dict(riders or {})
+        if self.riders:
+            from acefuse.codegen.riders import check_sum_riders
+            check_sum_riders(self)
+        self.rdots: list = []     # per tile: the vector axis of each rider's tl.dot ('' for a row sum)
         self.hoisted: list = []
         self._hoist: dict = {}
         self.lines: list = []
@@ -435,6 +442,9 @@ class SumGen:
         for t, axes in list(self.tensors.items()) + list(self.out_axes.items()):
             args.append(f"{t}_ptr")
             args += [f"s_{t}_{a}" for a in axes]
+        for o, (_, axes) in self.riders.items():
+            args.append(f"{o}_ptr")
+            args += [f"s_{o}_{a}" for a in axes]
         args += [f"len_{a}" for a in self.G + self.R + self.V]
         return args + ["n_rows", "n_f"]
 
@@ -445,7 +455,7 @@ class SumGen:
         L = ["@triton.jit",
              f"def {self.name}_sum({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
              f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr, "
-             "REV: tl.constexpr):",
+             f"REV: tl.constexpr{', RIDE: tl.constexpr' if self.riders else ''}):",
              f"    # grid: (row tiles over {' '.join(self.R)}, {' '.join(self.G) or 'one'}); "
              f"loop over tiles of {F!r} carrying the sums"]
         L.append("    pid_r = tl.program_id(0)")
@@ -470,8 +480,9 @@ class SumGen:
             c, m = self.vec(a)
             L.append(f"    {c} = tl.arange(0, BLOCK_V_{a})")
             L.append(f"    {m} = {c} < len_{a}")
-        for t in list(self.tensors) + list(self.out_axes):
-            axes = self.tensors[t] if t in self.tensors else self.out_axes[t]
+        for t in list(self.tensors) + list(self.out_axes) + list(self.riders):
+            axes = (self.tensors[t] if t in self.tensors else self.out_axes[t] if t in self.out_axes
+                    else self.riders[t][1])
             g = [a for a in axes if a in self.G]
             r = [a for a in axes if a in self.R]
             L.append(f"    off_{t}_g = " + (" + ".join(f"idx_{a} * s_{t}_{a}" for a in g) if g else "0"))
@@ -481,6 +492,10 @@ class SumGen:
         conds = self.mask_conds()
         skip = bool(conds) and all(self._zero_if_false(b, conds)
                                    for b in list(self.states.values()) + list(self.tiles.values()))
+        for o, (b, _) in self.riders.items():   # a skipped tile must add 0 to the riders' sums too
+            if skip and not self._zero_if_false(b, conds):
+                raise CodegenError(f"program {self.name!r}: rider {o!r} = sum(`{pretty(b)}`) is not 0 on the "
+                                   f"{F!r} tiles the mask analysis skips; its stage runs apart")
         self.skips = skip
         self._conds = conds
         if conds:
@@ -642,6 +657,9 @@ class SumGen:
             body.extend("        " + x for x in self.lines)
             body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
                         f"{e}.to({o}_ptr.dtype.element_ty), mask={'rmask[:, None]' if full else 'tmask'})")
+        if self.riders:
+            from acefuse.codegen.riders import sum_rider_lines
+            body.extend(sum_rider_lines(self, full))
         self.full = self.alltrue = False
         return body
 

@@ -270,3 +270,81 @@ def test_constant_factor_applied_once_at_the_store():
     full, tail = _loop(_kernel("dq").source)
     assert not any(ln.endswith(f"* {SCALE!r}") for ln in full + tail)
     assert f"(s * {SCALE!r})" in src.split("    if end < last:")[1]
+
+
+# -- riders: dQ's sums computed in the dK/dV pass (codegen/riders.py) ----------------------------
+def _plain(k):
+    return getattr(k, "kernel", k)   # af.compile's differentiable wrapper -> the compiled kernel
+
+
+def _riding(mask="causal"):
+    """The dK/dV kernel with the dQ program riding its pass, as riders.attach builds it."""
+    from acefuse.codegen import riders as rd
+    if ("ride", mask) not in _KERNELS:
+        dq, dkv = _programs(mask)
+        kernels = [_plain(_kernel("dq", mask)), _plain(_kernel("dkv", mask))]
+        done = rd.attach([dq, dkv], kernels)
+        assert done == {0: 1}, "dQ (one output) should ride the dK/dV pass, not the other way round"
+        _KERNELS["ride", mask] = kernels[1]
+    return _KERNELS["ride", mask]
+
+
+def test_dq_rides_the_dkv_pass_with_five_dots_per_tile():
+    """The riding kernel's full tile does FlashAttention-2's 5 tile matmuls (S, dP, dK, dV and
+    dS^T k for dQ), loads nothing more than dK/dV alone, and adds dQ's part with an atomic add
+    (masked along the loop axis only in the last tile); dQ's constant factor is left to the end."""
+    host = _riding()
+    mod, src = host.module, host.source
+    assert mod.RIDERS == {"grad_q": ("b", "h", "i", "d")} and mod.RIDER_SCALE == {"grad_q": SCALE}
+    full, tail = _loop(src)
+    alone, _ = _loop(_kernel("dkv").source)
+    f = "\n".join(full)
+    assert f.count("tl.dot(") == 5 and f.count("tl.atomic_add(") == 1, f
+    assert sum("tl.load(" in ln or "_ld(" in ln for ln in full) == sum("tl.load(" in ln or "_ld(" in ln for ln in alone)
+    assert "if RIDE:" in f and "fmask" not in f
+    t = "\n".join(tail)
+    assert "tl.atomic_add(" in t and "mask=fmask[:, None]" in t
+    assert not any(ln.endswith(f"* {SCALE!r}") for ln in full + tail)
+
+
+@pytest.mark.parametrize("ni,nj,dk,de,mask", [(37, 29, 16, 16, "causal"),
+                                              (19, 53, 20, 24, "causal"),   # short vector blocks (VMASK)
+                                              (70, 115, 16, 16, "gap")])
+def test_riding_kernel_matches_float64(ni, nj, dk, de, mask):
+    """dQ from the rider buffer (riders.finish), dK and dV from the same pass, against float64
+    torch at odd sizes; without riders the same module gives dK and dV alone."""
+    from acefuse.codegen.riders import finish
+    host = _riding(mask)
+    ins = _inputs(ni + 3 * nj + dk, ni, nj, dk, de)
+    ref = _reference(ins, mask)
+    out = host(**ins, riders=True)
+    assert out["grad_q"].dtype == torch.float32
+    got = dict(out, grad_q=finish(out["grad_q"], torch.float32, host.module.RIDER_SCALE["grad_q"]))
+    alone = host(**ins)
+    assert set(alone) == {"grad_k", "grad_v"}
+    for name, r in ref.items():
+        bound = 2e-5 * (1 + r.abs().max().item())
+        err = (got[name].double() - r).abs().max().item()
+        assert err <= bound, f"{name} ({mask} {ni}x{nj}, d={dk}, e={de}), rider pass: max error {err}"
+        if name != "grad_q":
+            assert (alone[name].double() - r).abs().max().item() <= bound
+    # the check is not vacuous: dQ without its constant factor is off
+    assert (out["grad_q"].double() - ref["grad_q"]).abs().max().item() > 2e-5 * (1 + ref["grad_q"].abs().max().item())
+
+
+def test_a_rider_that_needs_a_new_dot_runs_apart():
+    """A body whose tile needs a contraction the host pass does not do (sum_d(q2 * k), with q2
+    loaded by the host but never contracted with k) is refused: the stage runs itself."""
+    from acefuse.codegen import riders as rd
+    from acefuse.codegen.compile import compile_program
+    q, q2, k = af.tensor("q", "b h i d"), af.tensor("q2", "b h i d"), af.tensor("k", "b h j d")
+    v, go, m = af.tensor("v", "b h j e"), af.tensor("go", "b h i e"), af.tensor("m", "b h i")
+    dp = af.sum(go * v, "e")
+    p = af.exp(af.sum(q * k, "d") * SCALE - m)
+    host = af.program("rider_host", grad_k=af.sum(p * dp * q, "i"), grad_k2=af.sum(p * q2, "i"))
+    other = af.program("rider_new_dot", grad_q=af.sum(af.exp(af.sum(q2 * k, "d") * SCALE - m) * dp * k, "j"))
+    kernels = [compile_program(host, axis="i"), compile_program(other, axis="j")]
+    assert rd.sum_rider_bodies(host, kernels[0], other, kernels[1])   # by form it could ride ...
+    first = kernels[0]
+    assert rd.attach([host, other], kernels) == {}                   # ... but would add a dot per tile
+    assert kernels[0] is first
