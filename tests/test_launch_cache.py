@@ -8,6 +8,9 @@ cached (strides, a non-contiguous view, dtype, device) and compare every result 
 independent float64 reference; bad input after a cached good call must still raise the errors
 a fresh launcher raises, and is never cached.
 """
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -220,3 +223,144 @@ def test_a_region_in_training_with_other_strides_matches_float64_gradients():
         torch.testing.assert_close(gx.double(), rx, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(gw.double(), rw, atol=1e-5, rtol=1e-4)
     assert sum(r.calls["grad"] for r in f.regions) == 3
+
+
+# -- the contraction family: decode's launch plan (issue 12: the host work of a short kernel) -----
+EX = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "attention.py"))
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    return af.compile(EX["decode"])
+
+
+def _decode_inputs(g, n_kv=40, dtype=torch.float32):
+    return dict(q=torch.randn(2, 2, 4, 1, 16, generator=g).to(dtype),
+                k=torch.randn(2, 2, n_kv, 16, generator=g).to(dtype),
+                v=torch.randn(2, 2, n_kv, 16, generator=g).to(dtype))
+
+
+def _decode_check(out, ins):
+    q, k, v = (ins[n].double() for n in "qkv")
+    s = torch.einsum("bgrid,bgjd->bgrij", q, k) * EX["SCALE"]
+    ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), v)
+    atol, rtol = TOL[ins["q"].dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+class _Counted:
+    """A kernel whose launches are counted, then run."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+def test_a_warm_decode_call_is_the_launches_only(decode_kernel, monkeypatch):
+    """The second call of a signature checks nothing again and plans nothing: it launches
+    (one kernel for the loop, the partial states and their merge for split-KV)."""
+    mod = decode_kernel.module
+    mod._PLANS.clear()
+    work, launches = [], []
+    for f in ("_prepare", "_plan"):
+        real = getattr(mod, f)
+        monkeypatch.setattr(mod, f, lambda *a, _f=f, _real=real, **k: work.append(_f) or _real(*a, **k))
+    for f in ("decode_attn", "decode_part", "decode_combine"):
+        monkeypatch.setattr(mod, f, _Counted(getattr(mod, f), launches))
+    g = torch.Generator().manual_seed(31)
+    for schedule, n_launch in ((None, 1), ("split", 2)):
+        ins = _decode_inputs(g)
+        work.clear()
+        _decode_check(mod.run(**ins, schedule=schedule), ins)
+        assert work == ["_prepare", "_plan"]
+        for _ in range(3):
+            ins = _decode_inputs(g)
+            work.clear(), launches.clear()
+            with torch.no_grad():
+                _decode_check(decode_kernel(**ins, schedule=schedule), ins)
+            assert work == [] and len(launches) == n_launch, (schedule, work, launches)
+    assert len(mod._PLANS) == 2
+
+
+def test_decode_plans_follow_the_signature(decode_kernel):
+    """Strides (a transposed key cache, a slice of a longer cache), dtype and the alignment of
+    a base pointer each give a plan of their own, and every result matches float64."""
+    mod = decode_kernel.module
+    mod._PLANS.clear()
+    g = torch.Generator().manual_seed(32)
+    base = _decode_inputs(g)
+    flat = torch.randn(2 * 2 * 40 * 16 + 1, generator=g)
+    variants = [
+        ("contiguous", base),
+        ("keys stored transposed", dict(base, k=torch.randn(2, 2, 16, 40, generator=g).transpose(-1, -2))),
+        ("a slice of a longer cache", dict(base, k=torch.randn(2, 2, 64, 16, generator=g)[:, :, :40],
+                                           v=torch.randn(2, 2, 64, 16, generator=g)[:, :, :40])),
+        ("keys at an unaligned base", dict(base, k=flat[1:].view(2, 2, 40, 16))),
+        ("bfloat16", {n: t.bfloat16() for n, t in base.items()}),
+        ("contiguous again", _decode_inputs(g)),
+    ]
+    plans = set()
+    for what, ins in variants:
+        _decode_check(mod.run(**ins), ins)
+        plans.add(mod._signature(ins, ())[1:])
+        assert len(mod._PLANS) == len(plans), what
+        again = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(torch.randn(t.shape, generator=g))
+                 for n, t in ins.items()}
+        _decode_check(mod.run(**again), again)
+        assert len(mod._PLANS) == len(plans), what
+        _decode_check(mod.run(again["q"], again["k"], again["v"]), again)   # positional: the full path
+    assert len(plans) == 5
+    mod._PLANS.clear()
+
+
+def test_the_hopper_switch_and_alignment_are_part_of_the_signature(decode_kernel, monkeypatch):
+    """ACEFUSE_HOPPER, read on every call, and a base address the TMA copies cannot take each
+    change the kernel a plan launches."""
+    mod = decode_kernel.module
+    mod._PLANS.clear()
+    monkeypatch.delenv("ACEFUSE_HOPPER", raising=False)
+    g = torch.Generator().manual_seed(33)
+    ins = _decode_inputs(g)
+
+    def kernel_of(ins):
+        n = len(mod._PLANS)
+        _decode_check(mod.run(**ins), ins)
+        assert len(mod._PLANS) == n + 1          # a signature of its own
+        return list(mod._PLANS.values())[-1].kernel
+    assert kernel_of(ins) == "loop"
+    monkeypatch.setenv("ACEFUSE_HOPPER", "1")        # the Hopper kernel, forced (interpreter)
+    assert kernel_of(ins) == "hopper"
+    flat = torch.randn(ins["k"].numel() + 1, generator=g)
+    assert kernel_of(dict(ins, k=flat[1:].view(ins["k"].shape))) == "loop"
+    monkeypatch.setenv("ACEFUSE_HOPPER", "0")
+    assert kernel_of(ins) == "loop"
+    assert len(mod._PLANS) == 4
+    mod._PLANS.clear()
+
+
+def test_decode_bad_input_raises_the_same_errors_after_a_cached_call(decode_kernel):
+    mod = decode_kernel.module
+    g = torch.Generator().manual_seed(34)
+    good = _decode_inputs(g)
+    bad = [dict(good, q=good["q"].double()), dict(good, k=good["k"][0]), {n: good[n] for n in "qk"},
+           dict(good, z=good["q"]), dict(good, v=good["v"].numpy()), dict(good, v=good["v"][:, :, :0]),
+           dict(good, k=good["k"][:, :, :7]), dict(good, schedule="tiles"), dict(good, path="tma")]
+
+    def errors():
+        out = []
+        for kw in bad:
+            with pytest.raises((TypeError, ValueError)) as e:
+                mod.run(**kw)
+            out.append((type(e.value), str(e.value)))
+        return out
+    mod._PLANS.clear()
+    fresh = errors()
+    assert not mod._PLANS
+    assert "unknown schedule 'tiles'" in fresh[7][1] and "unknown path 'tma'" in fresh[8][1]
+    assert "axis 'j' of program 'decode' has length 7 in one input and 40 in 'v'" in fresh[6][1]
+    _decode_check(mod.run(**good), good)
+    assert errors() == fresh and len(mod._PLANS) == 1
+    mod._PLANS.clear()
