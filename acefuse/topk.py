@@ -254,18 +254,17 @@ def expand(name: str, value: Stacked) -> dict:
 def stack_outputs(prog, out):
     """A kernel's (or acefuse.reference.evaluate's) outputs with every stacked output of
     ``prog`` gathered into one tensor, the stacked axis last: always a dict (StackedOutputs),
-    even for one output."""
+    even for one output. Outputs a row-family kernel already wrote stacked (codegen/stacked.py)
+    are taken as they are."""
     stacked = getattr(prog, "stacked", None) or {}
     if not stacked:
         return out
     if not isinstance(out, dict):
         raise TypeError(f"program {prog.name!r}: expected a dict of outputs")
     res = StackedOutputs(prog)
-    done = set()
     for name in prog.user_outputs:
-        if name in stacked:
+        if name in stacked and name not in out:
             parts = [out[p] for p in stacked[name][1]]
-            done.update(stacked[name][1])
             if hasattr(parts[0], "dim"):
                 import torch
                 res[name] = torch.stack(parts, -1)
@@ -284,35 +283,47 @@ class StackedOutputs(dict):
 
     def __init__(self, prog):
         super().__init__()
-        self._parts = {p: (n, r) for n, (_, parts, _) in prog.stacked.items() for r, p in enumerate(parts)}
+        self._prog = prog
 
     def __missing__(self, key):
-        if key in self._parts:
-            n, r = self._parts[key]
-            return self[n][..., r]
+        for n, (_, parts, _) in self._prog.stacked.items():
+            if key in parts:
+                return self[n][..., parts.index(key)]
         raise KeyError(key)
 
 
 class StackedKernel:
-    """A compiled program with stacked outputs: calls the kernel, stacks the candidates."""
+    """A compiled program with stacked outputs. A row-family kernel writes each stacked output
+    as one tensor itself (codegen/stacked.py) and returns them as they are: no per-call work
+    here beyond the row-length check; other kernels' candidates are stacked after the call."""
 
     def __init__(self, prog, kernel):
         self.program, self.kernel = prog, kernel
-        self.min_len = {prog.stacked[n][2]: len(prog.stacked[n][1]) for n in prog.stacked
-                        if prog.stacked[n][2] is not None}
+        names = list(prog.tensors)
+        # (input, its position, the dimension of the selected axis, k, axis): a row must hold k elements
+        self._rows = []
+        for n, (_, parts, axis) in prog.stacked.items():
+            holder = next((t for t in names if axis is not None and axis in prog.tensors[t]), None)
+            if holder is not None:
+                self._rows.append((holder, names.index(holder), list(prog.tensors[holder]).index(axis), len(parts), axis))
+        mod = getattr(getattr(kernel, "kernel", None), "module", None)
+        stacked = getattr(mod, "STACKED", None) or {}
+        # the class of the launcher's result when it writes every stacked output itself
+        self._direct = getattr(mod, "StackedOutputs", None) if set(stacked) == set(prog.stacked) else None
 
     def __getattr__(self, name):   # fusion, source, path, ... of the kernel
         return getattr(self.kernel, name)
 
     def __call__(self, *args, **inputs):
-        for axis, k in self.min_len.items():
-            for t, ax in self.program.tensors.items():
-                v = inputs.get(t)
-                if axis in ax and hasattr(v, "shape") and v.shape[list(ax).index(axis)] < k:
-                    raise ValueError(f"program {self.program.name!r}: top-{k} over axis {axis!r}, but input {t!r} "
-                                     f"has only {v.shape[list(ax).index(axis)]} elements along it; "
-                                     f"use k <= {v.shape[list(ax).index(axis)]}")
+        for t, pos, dim, k, axis in self._rows:
+            v = inputs.get(t) if pos >= len(args) else args[pos]
+            n = v.shape[dim] if hasattr(v, "shape") and len(v.shape) > dim else k
+            if n < k:
+                raise ValueError(f"program {self.program.name!r}: top-{k} over axis {axis!r}, but input {t!r} "
+                                 f"has only {n} elements along it; use k <= {n}")
         out = self.kernel(*args, **inputs)
+        if out.__class__ is self._direct:   # written stacked by the kernel
+            return out
         if not isinstance(out, dict):   # one output: a program of one part
             (name,) = [p for n in self.program.user_outputs for p in self.program.stacked.get(n, (None, [n]))[1]]
             out = {name: out}

@@ -5,9 +5,20 @@ torch.compile (softmax + torch.topk + renormalise), in one run, on the same inpu
     python benchmarks/bench_moe.py --quick               # GPU: 16384 tokens x 64/256 experts, k = 2, 8
     python benchmarks/bench_moe.py --device cpu --quick  # tiny sizes through Triton's interpreter (functional check)
     python benchmarks/bench_moe.py --out moe.json
+    python benchmarks/bench_moe.py --host-only           # CPU: host time per call, launches stubbed
+
+``--host-only`` times the Python path of one routing call (tokens x experts from ``--tokens``
+and ``--experts``, default 64 x 64, float32, on the CPU) with every Triton launch replaced by a
+no-op (Triton's interpreter would otherwise dominate; as benchmarks/host_overhead.py --stub):
+the af.compile kernel (what a caller gets: the weights and experts as [tokens, k] tensors) and
+the generated launcher's ``run()`` alone. It is what the GPU pays per call on the host besides
+Triton's own launch (not stubbed there: its cost grows with the kernel's argument count, which
+``--host-only`` prints). Median and minimum of 15 repetitions of ``--steps`` calls.
 
 The acefuse kernels are regenerated from the programs (af.compile: derivation, certificate,
-codegen; cached by program) and timed through the generated module's own launcher. The
+codegen; cached by program) and timed as a caller calls them: ``kern(x=x)``, which returns the
+weights and experts as [tokens, k] tensors written by the kernel (``--launcher``: the generated
+module's ``run()`` alone, which returns the same tensors). The
 program is the routing written plainly, top-k of the probabilities (``softmax_topk(k)``): one
 pass over the experts (the selection runs on the logits, proofs/monotone.py; the k-candidate
 state's merge is proofs/topk.py's); ``--select logits`` times the program that chooses on the
@@ -33,6 +44,7 @@ import torch
 from _common import timer
 
 ROOT = Path(__file__).resolve().parents[1]
+TOKENS, EXPERTS = "16384,32768,65536", "64,128,256"   # the GPU sizes (issue 14)
 
 
 def eager_route(x, k):
@@ -60,10 +72,53 @@ def check(x, k, w, i):
     return None
 
 
+def host_only(args):
+    """Host time per call of the compiled routing on the CPU, Triton launches stubbed."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(ROOT))
+    import runpy
+    import inspect
+    import acefuse as af
+    from triton.runtime import interpreter
+    moe = runpy.run_path(str(ROOT / "examples" / "moe.py"))
+    # the GPU sizes' defaults are the interpreter's minutes: 64 x 64 unless sizes are given
+    t = 64 if args.tokens == TOKENS else int(args.tokens.split(",")[0])
+    e = 64 if args.experts == EXPERTS else int(args.experts.split(",")[0])
+    real = interpreter.InterpretedFunction.__getitem__
+    for k in [int(v) for v in args.k.split(",")]:
+        kern = af.compile(moe["softmax_topk"](k, select=args.select))
+        mod = kern.kernel.kernel.module                 # the generated module (its launcher run())
+        x = torch.randn(t, e) * 2
+        interpreter.InterpretedFunction.__getitem__ = real
+        out = kern(x=x)                                 # one real call: checked, and the plan cached
+        why = check(x, k, out["weights"], out["experts"])
+        if why:
+            sys.exit(f"k={k} {t}x{e}: {why}")
+        launch = getattr(mod, f"{kern.program.name}_single")
+        nargs = len(inspect.signature(launch.fn).parameters) - 2   # less BLOCK_R, BLOCK_J
+        interpreter.InterpretedFunction.__getitem__ = lambda self, grid: (lambda *a, **kw: None)
+        try:
+            for what, fn in (("af.compile kernel (stacked outputs)", lambda: kern(x=x)),
+                             ("generated run() alone", lambda: mod.run(x=x))):
+                for _ in range(20):
+                    fn()
+                times = []
+                for _ in range(15):
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        fn()
+                    times.append((time.perf_counter() - t0) / args.steps)
+                times.sort()
+                print(f"k={k} {t}x{e} float32, {what}: host time per call median {times[7] * 1e6:.1f} us, "
+                      f"min {times[0] * 1e6:.1f} us (single-tile kernel: {nargs} arguments)")
+        finally:
+            interpreter.InterpretedFunction.__getitem__ = real
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="16384,32768,65536")
-    ap.add_argument("--experts", default="64,128,256")
+    ap.add_argument("--tokens", default=TOKENS)
+    ap.add_argument("--experts", default=EXPERTS)
     ap.add_argument("--k", default="2,8")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +127,12 @@ def main():
     ap.add_argument("--select", choices=["probs", "logits"], default="probs",
                     help="top-k of the probabilities as written (default) or of the logits")
     ap.add_argument("--out")
+    ap.add_argument("--host-only", action="store_true", help="host time per call, launches stubbed (CPU)")
+    ap.add_argument("--launcher", action="store_true", help="time the generated run() alone, not af.compile's kernel")
+    ap.add_argument("--steps", type=int, default=200, help="--host-only: calls per repetition")
     args = ap.parse_args()
+    if args.host_only:
+        return host_only(args)
     dev = args.device
     if dev == "cpu":
         if not args.quick:
@@ -86,7 +146,6 @@ def main():
     sys.path.insert(0, str(ROOT))
     import runpy
     import acefuse as af
-    from acefuse.topk import stack_outputs
     moe = runpy.run_path(str(ROOT / "examples" / "moe.py"))
     bench = timer(dev)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)"
@@ -107,10 +166,9 @@ def main():
                 for e in [int(v) for v in args.experts.split(",")]:
                     g = torch.Generator(device=dev).manual_seed(t + e + k)
                     x = (torch.randn(t, e, device=dev, generator=g) * 2).to(dt)
-                    # the launcher writes one tensor per candidate (weights__r, experts__r); they are
-                    # stacked for the check only, not in the timed call
-                    call = (lambda x=x: raw.run(x=x)) if raw is not None else (lambda x=x: kern.kernel(x=x))
-                    out = stack_outputs(kern.program, call())
+                    # the kernel writes the weights and experts as [tokens, k] tensors (codegen/stacked.py)
+                    call = (lambda x=x: raw.run(x=x)) if args.launcher and raw is not None else (lambda x=x: kern(x=x))
+                    out = call()
                     why = check(x.float().cpu(), k, out["weights"].cpu(), out["experts"].cpu())
                     if why:
                         sys.exit(f"k={k} {dname} {t}x{e}: {why}")

@@ -442,6 +442,23 @@ class RowGen:
                                      if t.op == "Take" and t.args[1].op == "In"}
                                     | {t.args[1].args[0] for lf in self.leaves.values() for t in lf.walk()
                                        if t.op == "Take" and t.args[1].op == "In"})
+        # af.topk's stacked outputs, each written as one tensor (codegen/stacked.py):
+        # {name: (stacked axis, [candidates], selected axis)}, and each candidate's (name, position)
+        from acefuse.codegen.stacked import stacks
+        self.stacks = stacks(self)
+        self.part_of = {p: (n, r) for n, (_, ps, _) in self.stacks.items() for r, p in enumerate(ps)}
+
+    def stores(self):
+        """[(output written, its axes)]: the outputs, a stacked one once, at its first candidate,
+        over its candidates' axes plus the stacked axis (last)."""
+        out = []
+        for o in self.outputs:
+            if o not in self.part_of:
+                out.append((o, tuple(self.out_axes[o])))
+            elif self.part_of[o][1] == 0:
+                n = self.part_of[o][0]
+                out.append((n, tuple(self.out_axes[o]) + (self.stacks[n][0],)))
+        return out
 
     def row_axes_of(self, name):
         return [a for a in self.tensors[name] if a != self.axis]
@@ -452,9 +469,9 @@ class RowGen:
         for t in self.tensors:
             args.append(f"{t}_ptr")
             args += [f"s_{t}_{a}" for a in self.tensors[t]]
-        for o in self.outputs:
+        for o, ax in self.stores():
             args.append(f"{o}_ptr")
-            args += [f"s_{o}_{a}" for a in self.out_axes[o]]
+            args += [f"s_{o}_{a}" for a in ax]
         args += [f"len_{a}" for a in self.row_axes]
         args += ["n_rows", "n_j"]
         return args
@@ -476,9 +493,8 @@ class RowGen:
         for a in self.row_axes:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    nj_f = n_j * 1.0")
-        for t in list(self.tensors) + list(self.outputs):
-            axes = self.tensors[t] if t in self.tensors else self.out_axes[t]
-            ra = [a for a in axes if a != self.axis]
+        for t, axes in list(self.tensors.items()) + self.stores():
+            ra = [a for a in axes if a != self.axis and a in self.row_axes]
             if ra:
                 L.append(f"    off_{t} = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in ra))
         L.append("    cols0 = tl.arange(0, BLOCK_J)")
@@ -525,14 +541,22 @@ class RowGen:
         em.lines.clear()
 
     def emit_row_outputs(self, em, L):
+        held = {}   # a stacked output's candidates computed so far: {name: [values]}
         for o, t in self.outputs.items():
             if o in self.enc.elementwise_outputs:
                 continue
             em.comment(f"output {o} = {pretty(t)}")
             e, sh = em.emit(t, raw_state=True)
+            v = e if sh == "row" else f"({e}) + tl.zeros([BLOCK_R], tl.float32)"
+            if o in self.part_of:   # a candidate of a stacked output: stored with the others
+                n, r = self.part_of[o]
+                held.setdefault(n, []).append(em.bind(v, "row", "cand")[0])
+                if len(held[n]) == len(self.stacks[n][1]):
+                    from acefuse.codegen.stacked import emit_row_store
+                    emit_row_store(self, em, n, held.pop(n))
+                continue
             # an output over no row axis is written by row 0 (rows * 0 keeps the pointer a block)
             off = f" + off_{o}" if [a for a in self.out_axes[o] if a != self.axis] else " + rows * 0"
-            v = e if sh == "row" else f"({e}) + tl.zeros([BLOCK_R], tl.float32)"
             em.line(f"tl.store({o}_ptr{off}, {self.stored(o, v)}, mask=rmask)")
         L.extend(em.lines)
         em.lines.clear()
@@ -542,21 +566,38 @@ class RowGen:
             t = self.outputs[o]
             em.comment(f"output {o} = {pretty(t)}")
             e, sh = em.emit(t, raw_state=True)
-            off = f"off_{o}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
+            dst, at = o, ""
+            if o in self.part_of:   # a candidate of a stacked output: its slice along the stacked axis
+                dst = self.part_of[o][0]
+                at = f"{self.part_of[o][1]} * s_{dst}_{self.stacks[dst][0]} + "
+            off = f"off_{dst}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
-            em.line(f"tl.store({o}_ptr + {off}cols[None, :] * s_{o}_{self.axis}, "
-                    f"{self.stored(o, v)}, mask=tmask)")
+            em.line(f"tl.store({dst}_ptr + {off}{at}cols[None, :] * s_{dst}_{self.axis}, "
+                    f"{self.stored(o, v, dst=dst)}, mask=tmask)")
         L.extend(em.lines)
         em.lines.clear()
 
     def store_dtypes(self):
         return store_dtypes({k: v.term for k, v in self.f.program.outputs.items()})
 
-    def stored(self, o, v):
+    def launch_store_dtypes(self):
+        """``store_dtypes`` by the tensors the launcher allocates (a stacked output: its
+        candidates' common type)."""
+        sdt = self.store_dtypes()
+        out = {}
+        for o, dt in sdt.items():
+            n, r = self.part_of.get(o, (o, 0))
+            if r == 0:
+                out[n] = dt
+        return out
+
+    def stored(self, o, v, dst=None):
         """The value written to output ``o``: in its storage dtype (``store_dtypes``); a float8
         output is written as its bytes (through a uint8 view: no conversion instruction), an
-        int8 output stores NaN as 0."""
+        int8 output stores NaN as 0. ``dst``: the tensor written (a stacked output, for a
+        candidate ``o``), ``o`` itself by default."""
         dt = self.store_dtypes().get(o)
+        dst = dst or o
         if dt in ("float8_e4m3fn", "float8_e5m2"):
             # converted from the cast's operand when v is that cast (one conversion on the GPU)
             a, cdt = self.cast_src.get(v, (v, dt))
@@ -566,8 +607,8 @@ class RowGen:
         if dt == "index":   # an int64 index (argmax/argmin); an undefined one (NaN) is -1
             return f"tl.where(({v}) == ({v}), {v}, -1.0).to(tl.int64)"
         if dt == "int8":
-            return f"tl.where(({v}) == ({v}), {v}, 0.0).to({o}_ptr.dtype.element_ty)"
-        return f"({v}).to({o}_ptr.dtype.element_ty)"
+            return f"tl.where(({v}) == ({v}), {v}, 0.0).to({dst}_ptr.dtype.element_ty)"
+        return f"({v}).to({dst}_ptr.dtype.element_ty)"
 
     # -- kernels -------------------------------------------------------------------------------
     def kernel_single(self):
@@ -735,16 +776,23 @@ class RowGen:
             f"AXIS = {self.axis!r}",
             f"TENSORS = {dict(self.tensors)!r}",
             f"INDEX_TENSORS = {self.index_tensors!r}",
-            f"OUTPUTS = {dict(self.out_axes)!r}",
+            f"OUTPUTS = {dict(self.stores())!r}",
             f"ROW_AXES = {self.row_axes!r}",
             f"SPLIT = {split!r}",
             f"STATES = {names!r}",
             f"RIDERS = {list(self.riders)!r}   # sums over the rows computed in the single-tile pass (riders=True)",
-            f"STORE_DTYPES = {self.store_dtypes()!r}   # outputs kept in the type they are cast to",
+            f"STORE_DTYPES = {self.launch_store_dtypes()!r}   # outputs kept in the type they are cast to",
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
             "",
             "",
+        ]
+        if self.stacks:   # af.topk's outputs, each one tensor (codegen/stacked.py)
+            from acefuse.codegen.stacked import launcher_lines
+            lines += launcher_lines(self) + ["", ""]
+        else:
+            lines += ["STACKED = {}   # no stacked outputs", "", ""]
+        lines += [
             "def _np2(n):",
             "    return 1 << max(0, (int(n) - 1).bit_length())",
             "",
@@ -863,6 +911,8 @@ class RowGen:
             "    p.dev = dev",
             "    odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32",
             "    p.n_j = n_j = sizes[AXIS]",
+            "    if STACKED:",
+            "        _check_stacked(sizes)",
             "    n_rows = 1",
             "    for a in ROW_AXES:",
             "        n_rows *= sizes[a]",
@@ -873,14 +923,14 @@ class RowGen:
             "    # the kernel writes float8 through uint8 and a rounded bfloat16 through int16",
             "    p.outs = []",
             "    for o, ax in OUTPUTS.items():",
-            "        shape = [sizes[a] for a in ax]",
+            "        shape = [sizes[a] if a in sizes else STACKED[o][1] for a in ax]   # a stacked axis: k",
             "        dt = sdt[o] if o in sdt else (out_dtypes or {}).get(o, odt)",
             "        view = torch.uint8 if dt in FLOAT8_OK else torch.int16 if o in sdt and dt == torch.bfloat16 else None",
             "        p.outs.append((o, shape, dt, view, torch.empty(shape, device='meta', dtype=dt).stride()))",
             "    p.in_strides = [tuple(inputs[t].stride()) for t in TENSORS]",
             "    p.tail = [sizes[a] for a in ROW_AXES] + [n_rows, n_j]",
             "    p.convert = [(o, out_dtypes[o]) for o in sdt if (out_dtypes or {}).get(o, sdt[o]) != sdt[o]]",
-            "    p.as_dict = bool(riders) or len(OUTPUTS) > 1",
+            "    p.as_dict = bool(riders) or len(OUTPUTS) > 1 or bool(STACKED)",
             "    on_gpu = dev.type == 'cuda'",
             "    # no FMA contraction: a shift x*y - m must see the same rounded x*y as max(x*y), else",
             "    # exp(x*y - m) of the max element is exp(-ulp) of a huge product (0), not 1",
@@ -962,6 +1012,8 @@ class RowGen:
             f"            {self.name}_epilogue[p.grid](*argv, *wf, p.chunk, **p.kw)",
             "    for o, d in p.convert:",
             "        outs[o] = outs[o].to(d)",
+            "    if STACKED:",
+            "        return StackedOutputs(outs)",
             "    return outs if p.as_dict else outs[next(iter(OUTPUTS))]",
         ]
         return "\n".join(lines)
@@ -1033,7 +1085,12 @@ def empty_outputs(*args, **inputs):
             raise ValueError(f"program {name!r}: axis {{empty}} is empty, and output {{o!r}} (axes "
                              f"{{' '.join(ax) or 'none'}}) reduces over it; a reduction over no elements has "
                              "no value here. Give every reduced axis at least one element.")
-        outs[o] = torch.empty([sizes[a] for a in ax], device=dev, dtype=sdt.get(o, odt))
+        stacked = globals().get("STACKED", {{}})   # a stacked axis (af.topk's) has length k
+        outs[o] = torch.empty([sizes[a] if a in sizes else stacked[o][1] for a in ax], device=dev,
+                              dtype=sdt.get(o, odt))
+    if globals().get("STACKED"):
+        _check_stacked(sizes)
+        return StackedOutputs(outs)
     return outs[next(iter(OUTPUTS))] if len(OUTPUTS) == 1 else outs
 '''
 

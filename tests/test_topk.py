@@ -2,6 +2,7 @@
 merges refused; top-k against torch (values exactly, indices where values are distinct, the
 tie convention against torch.sort(stable=True) separately) on every schedule the fusion
 has; softmax and DeepSeek-V3 routing against float64 torch references."""
+import inspect
 import math
 import random
 import runpy
@@ -333,3 +334,107 @@ def test_deepseek_grouped_top4_of_8_groups_matches_torch():
     w, i = route(X, B)
     assert torch.equal(i, i_ref)
     np.testing.assert_allclose(w.double().numpy(), w_ref.numpy(), rtol=2e-6, atol=1e-7)
+
+
+# ---- the routing's outputs written stacked by the kernel (issue 14: the host path) ---------------
+ROUTE_SCHEDULES = [("single", {}), ("loop", {"block_j": 8}), ("split", {"block_j": 8, "nsplit": 3})]
+
+
+def _route_rows(t, e, seed, dtype=torch.float32):
+    """Fresh random logits, and one row of exact ties (equal logits: the lowest index first)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(t, e, generator=g) * 3
+    X[1] = torch.randint(0, 3, (e,), generator=g).float()
+    return X.to(dtype)
+
+
+def _check_route(X, k, out, rtol=2e-6, atol=1e-7):
+    """out's weights and experts against a float64 reference: softmax, the k largest in the
+    documented order (exact value, then the lowest index: a stable sort), renormalised; and
+    torch.topk itself on the rows whose k + 1 largest probabilities are distinct."""
+    p = torch.softmax(X.double(), -1)
+    sp, si = torch.sort(p, dim=1, descending=True, stable=True)
+    i_ref = si[:, :k]
+    w_ref = sp[:, :k] / sp[:, :k].sum(1, keepdim=True)
+    w, i = out["weights"], out["experts"]
+    assert w.shape == (X.shape[0], k) and i.shape == (X.shape[0], k), (w.shape, i.shape)
+    assert w.dtype == X.dtype and i.dtype == torch.int64
+    assert torch.equal(i, i_ref), (i, i_ref)
+    distinct = (sp[:, :k] > sp[:, 1:k + 1]).all(1)
+    assert distinct.sum() >= X.shape[0] - 1
+    assert torch.equal(i[distinct], torch.topk(p, k, -1)[1][distinct])
+    np.testing.assert_allclose(w.double().numpy(), w_ref.numpy(), rtol=rtol, atol=atol)
+
+
+def _route_every_schedule(k, experts, seed):
+    kern = af.compile(MOE["softmax_topk"](k))
+    assert kern.fusion.certificate.ok and len(kern.fusion.passes) == 1
+    for e in experts:
+        X = _route_rows(7, e, seed + e)
+        for sched, kw in ROUTE_SCHEDULES:
+            _check_route(X, k, kern(x=X, schedule=sched, **kw))
+    return kern
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_softmax_topk_routing_every_schedule_odd_experts(k):
+    """MoE routing written plainly (softmax, top-k, renormalise), k = 1 and 2, 13 and 61
+    experts, single / loop / split, against float64 torch; bfloat16 logits too."""
+    kern = _route_every_schedule(k, (13, 61), 10 * k)
+    Xb = _route_rows(5, 29, 3, torch.bfloat16)
+    # bfloat16 weights: one rounding at the output (half a unit in the last place) after float32
+    _check_route(Xb, k, kern(x=Xb), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_softmax_top8_routing_every_schedule_odd_experts():
+    _route_every_schedule(8, (13, 61), 80)
+
+
+def test_routing_kernel_writes_the_stacked_outputs_itself(monkeypatch):
+    """The kernel writes weights and experts as one [tokens, k] tensor each (one pointer per
+    stacked output, one k-wide store per row block): no per-candidate tensors, no torch.stack
+    after the call. The per-candidate names still read their slices."""
+    kern = af.compile(MOE["softmax_topk"](2))
+    mod = kern.kernel.kernel.module
+    assert mod.OUTPUTS == {"weights": ("t", "k"), "experts": ("t", "k")}
+    single = inspect.signature(getattr(mod, "softmax_top2_single").fn).parameters
+    assert "weights_ptr" in single and "weights__0_ptr" not in single and "experts__1_ptr" not in single
+
+    def no_stack(*a, **kw):
+        raise AssertionError("the candidates were stacked after the kernel")
+    monkeypatch.setattr(torch, "stack", no_stack)
+    X = _route_rows(9, 37, 5)
+    for sched, kw in ROUTE_SCHEDULES:
+        out = kern(x=X, schedule=sched, **kw)
+        _check_route(X, 2, out)
+        assert out["weights"].stride() == (2, 1) and out["experts"].stride() == (2, 1)
+        assert torch.equal(out["weights__1"], out["weights"][:, 1])
+        assert torch.equal(out["experts__0"], out["experts"][:, 0])
+    raw = mod.run(x=X)                  # the generated launcher alone: the same stacked tensors
+    _check_route(X, 2, raw)
+
+
+def test_routing_launcher_refuses_rows_shorter_than_k():
+    """The generated launcher itself (not only af.compile's wrapper) refuses a row with fewer
+    experts than k: the kernel would otherwise write candidates that do not exist."""
+    mod = af.compile(MOE["softmax_topk"](2)).kernel.kernel.module
+    with pytest.raises(ValueError, match="top-2 over axis 'e'.*only 1 elements.*k <= 1"):
+        mod.run(x=torch.randn(3, 1))
+    assert mod.run(x=torch.randn(3, 2))["experts"].shape == (3, 2)
+
+
+def test_stacked_output_elementwise_over_the_selected_axis():
+    """A stacked output elementwise over the selected axis (x minus each selected value; the
+    general engine's several passes) is written as one [t, e, k] tensor too."""
+    x = af.tensor("x", "t e")
+    vals, idx = af.topk(x, 2, "e")
+    kern = af.compile(af.program("topk_elem", d=vals.map(lambda v: x - v), indices=idx))
+    assert kern.kernel.kernel.module.OUTPUTS == {"d": ("t", "e", "k"), "indices": ("t", "k")}
+    X = torch.randn(5, 13, generator=torch.Generator().manual_seed(2)) * 4
+    tv, ti = torch.topk(X.double(), 2, -1)
+    for sched, kw in [("single", {}), ("loop", {"block_j": 4})]:
+        out = kern(x=X, schedule=sched, **kw)
+        assert torch.equal(out["indices"], ti)
+        np.testing.assert_allclose(out["d"].double().numpy(), (X.double()[:, :, None] - tv[:, None, :]).numpy(),
+                                   rtol=1e-7, atol=4e-6)   # one float32 rounding of values below 40
