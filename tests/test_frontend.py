@@ -636,6 +636,45 @@ def test_bf16_residual_add_then_rms_norm_rounds_the_sum_as_eager():
     assert (y == residual_rms_norm(a, b, w)[1]).double().mean() > 0.99
 
 
+def test_bf16_rms_norm_trains_without_float32_copies():
+    """Issue 12's training path: HF's RMSNorm reads ``x.to(float32)``, so its region's compute
+    dtype is float32; its differentiable kernel reads x and w in bfloat16 (``grad_chains``: no
+    float32 copy of x, none saved for the backward) and writes the bfloat16 output and gradients.
+    Output and gradients against a float64 reference (rounded where eager rounds) within bfloat16
+    tolerances, and against eager."""
+    x = _g(6, 48, seed=21, scale=2).bfloat16()
+    w = (_g(48, seed=23).abs() + 0.5).bfloat16()
+    cot = _g(6, 48, seed=25).bfloat16()
+    args = [t.clone().requires_grad_() for t in (x, w)]
+    cf = aff.compile_fn(llama_rms_norm, *args)
+    rec = _Allocated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        with rec:
+            y = cf(*args)
+            y.backward(cot)                                        # (the cotangent as it is)
+    reg, = cf.regions
+    assert reg.calls["grad"] == 1 and y.dtype == torch.bfloat16
+    assert not _float32_made(rec.made, x.shape), rec.made          # no widened x, no wide output
+    assert all(t.grad.dtype == torch.bfloat16 for t in args)
+
+    def rnd(t):        # the value rounded to bfloat16 (where eager rounds), the identity's gradient
+        return t + (t.detach().bfloat16().double() - t.detach())
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y64 = w64 * rnd(h)
+    (y64 * cot.double()).sum().backward()
+    ref_y = y64.detach().bfloat16().double()
+    assert ((y.detach().double() - ref_y).abs() <= _bf16_ulp(ref_y)).all()
+    for t, ref in zip(args, (x64, w64)):
+        # bfloat16 gradients: 2^-8 relative per rounding; w's sums 6 rows
+        torch.testing.assert_close(t.grad.double(), ref.grad, atol=0.02, rtol=0.02)
+    e_args = [t.detach().clone().requires_grad_() for t in (x, w)]
+    llama_rms_norm(*e_args).backward(cot)
+    for t, e in zip(args, e_args):
+        torch.testing.assert_close(t.grad.double(), e.grad.double(), atol=0.02, rtol=0.02)
+
+
 def bf16_logits_loss(h, W, y):           # HF's loss: logits.float(), then cross_entropy over a view
     logits = (h @ W).float()
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))

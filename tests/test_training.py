@@ -490,3 +490,44 @@ def test_region_backward_failing_at_run_time_falls_back(monkeypatch, fresh_kerne
     ref = torch.autograd.grad((_norm(xd, wd, bd) * cot.double()).sum(), [xd, wd, bd])
     for name, a, r in zip("xwb", got, ref):
         torch.testing.assert_close(a.double(), r, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+
+
+def _rms(x, w):                      # Llama's RMSNorm, float32
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _two_layers(x, w1, w2, W):
+    """Two layers' norms: the same computation on other values (a matmul between them)."""
+    h = _rms(x, w1) @ W
+    return _rms(h, w2)
+
+
+def test_layers_with_the_same_program_derive_and_compile_it_once(monkeypatch, fresh_kernels):
+    """Issue 12's cold compile: regions that differ only in the torch values they read (every
+    layer's norm) import as one program (inputs named by position), so its backward is derived
+    and its kernels compiled once per process; the second layer reuses them. Gradients of every
+    input against float64 eager."""
+    derived = []
+    real = sys.modules["acefuse.backward"].backward
+
+    def counting(prog, wrt=None):
+        derived.append(prog.name)
+        return real(prog, wrt=wrt)
+    monkeypatch.setattr(sys.modules["acefuse.backward"], "backward", counting)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 16, generator=g).requires_grad_()
+    w1, w2 = ((torch.rand(16, generator=g) + 0.5).requires_grad_() for _ in range(2))
+    W = (torch.randn(16, 16, generator=g) / 4).requires_grad_()
+    cot = torch.randn(3, 16, generator=g)
+    cf = af.compile(_two_layers, x, w1, w2, W)
+    got = torch.autograd.grad((cf(x, w1, w2, W) * cot).sum(), [x, w1, w2, W])
+    r1, r2 = cf.regions
+    assert r1.program.key() == r2.program.key(), (r1.program, r2.program)
+    assert r1.grad is r2.grad and r1.kernel is r2.kernel
+    assert derived == [r1.program.name], derived            # one derivation for both layers
+    assert [r.calls["grad"] for r in cf.regions] == [1, 1]
+    assert set(r1.imp.labels.values()) != set(r2.imp.labels.values())   # other values, named in labels
+    ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, W)]
+    ref = torch.autograd.grad((_two_layers(*ins) * cot.double()).sum(), ins)
+    for name, a, r in zip(("x", "w1", "w2", "W"), got, ref):
+        torch.testing.assert_close(a.double(), r, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")

@@ -221,6 +221,7 @@ class Imported:
         self.inputs: list = inputs        # InputSpec
         self.outputs: list = outputs      # OutputSpec, in the order torch returns them
         self.nodes = nodes                # the FX nodes it replaces
+        self.labels: dict = {}            # program input name -> the torch value it reads (FX node name)
 
     @property
     def sources(self) -> list:
@@ -304,6 +305,47 @@ class Imported:
                 odt[o.name] = fd
         return chains, odt
 
+    def grad_chains(self, values: dict):
+        """How a differentiable call (training) reads its inputs in their own types: each input's
+        view chain without its widening casts (``InputSpec.direct_chain``), or None where the call
+        takes the widening path (``compute_dtype``). Direct only when it changes no value and no
+        type: a region without contractions (there every float16/bfloat16 output the region
+        computes ends with the program's own rounding, ``af.cast``, so the kernel writes it exactly
+        on the GPU and in Triton's interpreter alike), whose float inputs, read without their
+        widening casts, and whose outputs all have one type narrower than the compute dtype
+        (HF's RMSNorm in bfloat16: ``x.to(float32)`` and the weight in, bfloat16 out). The
+        differentiable kernel writes its outputs in its inputs' type and its gradients in each
+        input's, keeping the saved values wide (acefuse.autograd), so the float32 copy of every
+        input (saved for the backward too) and the float32 outputs narrowed by torch are not made.
+        An integer output or mixed input types keep the widening path (the kernel would write
+        the outputs in its first float input's type)."""
+        from acefuse.frontend.lower import kind_of
+        if any(kind_of(n) == "contraction" for n in self.nodes):
+            return None
+        chains, dt = {}, None
+        for s in self.inputs:
+            t = values.get(s.src)
+            if not isinstance(t, torch.Tensor):
+                return None
+            chain = s.direct_chain(t.dtype)
+            chains[s.name] = chain
+            if s.role == "index":
+                continue
+            if s.extra and s.extra[0] == "ne":
+                return None
+            d = t.dtype
+            for step in chain:
+                if step[0] == "to":
+                    d = step[1]
+            if not d.is_floating_point or dt not in (None, d):
+                return None
+            dt = d
+        if dt is None or any(o.dtype != dt for o in self.outputs):
+            return None
+        if torch.finfo(dt).bits >= torch.finfo(self.compute_dtype(values)).bits:
+            return None          # nothing is widened anyway
+        return chains
+
     def torch_outputs(self, outs) -> list:
         if not isinstance(outs, dict):
             outs = {self.outputs[0].name: outs}
@@ -318,11 +360,17 @@ class Imported:
         return [o.to_torch(torch.from_numpy(res[o.name])).double() for o in self.outputs]
 
     def __repr__(self):
-        return f"Imported({self.program!r}; inputs {[s.name for s in self.inputs]})"
+        ins = [s.name if self.labels.get(s.name, s.name) == s.name else f"{s.name}={self.labels[s.name]}"
+               for s in self.inputs]
+        return f"Imported({self.program!r}; inputs {ins})"
 
 
 def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
-    """Lower ``nodes`` (topological order) to one program whose outputs are ``outputs``."""
+    """Lower ``nodes`` (topological order) to one program whose outputs are ``outputs``. A
+    region's inputs (``full=False``) are named ``x0, x1, ...`` in the order its ops read them
+    (``Imported.labels`` maps each to the torch value it reads), so regions that differ only in
+    the values they read (every layer's) are one program; a whole function's (``full=True``) are
+    named after its values."""
     region = set(nodes)
     cx = Ctx(region, full)
     for n in nodes:
@@ -349,15 +397,22 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
         axes |= {a.find() for a in lax}
     names = ir.name_axes(axes)
     onames = ["out"] if len(outs) == 1 else [f"out{i}" for i in range(len(outs))]
-    leaves, specs, used = {}, [], set(onames)
-    for key, (leaf, role, extra, lax) in cx.leaves.items():
-        base = _ident(leaf.src.name)
-        tname = base if not (leaf.chain or extra) else f"{base}_v"
-        k = 2
-        while tname in used:
-            tname = f"{base}_v{k}"
-            k += 1
+    leaves, specs, used, labels = {}, [], set(onames), {}
+    for i, (key, (leaf, role, extra, lax)) in enumerate(cx.leaves.items()):
+        if not full:
+            # a region's inputs are named by position (x0, x1, ... in the order the region's ops
+            # read them), not after torch's values: every layer's norm, attention or loss is then
+            # the same program (one Program.key()), derived, certified and compiled once
+            tname = f"x{i}"
+        else:
+            base = _ident(leaf.src.name)
+            tname = base if not (leaf.chain or extra) else f"{base}_v"
+            k = 2
+            while tname in used:
+                tname = f"{base}_v{k}"
+                k += 1
         used.add(tname)
+        labels[tname] = leaf.src.name
         leaves[key] = (tname, lax)
         specs.append(InputSpec(tname, leaf.src, leaf.chain, role, extra))
     em = ir.Emitter(names, leaves)
@@ -373,7 +428,9 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
         raise FrontendError(f"the imported program {name!r} is malformed: {e}") from e
     for o in ospecs:  # the program fixes each output's axis order (kernels write it so)
         o.expr_axes = list(prog.outputs[o.name].axes)
-    return Imported(prog, specs, ospecs, list(nodes))
+    imp = Imported(prog, specs, ospecs, list(nodes))
+    imp.labels = labels
+    return imp
 
 
 def import_graph(gm: torch.fx.GraphModule, args, name=None) -> Imported:

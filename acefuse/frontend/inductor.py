@@ -2,7 +2,8 @@
 
 Each compiled region of a specialised graph (runtime.specialize) becomes a call of
 ``region_call(key, *sources)``: the region's input adapters (views, size-1 squeezes; widening
-casts only in training), one opaque custom op ``acefuse::region(key, inputs)`` that runs the
+casts only in training, and there only where the region is not read in its own type:
+runtime.grad_chains), one opaque custom op ``acefuse::region(key, inputs)`` that runs the
 acefuse kernel on the program's inputs, and the output adapters (permutes, reshapes, the output
 dtype and torch's strides). For inference the op takes float16/bfloat16 sources as they are (the
 kernel widens on load) and its launcher writes each output in eager's type
@@ -61,12 +62,12 @@ class RegionOp:
         # (chains, out_dtypes): the op reads float inputs in their own types and writes eager's
         # output types (Imported.direct_plan); None: inputs widened by the adapters
         self.plan = plan
-        self._out_kw = {"out_dtypes": plan[1]} if plan is not None else {}
+        self._out_kw = {"out_dtypes": plan[1]} if plan is not None and plan[1] is not None else {}
         # on the GPU the launcher itself (Kernel.__call__'s grad and empty-input checks are moot:
         # the op's implementation runs below autograd; an empty input takes the kernel's path)
         cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda"
                    for v in (s.meta.get("af_val") for s in self.imp.sources))
-        self._run = self.kernel.module.run if plan is not None and cuda else self.kernel
+        self._run = self.kernel.module.run if plan is not None and plan[1] is not None and cuda else self.kernel
         self.names = list(self.prog.tensors)
         self.keys = list(self.prog.outputs)
         self.n_out = len(self.keys)
@@ -343,13 +344,19 @@ def region_call(key, *srcs):
 
 
 def _plan(region, dk):
-    """The region op's direct plan (Imported.direct_plan) for inference; None in training (the
-    augmented forward and the backward read widened inputs) or where the region has none."""
-    if dk is not None or region.kernel is None:
+    """The region op's direct plan: for inference Imported.direct_plan's ``(chains, out_dtypes)``;
+    in training ``(chains, None)`` where the differentiable kernel reads its inputs in their own
+    types (runtime.grad_chains: it writes its outputs in that type, its saved values wide); None
+    where the region has none (the widening adapters)."""
+    if region.kernel is None:
         return None
     imp = region.imp
     vals = {s: s.meta.get("af_val") for s in imp.sources}
     try:
+        if dk is not None:
+            from acefuse.frontend.runtime import grad_chains
+            chains = grad_chains(imp, dk, vals)
+            return None if chains is None else (chains, None)
         return imp.direct_plan(vals, region.kernel, imp.compute_dtype(vals))
     except Exception:  # noqa: BLE001 - the widening adapters always work
         return None

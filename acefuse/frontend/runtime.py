@@ -35,7 +35,15 @@ warning naming the region and why: gradients are never dropped. When that region
 holds contractions (matmuls: no derived backward kernel yet), they stay in torch and
 the reductions around them are retried, as for inference. Grad mode and
 ``requires_grad`` are part of the shape signature, so the same function under
-``torch.no_grad()`` (inference) runs the plain kernels.
+``torch.no_grad()`` (inference) runs the plain kernels. A float16/bfloat16 region without
+contractions whose inputs and outputs have one type (HF's RMSNorm: ``x.to(float32)`` inside)
+runs its differentiable kernel on the inputs as they are (``grad_chains``: no float32 copy of
+an input, none saved for the backward; outputs and gradients in that type, saved values wide);
+other regions are widened to the compute dtype as before.
+
+Region inputs are named by position (``importer.import_nodes``), so regions that differ only in
+the torch values they read (every layer's norm or attention) are one program: derived, certified
+and compiled once per process (and found in the on-disk index by other processes).
 """
 from __future__ import annotations
 
@@ -116,14 +124,19 @@ class CompiledRegion(torch.nn.Module):
         return feeds, run, kw
 
     def _run_grad(self, srcs):
-        """The differentiable kernel on these source values (widened to the compute dtype: its
-        saved values and backward are in it); the input adapters are worked out on the first call."""
+        """The differentiable kernel on these source values: read in their own types where that
+        changes nothing (``grad_chains``: a bfloat16 norm region reads bfloat16 and writes it),
+        else widened to the compute dtype; the input adapters are worked out on the first call."""
         if self._grad_feeds is None:
             values = dict(zip(self._sources, srcs))
             if self._fd is None:
                 self._fd = self.imp.compute_dtype(values)
+            chains = grad_chains(self.imp, self.grad, values)
+            fd = self._fd if chains is None else None
             at = {s: i for i, s in enumerate(self._sources)}
-            self._grad_feeds = [(s.name, at[s.src], s.adapter(srcs[at[s.src]], self._fd)) for s in self.imp.inputs]
+            self._grad_feeds = [(s.name, at[s.src], s.adapter(srcs[at[s.src]], fd,
+                                                              None if chains is None else chains[s.name]))
+                                for s in self.imp.inputs]
         return self.grad(**{name: srcs[i] if f is None else f(srcs[i]) for name, i, f in self._grad_feeds})
 
     def _torch_outputs(self, outs, how):
@@ -197,6 +210,24 @@ def _interpreted(run):
         with np.errstate(all="ignore"):
             return run(**kw)
     return call
+
+
+def grad_chains(imp, dk, values: dict):
+    """``Imported.grad_chains`` for a call of the differentiable kernel ``dk``, or None (the
+    widening path) unless ``dk`` keeps its saved values wide: its augmented forward kernel takes
+    ``out_dtypes`` (a row's max, sum or inverse deviation saved in bfloat16 would lose precision
+    in the backward)."""
+    chains = imp.grad_chains(values)
+    if chains is None:
+        return None
+    try:
+        from acefuse.autograd import takes_out_dtypes
+        aug, bwd = dk._grad_kernels()
+    except Exception:  # noqa: BLE001 - the widening path reports its own errors
+        return None
+    if bwd is None or not takes_out_dtypes(aug):
+        return None
+    return chains
 
 
 def requires_grad_inputs(imp, values: dict) -> list:
