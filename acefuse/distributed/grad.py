@@ -262,6 +262,7 @@ class ShardedBackward:
 
     def __init__(self, bwd, plan, compile_kw):
         self.sk, self.bwd, self.plan = None, bwd, plan
+        self._final = frozenset(bwd.grads.values())     # gradients returned as they are computed
         self.kw = dict(compile_kw)
         self._kernels = {}
         for p in plan.progs:     # the derivations, once (kernels with global offsets come from them)
@@ -311,7 +312,12 @@ class ShardedBackward:
         except (TypeError, ValueError):
             out = k(**ins)
         outs = out if isinstance(out, dict) else {next(iter(p.outputs)): out}
-        return {o: outs[o].float() if outs[o].dtype != torch.float64 else outs[o] for o in p.outputs}
+        # values combined across blocks or ranks, and values later programs read, in float32;
+        # a gradient complete on this rank (kind 'local': a vocab shard's logit gradient) stays
+        # in the kernel's type (widening it cost two passes over the shard and a cast back)
+        done = self._final
+        return {o: outs[o] if outs[o].dtype == torch.float64 or (o in done and p.kinds.get(o) == "local")
+                else outs[o].float() for o in p.outputs}
 
     # -- running ----------------------------------------------------------------------------
     def run(self, env, info, opts):
