@@ -168,6 +168,11 @@ class BackwardKernel:
         riders = {b: a for b, a in dict(riders or {}).items() if b not in _upstream(a, needs)}
         self._riders = riders
         self._rider_hosts = set(self._riders.values())
+        # riders on a GPU: "timed" (the first call per shape class times the host with its riders
+        # against the stages apart and keeps the faster: ``ride_times``), True (always), False (never)
+        self.ride_policy = "timed"
+        self._ride_choice: dict = {}
+        self.ride_times: dict = {}   # key -> (ms with riders, ms apart)
         # hosts before their riders, every stage after the pre-stages whose values it reads
         self._order = _dependency_order(sorted(range(len(kernels)), key=lambda i: i in self._riders), needs)
         # per-call work done once: which inputs are read how, what each stage takes and gives
@@ -223,7 +228,7 @@ class BackwardKernel:
                                             and n not in bwd.index_inputs), torch.float32))
                 if direct:
                     kin["out_dtypes"] = {n: wide for n in inter}
-            if i in self._rider_hosts and "schedule" not in run_kw:
+            if i in self._rider_hosts and "schedule" not in run_kw and self._ride(i, k, kin, inputs, run_kw):
                 res = _as_dict(_run_stage(k, {**kin, "riders": True}, run_kw), onames)
                 self._fold_riders(i, res, inputs, out, out_axes)
             else:
@@ -254,6 +259,35 @@ class BackwardKernel:
             grads[f"grad_{name}"] = torch.zeros([sizes[a] for a in axes], dtype=ref.dtype if ref is not None
                                                 else torch.float32, device=ref.device if ref is not None else None)
         return grads
+
+    def _ride(self, host, k, kin, inputs, run_kw) -> bool:
+        """Whether the host stage computes its riders in this call: always off a GPU or with
+        explicit launch options; on a GPU per ``ride_policy``. "timed": the first call per (host,
+        device, sizes rounded up to powers of two, dtypes) runs the host with its riders and the
+        host and riding stages apart (each once untimed, so that each kernel's launch
+        configuration is chosen first), times both and keeps the faster."""
+        dev = next((t.device for t in kin.values() if isinstance(t, torch.Tensor)), None)
+        if self.ride_policy is not True and self.ride_policy != "timed":
+            return False
+        if dev is None or dev.type != "cuda" or run_kw or self.ride_policy is True:
+            return True
+        key = (host, str(dev), tuple((n, tuple(1 << max(0, (int(x) - 1).bit_length()) for x in t.shape), str(t.dtype))
+                                     for n, t in kin.items() if isinstance(t, torch.Tensor)))
+        if key not in self._ride_choice:
+            riding = [b for b, h in self._riders.items() if h == host]
+
+            def together():
+                _run_stage(k, {**kin, "riders": True}, run_kw)
+
+            def apart():
+                _run_stage(k, kin, run_kw)
+                for b in riding:
+                    kb, tn = self._stages[b][:2]
+                    _run_stage(kb, {n: inputs[n] for n in tn}, run_kw)
+            t = (_time_ms(together), _time_ms(apart))
+            self.ride_times[key] = t
+            self._ride_choice[key] = t[0] <= t[1]
+        return self._ride_choice[key]
 
     def _fold_riders(self, host, res, inputs, out, out_axes):
         """The partial sums the host stage's kernel wrote for its riders' outputs, folded
@@ -311,6 +345,19 @@ def _dependency_order(base, needs) -> list:
         order.append(i)
         done.add(i)
     return order
+
+
+def _time_ms(fn, reps=5) -> float:
+    """Milliseconds per call of ``fn`` on the GPU, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _run_stage(k, kin, run_kw):

@@ -245,6 +245,19 @@ def run_program(af, A, name, size, dtype, dev, sweep, timer, cpu):
     ms = timer(lambda: bk(**inputs))
     fa = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
     row["backward"] = {"ms": ms, "tflops_fa_convention": fa / (ms * 1e-3) / 1e12 if ms else None}
+    if getattr(bk, "_riders", None):   # the timed choice (ms with riders, apart), then each forced
+        row["ride_times"] = {str(key[0]): list(t) for key, t in bk.ride_times.items()}
+        policy = bk.ride_policy
+        for label, p in (("backward_riders", True), ("backward_apart", False)):
+            bk.ride_policy = p
+            bk(**inputs)
+            row[label] = {"ms": timer(lambda: bk(**inputs))}
+        bk.ride_policy = policy
+        tma = [getattr(bk.kernels[h].module, "TMA_ERRORS", []) for h in set(bk._riders.values())]
+        row["tma_errors"] = [e for t in tma for e in t]
+        print(f"  {name} backward: timed choice {row['ride_times']} (ms with riders, apart); forced riders "
+              f"{row['backward_riders']['ms']:.3f} ms, apart {row['backward_apart']['ms']:.3f} ms"
+              + (f"; TMA errors {row['tma_errors']}" if row["tma_errors"] else ""), flush=True)
     if not cpu:
         from torch.nn.attention import SDPBackend
         for label, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):

@@ -195,7 +195,7 @@ def check_sum_riders(gen) -> None:
     from acefuse.codegen.emit import CodegenError
     from acefuse.codegen.sums import _const_factor
     from acefuse.codegen.contraction import _flat_mul
-    gen.rscale = {}
+    gen.rscale, gen.rtma = {}, []
     for o, (body, axes) in gen.riders.items():
         where = f"program {gen.name!r}: rider {o!r} (axes {' '.join(axes)})"
         if o in gen.tensors or o in gen.out_axes:
@@ -208,6 +208,9 @@ def check_sum_riders(gen) -> None:
         if missing:
             raise CodegenError(f"{where}: reads {missing}, which the host kernel does not load")
         gen.rscale[o] = _const_factor(_flat_mul(body))[0]
+        vs = [a for a in axes if a in gen.V]
+        if vs and list(axes) == list(gen.G) + [gen.F] + vs:   # a [grid, loop, vector] block: TMA-addressable
+            gen.rtma.append(o)
 
 
 def sum_rider_lines(gen, full) -> list:
@@ -258,7 +261,15 @@ def sum_rider_lines(gen, full) -> list:
             mask = None if full else "fmask"
         if gen._count:
             gen.rdots.append(a)
-        gen.lines.append(f"tl.atomic_add({ptr}, {val}{', mask=' + mask if mask else ''}, sem='relaxed')")
+        add = f"tl.atomic_add({ptr}, {val}{', mask=' + mask if mask else ''}, sem='relaxed')"
+        if o in gen.rtma:   # on Hopper: one bulk reduce-add of the [tile, axis] block (TMA clips the edges)
+            gen.lines += ["if RTMA:",
+                          f"    {o}_desc.atomic_add([pid_g, tl.min(cols, axis=0), 0], "
+                          f"tl.reshape({val}, [1, BLOCK_J, BLOCK_V_{a}]))",
+                          "else:",
+                          "    " + add]
+        else:
+            gen.lines.append(add)
         sc = gen.rscale.get(o, 1.0)
         out.append(f"        # rider {o} = sum_{''.join(gen.R)}({pretty(body)}): this tile's rows, per {F} column, "
                    f"added into a float32 buffer (sum-split){f'; x {sc!r} after the pass' if sc != 1.0 else ''}")

@@ -119,6 +119,7 @@ class SumGen:
             from acefuse.codegen.riders import check_sum_riders
             check_sum_riders(self)
         self.rdots: list = []     # per tile: the vector axis of each rider's tl.dot ('' for a row sum)
+        self.rtma = getattr(self, "rtma", [])   # riders added by a TMA reduce where the launcher says (RTMA)
         self.hoisted: list = []
         self._hoist: dict = {}
         self.lines: list = []
@@ -445,6 +446,8 @@ class SumGen:
         for o, (_, axes) in self.riders.items():
             args.append(f"{o}_ptr")
             args += [f"s_{o}_{a}" for a in axes]
+            if o in self.rtma:
+                args.append(f"{o}_desc")   # its TMA descriptor ([grid, loop, vector]; None: pointer atomics)
         args += [f"len_{a}" for a in self.G + self.R + self.V]
         return args + ["n_rows", "n_f"]
 
@@ -455,7 +458,7 @@ class SumGen:
         L = ["@triton.jit",
              f"def {self.name}_sum({', '.join(self.sig())}, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, "
              f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr, "
-             f"REV: tl.constexpr{', RIDE: tl.constexpr' if self.riders else ''}):",
+             f"REV: tl.constexpr{', RIDE: tl.constexpr, RTMA: tl.constexpr' if self.riders else ''}):",
              f"    # grid: (row tiles over {' '.join(self.R)}, {' '.join(self.G) or 'one'}); "
              f"loop over tiles of {F!r} carrying the sums"]
         L.append("    pid_r = tl.program_id(0)")

@@ -37,8 +37,8 @@ def _torch(name, q, k, v, slope=None):
         s = torch.einsum("bgrid,bgjd->bgrij", q, k) * A.SCALE
         return torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), v)
     s = q @ k.transpose(-1, -2) * A.SCALE
-    i = torch.arange(q.shape[-2], dtype=torch.float64)[:, None]
-    j = torch.arange(k.shape[-2], dtype=torch.float64)[None, :]
+    i = torch.arange(q.shape[-2], dtype=torch.float64, device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], dtype=torch.float64, device=q.device)[None, :]
     if name == "alibi":
         s = s + slope[None, :, None, None] * (j - i)
     if name in ("causal", "alibi"):
@@ -150,6 +150,7 @@ def test_rider_on_the_gpu(name, monkeypatch):
     tile): gradients against float64 autograd of the same rounded inputs, and the rider's dQ
     against the stage run alone (schedule='loop') in the same precision."""
     bk, finished, alone = _watch(name, monkeypatch)
+    monkeypatch.setattr(bk, "ride_policy", True)   # the rider path, not the timed choice
     g = torch.Generator(device="cuda").manual_seed(1)
     B, H, N, D = 2, 4, 1000, 128
     ins = {n: torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16) for n in "qkv"}
