@@ -10,8 +10,13 @@ bf16 weights, SDPA attention). Implementations (``--impls``, default all):
 - ``acefuse-eager``: ``af.Backend(inner="eager")``: acefuse's regions, the rest op by op in torch.
 
     python3 benchmarks/bench_models.py [--quick | --size tiny|quick|full] [--mode inference|training|both]
-        [--impls eager,inductor,acefuse,acefuse-eager] [--take attention,loss,softmax,norm]
-        [--out f.json]                                                 # needs egglog (carry the wheel)
+        [--train] [--impls eager,inductor,acefuse,acefuse-eager] [--take attention,loss,softmax,norm]
+        [--device cuda|cpu] [--dtype bfloat16|float32] [--out f.json]  # needs egglog (carry the wheel)
+
+``--train`` is ``--mode training``: the training step of eager, Inductor (``torch.compile``'s default
+backend) and acefuse's backend, timed in one run on the same weights and batch, e.g. issue 12's
+realistic size: ``--size full --train``. The CPU smoke run of the same comparison:
+``--size tiny --train --device cpu`` (``--dtype bfloat16`` exercises the bfloat16 path there).
 
 ``--size``: ``quick`` (hidden 1024, 4 layers, 16/4 heads, batch 4 x 1024), ``full`` (issue 12's
 realistic size: hidden 2048, 4 layers, 16/4 heads, batch 4 x 2048), ``tiny`` (the CPU smoke run:
@@ -134,6 +139,11 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true",
                     help="run each implementation's first call (compile, check) and no timed steps: fills --cache-dir")
     ap.add_argument("--mode", choices=("inference", "training", "both"), default="both")
+    ap.add_argument("--train", action="store_true", help="the same as --mode training")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="default cuda when there is a GPU; cpu runs only --size tiny (Triton's interpreter)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="weights and activations (default bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--take", default=None,
                     help="comma-separated region kinds acefuse takes (attention, loss, softmax, norm; default all): "
                          "af.Backend(take=...), the others stay with Inductor / torch")
@@ -152,17 +162,26 @@ def main(argv=None):
                          ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
             os.environ[var] = str(root / sub)
             (root / sub).mkdir(parents=True, exist_ok=True)
+    if args.train:
+        args.mode = "training"
     modes = ("inference", "training") if args.mode == "both" else (args.mode,)
     size = args.size or ("quick" if args.quick else "full")
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if args.device == "cuda" and not cuda:
+        print("bench_models: --device cuda, but torch sees no CUDA GPU")
+        return 2
     if not cuda and size != "tiny":
         print("bench_models: needs a CUDA GPU (without one: --size tiny, the CPU smoke run)")
         return 2
     if not cuda:
         import os
+        if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
+            print("bench_models: --device cpu on a machine with a GPU needs TRITON_INTERPRET=1 set before "
+                  "Python starts (Triton reads it at import)")
+            return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     import acefuse as af
     cfg, B, T = config(size, args.layers)
     import transformers
