@@ -301,11 +301,12 @@ class StackedKernel:
         self.program, self.kernel = prog, kernel
         names = list(prog.tensors)
         # (input, its position, the dimension of the selected axis, k, axis): a row must hold k elements
-        self._rows = []
+        rows = {}
         for n, (_, parts, axis) in prog.stacked.items():
             holder = next((t for t in names if axis is not None and axis in prog.tensors[t]), None)
             if holder is not None:
-                self._rows.append((holder, names.index(holder), list(prog.tensors[holder]).index(axis), len(parts), axis))
+                rows[(holder, names.index(holder), list(prog.tensors[holder]).index(axis), len(parts), axis)] = None
+        self._rows = list(rows)
         mod = getattr(getattr(kernel, "kernel", None), "module", None)
         stacked = getattr(mod, "STACKED", None) or {}
         # the class of the launcher's result when it writes every stacked output itself

@@ -225,6 +225,8 @@ def test_topk_language_errors(top2):
     prog, kern = top2
     with pytest.raises(ValueError, match="top-2 over axis 'e'.*only 1 elements"):
         kern(x=torch.randn(3, 1))
+    with pytest.raises(ValueError, match="top-2 over axis 'e'.*only 1 elements"):
+        kern(torch.randn(3, 1))        # by position too
 
 
 # ---- routing ---------------------------------------------------------------------------------------
@@ -413,6 +415,10 @@ def test_routing_kernel_writes_the_stacked_outputs_itself(monkeypatch):
         assert torch.equal(out["experts__0"], out["experts"][:, 0])
     raw = mod.run(x=X)                  # the generated launcher alone: the same stacked tensors
     _check_route(X, 2, raw)
+    mod._PLANS.clear()                  # a call signature's launch is worked out once (the plan cache)
+    for _ in range(3):
+        _check_route(X, 2, kern(x=X))
+    assert len(mod._PLANS) == 1
 
 
 def test_routing_launcher_refuses_rows_shorter_than_k():
