@@ -696,40 +696,67 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
     pres: dict = {}        # intermediate name -> its Expr (the outputs of the pre-stages)
     for _ in range(0 if pre else _HOIST_ROUNDS):   # (a pre-stage's own reductions stay in it)
         found = _hoist(_group(outputs), outputs)
-        if not found:
+        nested = _hoist_nested(pres, found)   # and reductions nested in a pre-stage's value
+        if not found and not nested:
             break
         subst = {}
-        for t, (a, missing) in found.items():
+        for t, (a, missing) in list(found.items()) + list(nested.items()):
             n = next(f"pre{i}" for i in range(1, len(taken) + 2) if f"pre{i}" not in taken)
             taken.add(n)
-            e0 = next(o for o in outputs.values() if any(u is t or u == t for u in o.term.walk()))
+            inner = _red_axes(t.args[1])
+            nest = f"a reduction over {t.args[0].args[0]} of a reduction over {', '.join(inner)}, nested in"
+            if t in found:
+                e0 = next(o for o in outputs.values() if any(u is t or u == t for u in o.term.walk()))
+                why = (f"invariant along {', '.join(sorted(missing))} in stage {name}_{a} (fused over {a}); its grid "
+                       f"would recompute it for every block along {' and '.join(sorted(missing))}" if missing else
+                       f"{nest} stage {name}_{a} (fused over {a}), which has no row axes: inline it would be a "
+                       "pass with no rows to run the inner reduction on; its own stage computes it first")
+            else:
+                e0 = pres[a]
+                why = (f"{nest} the pre-stage value {a} (a reduction over {e0.term.args[0].args[0]}): inline it "
+                       "would be a pass of that value's kernel with the inner reduction nested in it; its own "
+                       "stage computes it first")
             axes = tuple(x for x in order if x in _Axes(e0.tensors)(t)) if order else tuple(sorted(_Axes(e0.tensors)(t)))
             pres[n] = _retensor(t, axes, e0.tensors)
-            hoisted[n] = (axes, t, f"invariant along {', '.join(sorted(missing))} in stage {name}_{a} "
-                                   f"(fused over {a}); its grid would recompute it for every block along "
-                                   f"{' and '.join(sorted(missing))}")
+            hoisted[n] = (axes, t, why)
             subst[t] = Term("In", (n,))
             tensor_order.append(n)
-        for k, e in list(outputs.items()):
-            nt = _substitute(e.term, subst)
-            if nt is not e.term:
-                tens = dict(e.tensors)
-                tens.update({n: pres[n].axes for n in {u.args[0] for u in nt.walk() if u.op == "In"} if n in pres})
-                outputs[k] = _retensor(nt, e.axes, tens)
+        for table in (outputs, pres):
+            for k, e in list(table.items()):
+                # (a value is not replaced by its own name: only its subterms are)
+                nt = _substitute(e.term, {t: v for t, v in subst.items() if not (table is pres and v.args[0] == k)})
+                if nt is not e.term:
+                    tens = dict(e.tensors)
+                    tens.update({n: pres[n].axes for n in {u.args[0] for u in nt.walk() if u.op == "In"} if n in pres})
+                    table[k] = _retensor(nt, e.axes, tens)
     pre_stages = _stages(name + "_pre", pres, tensor_order, order, None, forward, hoisted, True) if pres else []
     if not pre:
         return pre_stages + _build(name, outputs, _group(outputs), tensor_order)
     # pre-stages: the values that reduce over one axis share a kernel per axis (FlashAttention-2's
     # D = sum_e(grad_o * o)); a value nested over several axes gets its own stage, compiled over
     # whichever of its axes compiles (``sum_j(sum_r(X))``: over r, rows j, then a sum over j)
-    stages, single = [], {}
-    for n, e in outputs.items():
-        red = _red_axes(e.term)
-        if len(red) == 1:
-            single.setdefault(red[0], []).append(n)
-        else:
-            stages += _build(f"{name}_{n}", {n: e}, {_inner_axis(e.term): [n]}, tensor_order)
-    stages = _build(name, outputs, single, tensor_order) + stages
+    # A value that reads another one (``_hoist_nested``) runs in a later kernel than it: level
+    # 0 reads none, level L reads one of level L - 1 (stages are listed in level order).
+    level: dict = {}
+
+    def lev(n):
+        if n not in level:
+            level[n] = 1 + max([lev(m) for m in {u.args[0] for u in outputs[n].term.walk() if u.op == "In"}
+                                if m in outputs and m != n], default=-1)
+        return level[n]
+    stages = []
+    for L in sorted({lev(n) for n in outputs}):
+        base = name if L == 0 else f"{name}_l{L}"
+        single, nest = {}, []
+        for n, e in outputs.items():
+            if lev(n) != L:
+                continue
+            red = _red_axes(e.term)
+            if len(red) == 1:
+                single.setdefault(red[0], []).append(n)
+            else:
+                nest += _build(f"{base}_{n}", {n: e}, {_inner_axis(e.term): [n]}, tensor_order)
+        stages += _build(base, outputs, single, tensor_order) + nest
     for st in stages:
         st.hoisted = {n: hoisted[n][2] for n in st.outputs if n in hoisted}
     return pre_stages + stages
@@ -784,7 +811,13 @@ def _hoist(groups: dict, outputs: dict) -> dict:
     value instead. Lengths are not known when the backward is derived; a row axis is taken to
     span more than one block (the case a backward is derived for), where the pre-pass costs
     less than the recomputations. An output's own root reduction is what its stage computes
-    and is never hoisted; a hoisted reduction is read by every stage that uses it."""
+    and is never hoisted; a hoisted reduction is read by every stage that uses it.
+
+    A stage with no row axes (a gradient over the fused axis alone: ``w`` over j) is one
+    program; a reduction over ``a`` nested in it whose body reduces over another axis
+    (``sum_j(sum_r(X))``, 0-d) would be a pass of that program with no rows to run the inner
+    reduction on, which no kernel family has: it is hoisted too (its own stage compiles it
+    over r, rows j, then sums over j)."""
     found: dict = {}
     for a, ks in groups.items():
         if a is None:
@@ -805,6 +838,9 @@ def _hoist(groups: dict, outputs: dict) -> dict:
                 if missing and _not_larger(u, axes_of(u), tensors):
                     found[u] = (a, missing)
                     return
+                if not rows and _nested_over(u, a) and _not_larger(u, axes_of(u), tensors):
+                    found[u] = (a, set())   # (see the docstring's last paragraph)
+                    return
             for c in u.children:
                 visit(c, False, seen)
 
@@ -812,6 +848,38 @@ def _hoist(groups: dict, outputs: dict) -> dict:
         for r in roots:
             visit(r, True, seen)
     return found
+
+
+def _nested_over(u: Term, a: str) -> bool:
+    """``u`` is a reduction over ``a`` of a body that reduces over other axes only
+    (``sum_j(sum_r(X))``)."""
+    return (u.op in RED and u.args[0].op == "Ax" and u.args[0].args[0] == a
+            and bool(_red_axes(u.args[1])) and a not in _red_axes(u.args[1]))
+
+
+def _hoist_nested(pres: dict, found: dict) -> dict:
+    """The rule of ``_hoist``'s last paragraph inside a pre-stage's value ``n`` (a reduction
+    over ``a``, 0-d or over rows of its own): ``sum_j(where(hit, sum_j(sum_r(X)) / count, 0))``
+    (a max's adjoint routed through another max) reads ``sum_j(sum_r(X))`` inside a sum over
+    j; inline that is a cascade over j whose inner value is a reduction over r, which no
+    one-pass kernel computes. Hoisted, its own stage computes it first and ``n`` reads it.
+    {term: (n, set())}; terms in ``found`` (hoisted anyway this round) are left to it."""
+    out: dict = {}
+    for n, e in pres.items():
+        a = e.term.args[0].args[0]
+        axes_of = _Axes(e.tensors)
+
+        def visit(u, root, seen):
+            if u in seen or u in out or u in found:
+                return
+            seen.add(u)
+            if not root and _nested_over(u, a) and _not_larger(u, axes_of(u), e.tensors):
+                out[u] = (n, set())
+                return
+            for c in u.children:
+                visit(c, False, seen)
+        visit(e.term, True, set())
+    return out
 
 
 def _not_larger(u: Term, axes: set, tensors: dict) -> bool:
