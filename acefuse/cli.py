@@ -135,8 +135,9 @@ def cmd_run(args) -> int:
               f"HBM passes unfused {k.fusion.hbm_passes['unfused']} -> fused {k.fusion.hbm_passes['fused']}")
         if not args.check:
             continue
-        ref = evaluate(p, {n: t.cpu().to(torch.float64) if t.dtype.is_floating_point else t.cpu()
-                           for n, t in inputs.items()})
+        from acefuse.topk import stack_outputs    # the kernel writes a top-k's candidates as one tensor
+        ref = stack_outputs(p, evaluate(p, {n: t.cpu().to(torch.float64) if t.dtype.is_floating_point else t.cpu()
+                                            for n, t in inputs.items()}))
         for o, y in out.items():
             r = ref[o]
             got = y.detach().cpu().double().numpy()

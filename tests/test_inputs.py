@@ -374,3 +374,18 @@ def test_a_0d_condition_joined_with_a_vector_one():
         rz = torch.where((X > 0.5) | (S > 0), X, 0.0).sum(-1)
         assert torch.allclose(out["y"].double(), ry, atol=1e-5, rtol=1e-5)
         assert torch.allclose(out["z"].double(), rz, atol=1e-5, rtol=1e-5)
+
+
+def test_run_checks_a_top_k_program(tmp_path, capsys):
+    """``run --check`` on a program with a top-k: the kernel writes each stacked output as one
+    [t, k] tensor, and the float64 reference is stacked the same way before comparing (it
+    raised KeyError: 'weights' when only the kernel's outputs were stacked)."""
+    f = tmp_path / "route.py"
+    f.write_text("import acefuse as af\n"
+                 "x = af.tensor('x', 't e')\n"
+                 "p = af.exp(x - af.max(x, 'e'))\n"
+                 "vals, idx = af.topk(p / af.sum(p, 'e'), 2, 'e')\n"
+                 "route = af.program('route', weights=vals / vals.sum(), experts=idx)\n")
+    assert cli.main(["run", str(f), "--check", "--sizes", "t=7,e=13"]) == 0
+    out = capsys.readouterr().out
+    assert "weights" in out and "experts" in out and "FAIL" not in out
