@@ -87,6 +87,8 @@ class Expr:
 
     # -- arithmetic ------------------------------------------------------------------
     def _bin(self, other, op, swap=False):
+        if getattr(other, "_acefuse_elementwise_over_parts", False):
+            return NotImplemented    # af.Stacked: applied to each candidate by its reflected operator
         o = _lift(other)
         a, b = (o, self) if swap else (self, o)
         return _combine(op, a, b)
@@ -137,6 +139,8 @@ class Expr:
         return _unary("LNot", self)
 
     def _logic(self, o, logical, bitwise, swap=False):
+        if getattr(o, "_acefuse_elementwise_over_parts", False):
+            return NotImplemented
         o = _lift(o)
         a, b = (o, self) if swap else (self, o)
         if all(is_integer(e.term) and e.term.op not in BOOLEAN for e in (a, b)):

@@ -83,6 +83,7 @@ class Stacked:
     (``af.topk``'s values and indices)."""
 
     __array_priority__ = 1001
+    _acefuse_elementwise_over_parts = True   # Expr's operators defer to ours (``s - vals``)
 
     def __init__(self, parts, axis: str, source_axis: str | None = None):
         parts = [lang._lift(p) for p in parts]

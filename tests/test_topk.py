@@ -444,3 +444,21 @@ def test_stacked_output_elementwise_over_the_selected_axis():
         assert torch.equal(out["indices"], ti)
         np.testing.assert_allclose(out["d"].double().numpy(), (X.double()[:, :, None] - tv[:, None, :]).numpy(),
                                    rtol=1e-7, atol=4e-6)   # one float32 rounding of values below 40
+
+
+def test_an_expression_minus_candidates_applies_to_each_candidate():
+    """``s - vals`` with ``s`` an af expression (not only ``vals - s`` or ``2.0 - vals``): the
+    README promises arithmetic applies to each candidate; Expr's operators raised LanguageError."""
+    import torch
+    from acefuse.reference import evaluate
+    from acefuse.topk import Stacked, stack_outputs
+    x = af.tensor("x", "t e")
+    s = af.sum(x, "e")
+    vals, _ = af.topk(x, 2, "e")
+    gap = s - vals
+    assert isinstance(gap, Stacked) and isinstance(s / vals, Stacked)
+    prog = af.program("gap", gap=gap)
+    xs = torch.randn(5, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = torch.as_tensor(stack_outputs(prog, evaluate(prog, {"x": xs}))["gap"])
+    want = xs.sum(-1, keepdim=True) - torch.topk(xs, 2, -1).values
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
