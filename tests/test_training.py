@@ -531,3 +531,36 @@ def test_layers_with_the_same_program_derive_and_compile_it_once(monkeypatch, fr
     ref = torch.autograd.grad((_two_layers(*ins) * cot.double()).sum(), ins)
     for name, a, r in zip(("x", "w1", "w2", "W"), got, ref):
         torch.testing.assert_close(a.double(), r, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+
+
+def test_backward_riders_survive_the_disk_cache(monkeypatch, tmp_path, fresh_kernels):
+    """A norm's weight gradient (a sum over rows) rides the pass of the stage over the features
+    (codegen/riders.py). A process that loads the stage kernels from the disk index (simulated:
+    the in-memory kernels forgotten) gets the hosts' rider modules from the index too, so it runs
+    the same passes as the process that compiled them; gradients against float64 eager."""
+    from acefuse.proofs import cache as proof_cache
+    src = proof_cache.cache_path().parent
+    for f in ("proofs.json", "proofs.key"):          # (the rules' proofs are not this test's work)
+        if (src / f).exists():
+            (tmp_path / f).write_bytes((src / f).read_bytes())
+    monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(5, 24, generator=g).requires_grad_()
+    w = (torch.rand(24, generator=g) + 0.5).requires_grad_()
+    cot = torch.randn(5, 24, generator=g)
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = torch.autograd.grad((_rms(xd, wd) * cot.double()).sum(), [xd, wd])
+    riders = []
+    for _ in range(2):                                   # compiled, then loaded from disk
+        aff.clear_cache()
+        hits = aff.stats["kernel_disk_hits"]
+        cf = af.compile(_rms, x, w)
+        got = torch.autograd.grad((cf(x, w) * cot).sum(), [x, w])
+        r, = cf.regions
+        bk = r.grad._bwd_kernel
+        riders.append((dict(bk._riders), aff.stats["kernel_disk_hits"] > hits))
+        for name, a, e in zip("xw", got, ref):
+            torch.testing.assert_close(a.double(), e, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+    (first, hit0), (second, hit1) = riders
+    assert first and not hit0 and hit1, riders        # the weight gradient rode; the second run loaded
+    assert second == first, riders

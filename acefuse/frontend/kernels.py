@@ -1,7 +1,9 @@
 """The kernels of region programs: looked up in memory, then in the on-disk index
 (``$ACEFUSE_CACHE_DIR/frontend/*.json`` pointing at a generated module and recording its
 SHA-256), then compiled; and the differentiable kernels (forward plus the kernels of
-``af.backward``) of regions whose inputs require grad."""
+``af.backward``) of regions whose inputs require grad, whose rider modules (a norm's weight
+gradient computed in the pass of the stage over the features) are indexed as well
+(``*_riders.json``), so a process that loads the stages from disk runs the same passes."""
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +38,7 @@ def clear_cache(memory_only: bool = True):
     _GRAD.clear()
     if not memory_only:
         d = _index_dir()
-        for p in d.glob("*.json"):
+        for p in d.glob("*.json"):      # (the kernel and rider indexes)
             p.unlink()
 
 
@@ -151,10 +153,9 @@ def get_grad_kernel(prog, kernel, wrt=None):
             bwd = backward(prog, wrt=None if wrt is None else sorted(wrt))
             kernels = [compile_stage(s, get_kernel) for s in bwd.stages]
             # a stage of sums over rows (a norm's weight gradient) rides the pass of the stage
-            # fused over the feature axis where both were compiled here (codegen/riders.py;
-            # kernels loaded from the disk index keep their stages apart)
-            from acefuse.codegen.riders import attach
-            bk = BackwardKernel(bwd, kernels, attach(bwd.stages, kernels))
+            # fused over the feature axis (codegen/riders.py); the hosts' rider modules are indexed
+            # on disk too, so a process that loads the stages from disk runs the same passes
+            bk = BackwardKernel(bwd, kernels, _riders(bwd, kernels, key))
             dk._aug = kernel if bwd.augmented is prog else get_kernel(bwd.augmented)
             dk._bwd, dk._bwd_kernel = bwd, bk
         except Exception as e:  # noqa: BLE001 - reported as the region's reason to run in torch
@@ -170,3 +171,61 @@ def get_grad_kernel(prog, kernel, wrt=None):
 def _compile_one(prog, axis=None, **kw):
     """get_kernel with compile_program's signature (launch options are not compile options)."""
     return get_kernel(prog, axis=axis)
+
+
+def _riders(bwd, kernels, key) -> dict:
+    """``codegen.riders.attach`` for the stage kernels of ``bwd`` ({rider stage: host stage};
+    ``kernels[host]`` replaced by its module with the rider kernel). attach needs the hosts'
+    fusions, which kernels loaded from the disk index lack, so what it made when every stage
+    was compiled here is indexed (``<key>_riders.json``: the mapping and each host module's
+    path and SHA-256) and, when a stage came from disk, loaded instead."""
+    from acefuse.codegen.riders import attach
+    idx = _index_dir() / f"{key}_riders.json"
+    if any(isinstance(k, _Loaded) for k in kernels):
+        got = _load_riders(idx, bwd, kernels)
+        if got is not None:
+            stats["rider_disk_hits"] = stats.get("rider_disk_hits", 0) + 1
+            return got
+        return attach(bwd.stages, kernels)
+    riders = attach(bwd.stages, kernels)
+    hosts = {}
+    for a in sorted(set(riders.values())):
+        path = getattr(kernels[a], "path", None)
+        mod = getattr(getattr(kernels[a], "module", None), "__name__", None)
+        if path is None or mod is None:
+            return riders            # (a host that is not one module file: not indexed)
+        hosts[str(a)] = {"path": str(path), "module": mod,
+                         "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    from acefuse.codegen.compile import write_atomic
+    write_atomic(idx, json.dumps({"riders": {str(b): a for b, a in riders.items()}, "hosts": hosts,
+                                  "stages": [st.name for st in bwd.stages]}).encode())
+    return riders
+
+
+def _load_riders(idx: Path, bwd, kernels):
+    """The rider mapping and host modules indexed by ``_riders`` (``kernels`` updated), or None
+    (absent; a corrupt entry or a changed module file is removed with a warning)."""
+    if not idx.exists():
+        return None
+    try:
+        meta = json.loads(idx.read_bytes())
+        if meta["stages"] != [st.name for st in bwd.stages]:
+            raise ValueError("its stages are not this backward's")
+        from acefuse.codegen.compile import load_module
+        loaded = {}
+        for a, h in meta["hosts"].items():
+            path = Path(h["path"])
+            if hashlib.sha256(path.read_bytes()).hexdigest() != h["sha256"]:
+                raise ValueError(f"kernel file {path} does not match its recorded hash")
+            loaded[int(a)] = _Loaded(load_module(path, h["module"]), path, bwd.stages[int(a)])
+    except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
+        _cache_warn(f"rider index {idx.name} is unusable ({type(e).__name__}: {e}); removed, the stages "
+                    "run apart in this process")
+        try:
+            idx.unlink()
+        except OSError:
+            pass
+        return None
+    for a, k in loaded.items():
+        kernels[a] = k
+    return {int(b): a for b, a in meta["riders"].items()}
