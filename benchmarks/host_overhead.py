@@ -6,11 +6,15 @@ forward + backward (the augmented forward kernel, then the derived backward kern
 ``decode``: B=8, 8 key/value heads of 4 query heads, one query row, D=128, bfloat16, KV
 length ``--kv``), through the compiled kernel under no_grad and through the generated
 ``run()`` alone, with the automatic schedule and with ``schedule='split'`` (what a GPU picks
-where the programs cannot fill it: two launches, the partial states and their merge).
+where the programs cannot fill it: two launches, the partial states and their merge), and
+with a KV cache growing by one position per call (each call a new signature: the launcher's
+plan is worked out again). ``--module`` times another generated decode module beside this
+checkout's, the two taking turns.
 
     python benchmarks/host_overhead.py              # GPU: issue time per step (no sync inside the loop)
     TRITON_INTERPRET=1 python benchmarks/host_overhead.py --stub   # CPU: launches stubbed
     python benchmarks/host_overhead.py --program decode --stub     # the decode launcher, CPU
+    ... --program decode --stub --cpu-time --module OLD.py         # against another version's module
     ... --profile                                   # cProfile of the Python path, by own time
 
 ``--stub`` replaces every Triton launch by a no-op (Triton's interpreter on the CPU would
@@ -35,9 +39,14 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--program", choices=("softmax", "decode"), default="softmax")
     ap.add_argument("--kv", type=int, default=4096, help="decode: key/value length")
+    ap.add_argument("--cpu-time", action="store_true", help="with --stub: this thread's CPU time, not "
+                    "wall time (steadier on a shared host)")
     ap.add_argument("--module", help="decode: time run() of this generated module file instead (another "
                     "version's launcher, to compare)")
     a = ap.parse_args()
+    global _clock
+    if a.cpu_time:
+        _clock = time.thread_time
     if a.stub:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.program == "decode":
@@ -87,14 +96,17 @@ def _stub_launches():
     interpreter.InterpretedFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: None)
 
 
-def _repeat(step, steps, dev):
-    """Seconds per call of ``step``: 15 repetitions of ``steps`` calls, sorted."""
+_clock = time.perf_counter
+
+
+def _repeat(step, steps, dev, reps=15):
+    """Seconds per call of ``step``: ``reps`` repetitions of ``steps`` calls, sorted."""
     times = []
-    for _ in range(15):
-        t0 = time.perf_counter()
+    for _ in range(reps):
+        t0 = _clock()
         for _ in range(steps):
             step()
-        times.append((time.perf_counter() - t0) / steps)
+        times.append((_clock() - t0) / steps)
         if dev == "cuda":
             torch.cuda.synchronize()
     return sorted(times)
@@ -107,10 +119,10 @@ def decode(a):
     import acefuse as af
     import attention as ex
     k = af.compile(ex.decode)
-    mod = getattr(k, "kernel", k).module
+    mods = {"this checkout": getattr(k, "kernel", k).module}
     if a.module:
         from acefuse.codegen.compile import load_module
-        mod = load_module(Path(a.module), "decode_compared")
+        mods[a.module] = load_module(Path(a.module), "decode_compared")
     dev = "cuda" if torch.cuda.is_available() and not a.stub else "cpu"
     dt = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -126,33 +138,55 @@ def decode(a):
     s = torch.einsum("bgrid,bgjd->bgrij", q, kk) * ex.SCALE
     ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), vv)
     for sched in (None, "split"):
-        for fn in (k, mod.run):
+        for fn in [k] + [m.run for m in mods.values()]:
             with torch.no_grad():
                 got = fn(**small, schedule=sched)
             err = (got.double() - ref).abs().max().item()
             assert err < 2e-2, f"decode (schedule={sched}) is off by {err}"
     ins = inputs(a.kv)
+    # a growing KV cache: a view of the first n positions of a longer buffer, n one longer each
+    # call (1024 lengths in turn: more than a launcher keeps plans for, so each call is a new one)
+    buf = torch.empty(8, 8, a.kv + 1024, 128, device=dev, dtype=dt).normal_()
+    grown = [dict(ins, k=buf[:, :, :n], v=buf[:, :, :n]) for n in range(a.kv, a.kv + 1024)]
+
+    def growing(run):
+        turn = [0]
+
+        def call():
+            turn[0] = (turn[0] + 1) % len(grown)
+            return run(**grown[turn[0]])
+        return call
     if a.stub:
         _stub_launches()
-    cases = [("af.compile kernel, automatic schedule", lambda: k(**ins)),
-             ("generated run(), automatic schedule", lambda: mod.run(**ins)),
-             ("generated run(), schedule='split'", lambda: mod.run(**ins, schedule="split"))]
+    cases = [("af.compile kernel, automatic schedule", {"this checkout": lambda: k(**ins)})]
+    for what, make in (("automatic schedule", lambda run: lambda: run(**ins)),
+                       ("schedule='split'", lambda run: lambda: run(**ins, schedule="split")),
+                       ("automatic schedule, KV growing by one per call", growing)):
+        cases.append((f"generated run(), {what}", {n: make(m.run) for n, m in mods.items()}))
     with torch.no_grad():
-        for what, fn in cases:
-            for _ in range(20):
-                fn()
+        for what, fns in cases:
+            for fn in fns.values():
+                for _ in range(20):
+                    fn()
             if dev == "cuda":
                 torch.cuda.synchronize()
-            times = _repeat(fn, a.steps, dev)
-            print(f"decode B=8 G=8 R=4 D=128 KV={a.kv} bf16 on {dev}{' (launches stubbed)' if a.stub else ''}, "
-                  f"{what}: host time per call median {times[7] * 1e6:.1f} us, min {times[0] * 1e6:.1f} us")
+            # the launchers compared take turns, repetition by repetition (a busy host drifts)
+            times = {n: [] for n in fns}
+            for _ in range(15):
+                for n, fn in fns.items():
+                    times[n] += _repeat(fn, a.steps, dev, reps=1)
+            for n, t in times.items():
+                t.sort()
+                print(f"decode B=8 G=8 R=4 D=128 KV={a.kv} bf16 on {dev}{' (launches stubbed)' if a.stub else ''}, "
+                      f"{what} [{n}]: host time per call median {t[7] * 1e6:.1f} us, min {t[0] * 1e6:.1f} us")
         if a.profile:
             import cProfile
             import pstats
+            fn = cases[2][1]["this checkout"]
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(a.steps):
-                cases[2][1]()
+                fn()
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 

@@ -305,7 +305,7 @@ def test_decode_plans_follow_the_signature(decode_kernel):
     plans = set()
     for what, ins in variants:
         _decode_check(mod.run(**ins), ins)
-        plans.add(mod._signature(ins, ())[1:])
+        plans.add(mod._signature(ins, ())[0][1:])
         assert len(mod._PLANS) == len(plans), what
         again = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(torch.randn(t.shape, generator=g))
                  for n, t in ins.items()}
@@ -313,6 +313,25 @@ def test_decode_plans_follow_the_signature(decode_kernel):
         assert len(mod._PLANS) == len(plans), what
         _decode_check(mod.run(again["q"], again["k"], again["v"]), again)   # positional: the full path
     assert len(plans) == 5
+    mod._PLANS.clear()
+
+
+def test_a_growing_kv_cache_reuses_a_plan_per_power_of_two(decode_kernel):
+    """Views of the first n positions of one cache, n growing: one plan per power-of-two class
+    of n (the schedule, tiles and scan bound are the same across it), each call launched with
+    its own length (split-KV: its own chunks), every result against float64."""
+    mod = decode_kernel.module
+    mod._PLANS.clear()
+    g = torch.Generator().manual_seed(35)
+    q = torch.randn(2, 2, 4, 1, 16, generator=g)
+    kc, vc = (torch.randn(2, 2, 80, 16, generator=g) for _ in range(2))
+    for schedule in (None, "split"):
+        for n in (17, 20, 31, 32, 33, 47, 64, 65, 80):
+            ins = dict(q=q, k=kc[:, :, :n], v=vc[:, :, :n])
+            _decode_check(mod.run(**ins, schedule=schedule, block_j=16), ins)
+    assert len(mod._PLANS) == 2 * 3          # classes 32, 64, 128 per schedule
+    with pytest.raises(ValueError, match="axis 'j' of program 'decode' has length 33 in one input and 34 in 'v'"):
+        mod.run(q=q, k=kc[:, :, :33], v=vc[:, :, :34], schedule="split", block_j=16)
     mod._PLANS.clear()
 
 
