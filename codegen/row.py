@@ -102,7 +102,10 @@ def _min_nan(a, b):
 def _div0(a, b):
     # 0 / 0 -> 0 (fully masked rows); everything else is IEEE division (correctly rounded:
     # Triton's `/` is div.full.f32 on the GPU)
-    return tl.where((a == 0.0) & (b == 0.0), 0.0, tl.div_rn(a, b))
+    # (nested where()s, not (a == 0) & (b == 0): Triton's interpreter rejects & of a 0-d and a
+    # vector condition)
+    d = tl.div_rn(a, b)
+    return tl.where(a == 0.0, tl.where(b == 0.0, 0.0, d), d)
 
 
 @triton.jit
@@ -139,7 +142,7 @@ def _div_row(a, b, ZERO0: tl.constexpr):
     if tl.max(bad.to(tl.int32)) + tl.max(rbad.to(tl.int32)) > 0:
         d = tl.div_rn(a, b)
         if ZERO0:   # 0 / 0 -> 0 (_div0)
-            d = tl.where((a == 0.0) & (b == 0.0), 0.0, d)
+            d = tl.where(a == 0.0, tl.where(b == 0.0, 0.0, d), d)
         q = tl.where(bad | rbad, d, q)
     return q
 

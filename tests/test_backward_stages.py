@@ -260,13 +260,7 @@ def test_nested_zero_d_values_are_staged(wrt):
         _close(got[n], leaves[n].grad, f"grad_{n}", 1e-12, 1e-10)
 
 
-_DIV0 = pytest.mark.xfail(strict=True, reason=(
-    "codegen/row.py's _div0 joins a 0-d and a vector bool with &, which Triton's interpreter rejects (TypeError): "
-    "a 0-d pre-stage value divided by a per-row count (runs with the helper as tl.where(a == 0, tl.where(b == 0, "
-    "0, a / b), a / b)); remove this marker with that fix"))
-
-
-@pytest.mark.parametrize("wrt", ["xwu", pytest.param("w", marks=_DIV0)])
+@pytest.mark.parametrize("wrt", ["xwu", "w"])   # "w": a 0-d value divided by a per-row count (_div0)
 def test_nested_zero_d_values_compiled(wrt):
     """The same program compiled (float32, interpreter on the CPU): no fallback to torch."""
     gen = torch.Generator().manual_seed(7)
