@@ -72,7 +72,8 @@ def sum_rider_bodies(first, ka, second, kb) -> dict | None:
     """{output of ``second``: (body, axes)} when stage ``second`` (sum kernel ``kb`` over
     ``j``) can ride the pass of stage ``first`` (sum kernel ``ka`` over ``i``): ``j`` is
     ``ka``'s only row axis, every output of ``kb`` is one of its sums over ``j`` (no tile
-    output), ranging over ``i``, ``ka``'s grid axes and at most one of its vector axes, and
+    output), ranging over ``i``, ``ka``'s grid axes, its second loop axis if it has one (GQA's
+    group members ``r``: added at that value's offset) and at most one of its vector axes, and
     reading only tensors ``first`` has with the same axes; else None. Whether the body
     needs no new per-tile work in ``ka``'s pass is decided while generating (SumGen)."""
     from acefuse.codegen.sums import sum_pass
@@ -81,7 +82,7 @@ def sum_rider_bodies(first, ka, second, kb) -> dict | None:
         return None
     if not (ka.fusion.certificate.ok and kb.fusion.certificate.ok):
         return None
-    F, G, V = ma.AXIS, set(ma.GRID_AXES), set(ma.VEC_AXES)
+    F, G, V = ma.AXIS, set(ma.GRID_AXES) | set(getattr(ma, "LOOP2_AXES", ())), set(ma.VEC_AXES)
     states = {s.name: s.source for s in kb.fusion.passes[0].states}
     out = {}
     for o, t in kb.fusion.encoding.outputs.items():
@@ -189,9 +190,9 @@ def finish(acc, dtype, scale=1.0):
 
 # -- the sum kernel's rider code (called by codegen/sums.py's SumGen) ------------------------------
 def check_sum_riders(gen) -> None:
-    """Each rider of SumGen ``gen`` is laid out over its loop axis, its grid axes and at most
-    one vector axis, reads only its tensors, and names no tensor or output; its constant
-    factor goes to ``gen.rscale`` (applied once, by ``finish``)."""
+    """Each rider of SumGen ``gen`` is laid out over its loop axis, its grid axes (and its second
+    loop axis, if any) and at most one vector axis, reads only its tensors, and names no tensor
+    or output; its constant factor goes to ``gen.rscale`` (applied once, by ``finish``)."""
     from acefuse.codegen.emit import CodegenError
     from acefuse.codegen.sums import _const_factor
     from acefuse.codegen.contraction import _flat_mul
@@ -200,10 +201,11 @@ def check_sum_riders(gen) -> None:
         where = f"program {gen.name!r}: rider {o!r} (axes {' '.join(axes)})"
         if o in gen.tensors or o in gen.out_axes:
             raise CodegenError(f"{where}: the name is taken by a tensor or output of the host kernel")
-        if gen.F not in axes or {a for a in axes if a not in gen.V} != set(gen.G) | {gen.F} \
+        if gen.F not in axes or {a for a in axes if a not in gen.V} != set(gen.G) | {gen.F} | set(gen.loop2) \
                 or len([a for a in axes if a in gen.V]) > 1:
             raise CodegenError(f"{where}: a rider ranges over the loop axis {gen.F!r}, the grid axes "
-                               f"{gen.G} and at most one vector axis of {gen.V}")
+                               f"{gen.G}{' and the second loop axis ' + repr(gen.F2) if gen.F2 else ''} and at "
+                               f"most one vector axis of {gen.V}")
         missing = sorted({u.args[0] for u in body.walk() if u.op == "In"} - set(gen.tensors))
         if missing:
             raise CodegenError(f"{where}: reads {missing}, which the host kernel does not load")
@@ -247,7 +249,7 @@ def sum_rider_lines(gen, full) -> list:
             e = f"({gen.bcast(e, sh, 'rf')}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
         # rows past the end (and, in the last tile, columns) add 0: their values may be inf/NaN
         x, _ = gen.bind(f"tl.where({'rmask[:, None]' if full else 'tmask'}, {e}, 0.0)", "rf", "r")
-        ptr = f"{o}_ptr + off_{o}_g + cols{'[:, None]' if vs else ''} * s_{o}_{F}"
+        ptr = f"{o}_ptr + {gen.goff(o, axes)} + cols{'[:, None]' if vs else ''} * s_{o}_{F}"
         if vs:
             a = vs[0]
             c, m = gen.vec(a)

@@ -5,6 +5,7 @@ analysis and context it shares."""
 from __future__ import annotations
 
 import math
+import re
 
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.emit import CodegenError, _scale_log2e
@@ -37,6 +38,16 @@ class SumGen:
     ``tl.dot`` of a row vector and a loop vector (-> tile), else ``tl.sum`` over the axis.
     A state ``sum_F(t * w)`` with ``w`` a loop vector is ``acc = tl.dot(t, w, acc)``; a
     state ``sum_F(t)`` is ``acc += tl.sum(t, axis=1)``.
+
+    Two loop axes: when every state is a sum over ``F`` and one other axis ``A`` that no output
+    has, nested either way (``sum_i(sum_r(x))``: grouped-query attention's dK/dV, the group
+    members ``r`` sharing one key/value head), and every tensor over ``F`` carries ``A`` (else
+    ``A`` is a vector axis, contracted per tile), each program loops over every value of ``A``
+    and, inside, over the tiles of ``F``, adding into the same accumulators (two_loop_axes;
+    ``F`` is the tiled one unless the mask analysis's conditions read ``A`` only). Tensors over
+    ``A`` are offset by ``idx_A * stride`` (``off_<t>_ga``), ``index(A)`` is the loop variable,
+    values that change with ``A`` only are computed once per value of it, above the tiles
+    (``hoisted_a``); the loop range and the mask analysis are set once for every ``A``.
 
     Mask analysis: ``where(cond, a, b)`` conditions built from indices are evaluated with
     interval arithmetic over each loop tile's index box; when every state's body is 0 where
@@ -71,9 +82,21 @@ class SumGen:
         self.states = {}
         for s in p.states:
             src = s.source
-            if s.op != "sum" or src.op != "Sum" or src.args[0].args[0] != self.F:
+            if s.op != "sum" or src.op != "Sum":
                 raise CodegenError(f"program {self.name!r}: state {s.name} is not a plain sum over {self.F!r}")
-            self.states[s.name] = src.args[1]
+            self.states[s.name] = src
+        # two loop axes (class docstring): every state a double sum over F and one other axis
+        two = two_loop_axes(self.states, self.F, enc.tensors.values(), enc.output_axes.values())
+        self.F2 = None
+        if two:
+            self.F, self.F2, self.states = two
+        for q, src in self.states.items():
+            if not two and src.args[0].args[0] != self.F:
+                raise CodegenError(f"program {self.name!r}: state {q} is not a plain sum over {self.F!r} (nor, "
+                                   f"with every other state, a sum over {self.F!r} and one more axis that no "
+                                   "output has)")
+        if not two:
+            self.states = {q: src.args[1] for q, src in self.states.items()}
         self.outs = {}
         self.tiles = {}    # outputs elementwise over (rows, loop axis): stored from each loop tile
         self.out_axes = dict(enc.output_axes)
@@ -98,6 +121,9 @@ class SumGen:
         self.V = [a for a in order if a in allax and a != F and a not in self.R and a not in self.G]
         if not self.R:
             self._rows_from_vectors(order, ft, out_ax, allax)
+        if self.F2:   # looped over inside each program, not a grid or vector axis
+            self.G = [a for a in self.G if a != self.F2]
+            self.V = [a for a in self.V if a != self.F2]
         if not self.R:
             raise CodegenError(f"program {self.name!r}: no row axis (every output axis is carried by a "
                                f"tensor over {F!r})")
@@ -109,6 +135,9 @@ class SumGen:
                 raise CodegenError(f"program {self.name!r}: output {o!r} does not range over every row axis {self.R}")
             if len([a for a in ax if a in self.V]) > 1:
                 raise CodegenError(f"program {self.name!r}: output {o!r} has more than one vector axis")
+            if o in self.tiles and self.F2:
+                raise CodegenError(f"program {self.name!r}: output {o!r} is elementwise over the loop axis {F!r}, "
+                                   f"and the states also loop over {self.F2!r} (not supported together)")
             if o in self.tiles and any(a in self.V for a in ax):
                 raise CodegenError(f"program {self.name!r}: output {o!r} ranges over the loop axis {F!r} and a "
                                    "vector axis (a tile output is over rows and the loop axis only)")
@@ -121,7 +150,13 @@ class SumGen:
         self.rdots: list = []     # per tile: the vector axis of each rider's tl.dot ('' for a row sum)
         self.rtma = getattr(self, "rtma", [])   # riders added by a TMA reduce where the launcher says (RTMA)
         self.hoisted: list = []
+        self.hoisted_a: list = []   # ... over the second loop axis: inside its loop, above the tiles'
         self._hoist: dict = {}
+        # names whose value changes with the second loop axis (its index, the offsets of the
+        # tensors over it, and the values computed from them)
+        self._adep = ({f"idx_{self.F2}"} | {self.goff(t, ax) for t, ax in list(self.tensors.items())
+                                            + [(o, ax) for o, (_, ax) in self.riders.items()] if self.F2 in ax}
+                      if self.F2 else set())
         self.lines: list = []
         self.n = 0
         self.full = False      # emitting the body of a full loop tile (no loop-axis mask)
@@ -172,7 +207,13 @@ class SumGen:
         if not _over_f(shape):
             if expr not in self._hoist:
                 name = f"h{len(self._hoist) + 1}"
-                self.hoisted.append(f"    {name} = {expr}")
+                if self.F2 and set(re.findall(r"\b\w+\b", expr)) & self._adep:
+                    # it changes with the second loop axis: computed once per value of it, above
+                    # the loop over tiles
+                    self.hoisted_a.append(f"        {name} = {expr}")
+                    self._adep.add(name)
+                else:
+                    self.hoisted.append(f"    {name} = {expr}")
                 self._hoist[expr] = name
             return self._hoist[expr], shape
         self.n += 1
@@ -205,6 +246,16 @@ class SumGen:
             return f"{e}[:, None]"
         raise CodegenError(f"cannot broadcast a {sh} value to {to}")
 
+    @property
+    def loop2(self) -> list:
+        """The second loop axis, as a list (empty when the states sum over the loop axis only)."""
+        return [self.F2] if self.F2 else []
+
+    def goff(self, name, axes) -> str:
+        """The name of tensor/output/rider ``name``'s offset over the grid axes, and over the
+        second loop axis when ``axes`` has it (``off_<name>_ga``, set in that loop)."""
+        return f"off_{name}_g" + ("a" if self.F2 and self.F2 in axes else "")
+
     def vec(self, a):
         return f"vc_{a}", f"vm_{a}"
 
@@ -216,7 +267,7 @@ class SumGen:
         if len(vs) > 1 or (vs and has_r and has_f):
             raise CodegenError(f"tensor {name!r} (axes {' '.join(ax)}): at most two of rows, the loop axis "
                                "and one vector axis")
-        ptr = f"{name}_ptr + off_{name}_g"
+        ptr = f"{name}_ptr + {self.goff(name, ax)}"
         masks = []
         lead = "[:, None]" if vs or (has_r and has_f) else ""
         if has_r:
@@ -294,7 +345,7 @@ class SumGen:
                 return "cols.to(tl.float32)", "f"
             if a in self.R:
                 return f"idx_{a}.to(tl.float32)", "r"
-            if a in self.G:
+            if a in self.G or a == self.F2:
                 return f"(idx_{a} * 1.0)", "s"
             raise CodegenError(f"index({a!r}) over a vector axis is not supported in this kernel")
         if op == "Size":
@@ -448,7 +499,7 @@ class SumGen:
             args += [f"s_{o}_{a}" for a in axes]
             if o in self.rtma:
                 args.append(f"{o}_desc")   # its TMA descriptor ([grid, loop, vector]; None: pointer atomics)
-        args += [f"len_{a}" for a in self.G + self.R + self.V]
+        args += [f"len_{a}" for a in self.G + self.R + self.V + self.loop2]
         return args + ["n_rows", "n_f"]
 
     def kernel(self) -> str:
@@ -460,7 +511,8 @@ class SumGen:
              f"{blocks + ', ' if blocks else ''}PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr, "
              f"REV: tl.constexpr{', RIDE: tl.constexpr, RTMA: tl.constexpr' if self.riders else ''}):",
              f"    # grid: (row tiles over {' '.join(self.R)}, {' '.join(self.G) or 'one'}); "
-             f"loop over tiles of {F!r} carrying the sums"]
+             f"loop over tiles of {F!r} carrying the sums"
+             + (f" (inside a loop over every {self.F2!r})" if self.F2 else "")]
         L.append("    pid_r = tl.program_id(0)")
         L.append("    if REV:   # the row tiles in reverse order (the launcher times both on a GPU)")
         L.append("        pid_r = tl.num_programs(0) - 1 - pid_r")
@@ -552,7 +604,9 @@ class SumGen:
         tail = self._body(False, accs)
         for q, (init, _) in accs.items():
             L.append(f"    {q} = {init}")
-        if conds:
+        if self.F2:
+            L2 = self._two_loops(full, true, tail, conds)
+        elif conds:
             L2 = ["    # full tiles first, unmasked along the loop axis: the all-true run [tlo, thi) cut out of",
                   "    # [first, end) runs after the others without the where()s; then the partial last tile",
                   "    last = end",
@@ -575,11 +629,12 @@ class SumGen:
                   "    for start in range(first, end, BLOCK_J):",
                   "        cols = start + tl.arange(0, BLOCK_J)"]
             L2 += full
-        L2 += ["    if end < last:",
-               "        cols = end + tl.arange(0, BLOCK_J)",
-               "        fmask = cols < last",
-               "        tmask = rmask[:, None] & fmask[None, :]"]
-        L2 += tail
+        if not self.F2:
+            L2 += ["    if end < last:",
+                   "        cols = end + tl.arange(0, BLOCK_J)",
+                   "        fmask = cols < last",
+                   "        tmask = rmask[:, None] & fmask[None, :]"]
+            L2 += tail
         store = []
         for o, q in self.outs.items():
             sh = accs[q][1]
@@ -595,6 +650,56 @@ class SumGen:
             val = f"({q} * {self._scale[q]!r})" if q in self._scale else q
             store.append(f"    tl.store({ptr}, {val}.to({o}_ptr.dtype.element_ty), mask={mask})")
         return "\n".join(L + self.hoisted + L2 + store)
+
+    def _two_loops(self, full, true, tail, conds):
+        """The loops of a kernel whose states sum over two loop axes (``sum_F(sum_A(x))``, either
+        nesting): the loop axis's range and its all-true run are the same for every value of
+        ``A`` (no mask condition reads ``A``), so they are set once; then for each value of ``A``
+        the tiles of ``F`` add into the same accumulators."""
+        A = self.F2
+        F = self.F
+        L = [f"    # the states are sums over {F!r} and {A!r}: for each {A!r} (tensors over it offset by idx_{A} * stride),",
+             f"    # the tiles of {F!r} add into the same accumulators. The certified update is sum-split over tiles",
+             f"    # of {F!r} (s_AB = s_A + sum_B(...)); adding per {A!r} regroups the same terms: sum-split over the",
+             f"    # ({F!r}, {A!r}) pairs in blocks {{{A}}} x tile, reading the double sum as one sum over the pairs",
+             "    # (Fubini: exact over the reals, not a proved library rule; acefuse/backward_normal.py)",
+             "    last = end",
+             "    end = first + (last - first) // BLOCK_J * BLOCK_J"]
+        if conds:
+            L += ["    # full tiles first, unmasked along the loop axis: the all-true run [tlo, thi) cut out of",
+                  "    # [first, end) runs after the others without the where()s; then the partial last tile",
+                  "    tlo = tl.minimum(tl.maximum(tfirst, first), end)",
+                  "    thi = tl.minimum(tl.maximum(tend, tlo), end)",
+                  "    cut = thi - tlo",
+                  "    tail = end",
+                  "    end = end - cut"]
+        else:
+            L += ["    # full tiles first, unmasked along the loop axis; then the last, partial tile (if any)",
+                  "    tail = end"]
+        L.append(f"    for a_{A} in range(0, len_{A}):")
+        L.append(f"        idx_{A} = gem * 0 + a_{A}")
+        offs = [(t, ax) for t, ax in list(self.tensors.items()) + list(self.out_axes.items())
+                + [(o, ax) for o, (_, ax) in self.riders.items()] if A in ax]
+        L += [f"        {self.goff(t, ax)} = off_{t}_g + idx_{A} * s_{t}_{A}" for t, ax in offs]
+        L += self.hoisted_a
+        ind = ["    " + x for x in full]
+        if conds:
+            L += ["        for start in range(first, end, BLOCK_J):",
+                  "            cols = start + tl.where(start < tlo, 0, cut) + tl.arange(0, BLOCK_J)"]
+            L += ind
+            L += ["        for start in range(tlo, thi, BLOCK_J):",
+                  "            cols = start + tl.arange(0, BLOCK_J)"]
+            L += ["    " + x for x in true]
+        else:
+            L += ["        for start in range(first, end, BLOCK_J):",
+                  "            cols = start + tl.arange(0, BLOCK_J)"]
+            L += ind
+        L += ["        if tail < last:",
+              "            cols = tail + tl.arange(0, BLOCK_J)",
+              "            fmask = cols < last",
+              "            tmask = rmask[:, None] & fmask[None, :]"]
+        L += ["    " + x for x in tail]
+        return L
 
     def _body(self, full, accs, alltrue=False):
         """The loop body over one tile, as lines: ``full``, a tile wholly inside the loop's
@@ -683,6 +788,65 @@ class SumGen:
     def launcher(self):
         from acefuse.codegen.sums_launch import launcher
         return launcher(self)
+
+
+def _double_sum(t: Term):
+    """(outer axis, inner axis, body) of ``sum_a(sum_b(body))`` with a != b, else None."""
+    if t.op == "Sum" and t.args[0].op == "Ax" and t.args[1].op == "Sum" and t.args[1].args[0].op == "Ax":
+        a, b = t.args[0].args[0], t.args[1].args[0].args[0]
+        if a != b:
+            return a, b, t.args[1].args[1]
+    return None
+
+
+def _index_conds(t: Term) -> list:
+    """The conditions of the where()s in ``t`` built from indices and constants only."""
+    ok = ("Idx", "Num", "Size", "Add", "Sub", "Neg", "Mul", "Abs", "CmpLt", "CmpLe", "CmpGt", "CmpGe",
+          "LAnd", "LOr", "LNot")
+    return [u.args[0] for u in t.walk() if u.op == "Where" and any(x.op == "Idx" for x in u.args[0].walk())
+            and all(x.op in ok for x in u.args[0].walk())]
+
+
+def two_loop_axes(sums: dict, F: str, tensors, out_axes) -> tuple | None:
+    """(tiled axis, second loop axis, {name: body}) when every term of ``sums`` is a sum over
+    ``F`` and one other axis ``A`` (the same for all), nested either way, no output ranges
+    over either, and every tensor (axes in ``tensors``) over the tiled axis also ranges over
+    the looped one (else the looped axis is a vector axis of the body, contracted per tile:
+    ``sum_i(sum_d(q * k * w))`` with ``w`` over i only); else None. The tiled axis is ``F`` unless the index-only where()
+    conditions (the mask analysis's) read ``A`` and not ``F``: then ``A`` is tiled, so that the
+    mask analysis bounds its tiles, and ``F`` is looped over."""
+    ds = {n: _double_sum(t) for n, t in sums.items()}
+    if not ds or any(d is None or F not in d[:2] for d in ds.values()):
+        return None
+    others = {d[1] if d[0] == F else d[0] for d in ds.values()}
+    if len(others) != 1:
+        return None
+    A = others.pop()
+    if any(F in ax or A in ax for ax in out_axes):
+        return None
+    bodies = {n: d[2] for n, d in ds.items()}
+    read = {x.args[0] for b in bodies.values() for c in _index_conds(b) for x in c.walk() if x.op == "Idx"}
+    if A in read and F not in read:
+        F, A = A, F
+    over = [ax for ax in tensors if F in ax]
+    if not over or not all(A in ax for ax in over):
+        return None
+    return F, A, bodies
+
+
+def double_sum_axis(prog) -> str | None:
+    """The axis to fuse program ``prog`` over (``compile_program(prog, axis=...)``) so that its
+    states are double sums a sum kernel takes with two loop axes (``sum_i(sum_r(x))``: ``i``;
+    fused over the inner axis, the outer sum would be staged as a second program over an
+    intermediate): every output is ``sum_a(sum_b(x))`` with the same ``a`` and ``b``, neither an
+    axis of the output; else None."""
+    ds = [_double_sum(e.term) for e in prog.outputs.values()]
+    if not ds or any(d is None for d in ds) or len({d[:2] for d in ds}) != 1:
+        return None
+    a, b = ds[0][:2]
+    if any(a in e.axes or b in e.axes for e in prog.outputs.values()):
+        return None
+    return a
 
 
 def _const_factor(fs):
