@@ -839,14 +839,36 @@ def double_sum_axis(prog) -> str | None:
     states are double sums a sum kernel takes with two loop axes (``sum_i(sum_r(x))``: ``i``;
     fused over the inner axis, the outer sum would be staged as a second program over an
     intermediate): every output is ``sum_a(sum_b(x))`` with the same ``a`` and ``b``, neither an
-    axis of the output; else None."""
+    axis of the output, and ``x`` (itself no sum) contracts another axis inside (a dot: the sum
+    kernel's family; a body without one, a norm's weight gradient, is the row family's); else
+    None."""
     ds = [_double_sum(e.term) for e in prog.outputs.values()]
     if not ds or any(d is None for d in ds) or len({d[:2] for d in ds}) != 1:
+        return None
+    if not all(d[2].op != "Sum" and any(u.op == "Sum" for u in d[2].walk()) for d in ds):
         return None
     a, b = ds[0][:2]
     if any(a in e.axes or b in e.axes for e in prog.outputs.values()):
         return None
     return a
+
+
+def compile_two_loops(prog, compile_one=None, **kw):
+    """``prog`` compiled as one sum kernel with two loop axes (over ``double_sum_axis``), or
+    None when it is not of that form or does not compile to one (the caller then tries its
+    other axes: a backward stage's ``compile_stage``). ``compile_one``: the compiler to call
+    (default codegen.compile.compile_program)."""
+    a = double_sum_axis(prog)
+    if a is None:
+        return None
+    if compile_one is None:
+        from acefuse.codegen.compile import compile_program as compile_one
+    try:
+        k = compile_one(prog, axis=a, **kw)
+    except Exception:  # noqa: BLE001 - not this form after all: the caller's axes, as before
+        return None
+    from acefuse.codegen.riders import sum_kernel
+    return k if sum_kernel(k) and getattr(k.module, "LOOP2_AXES", None) else None
 
 
 def _const_factor(fs):
