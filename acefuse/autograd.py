@@ -411,6 +411,13 @@ def compile_stage(stage, compile_one=None, **kw):
     error of the first choice is raised when none does)."""
     if compile_one is None:
         from acefuse.codegen.compile import compile_program as compile_one
+    # a stage of double sums with a contraction inside (grouped-query attention's dK/dV:
+    # sum_i(sum_r(...))) as one sum kernel looping over both axes (codegen/sums.py), before
+    # the per-axis tries (over r it would be staged through an (i, j, d) intermediate)
+    from acefuse.codegen.sums import compile_two_loops
+    k = compile_two_loops(stage, compile_one, **kw)
+    if k is not None:
+        return k
     first = None
     for a in stage_axes(stage):
         try:

@@ -126,15 +126,6 @@ GQA = {"gqa": A.gqa,
                               v=A.vg)}
 
 
-_real_compile_stage = autograd.compile_stage
-
-
-def _routed(stage, compile_one=None, **kw):
-    """compile_stage trying the stage as one two-loop sum kernel first (the change this work
-    asks of acefuse.autograd.compile_stage; the same result once it does it)."""
-    return compile_two_loops(stage, compile_one, **kw) or _real_compile_stage(stage, compile_one, **kw)
-
-
 def _torch_gqa(name, q, k, v):
     s = torch.einsum("bgrid,bgjd->bgrij", q, k) * A.SCALE
     if name == "gqa_causal":
@@ -147,9 +138,8 @@ def _torch_gqa(name, q, k, v):
 @pytest.mark.parametrize("name", ["gqa", pytest.param("gqa_causal", marks=pytest.mark.slow)])
 def test_gqa_gradients_with_the_key_stage_as_one_sum_kernel(name, monkeypatch):
     """The derived GQA backward (a derivation: ~10 s here): dK/dV's stage is one sum kernel
-    looping over r; dQ's stage rides its pass (codegen/riders.py: the rider's dQ rows are
+    looping over r (autograd.compile_stage tries compile_two_loops first); dQ's stage rides its pass (codegen/riders.py: the rider's dQ rows are
     offset by r like the host's tensors); every gradient against float64 torch autograd."""
-    monkeypatch.setattr(autograd, "compile_stage", _routed)
     finished = []
     real = rd.finish
     monkeypatch.setattr(rd, "finish", lambda *a: (finished.append(1), real(*a))[1])
