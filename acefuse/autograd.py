@@ -284,9 +284,16 @@ class BackwardKernel:
                 for b in riding:
                     kb, tn = self._stages[b][:2]
                     _run_stage(kb, {n: inputs[n] for n in tn}, run_kw)
-            t = (_time_ms(together), _time_ms(apart))
-            self.ride_times[key] = t
-            self._ride_choice[key] = t[0] <= t[1]
+            def time_them():
+                t = (_time_ms(together), _time_ms(apart))
+                self.ride_times[key] = t
+                return t[0] <= t[1]
+            # kept across processes (codegen/tuning.py), keyed by every kernel involved's source
+            from acefuse.codegen import tuning
+            hashes = [tuning.source_hash(getattr(getattr(self._stages[i][0], "module", None), "__file__", None))
+                      for i in [host, *riding]]
+            src = None if None in hashes else "+".join(hashes)
+            self._ride_choice[key] = tuning.choose(src, "ride", key[2:], dev, [True, False], time_them)
         return self._ride_choice[key]
 
     def _fold_riders(self, host, res, inputs, out, out_axes):

@@ -229,3 +229,22 @@ def test_a_second_launcher_on_the_gpu_does_not_time(decode_path, store):
         assert (out.double() - ref).abs().max().item() < 2e-2
         counts.append(len(calls))
     assert counts[0] >= 2 and counts[1] == 0, counts
+
+
+def test_the_sum_kernels_configuration_is_remembered(store):
+    """codegen/sums_launch.py's timed configuration (a backward stage's first call: 13-24 s
+    on an H100) goes through the same store: a second launcher does not time it again."""
+    q, k = af.tensor("q", "b h i d"), af.tensor("k", "b h j d")
+    g = af.tensor("g", "b h i j")
+    prog = af.program("tuning_sums", out=af.sum(af.exp(af.sum(q * k, "d")) * g * q, "i"))
+    path = Path(af.compile(prog, axis="i").module.__file__)
+    ins = dict(q=torch.randn(1, 2, 40, 16), k=torch.randn(1, 2, 24, 16), g=torch.randn(1, 2, 40, 24))
+    sizes = dict(b=1, h=2, i=40, j=24, d=16)
+    a = _launcher(path)
+    assert a._tuned is not None
+    timed = _counting(a, 1)
+    best = a._tuned(ins, sizes, ins["q"], torch.device("cpu"))
+    assert len(timed) >= 1 and len(list(store.glob("*.json"))) == 1
+    b = _launcher(path)
+    again = _counting(b, 0)
+    assert b._tuned(ins, sizes, ins["q"], torch.device("cpu")) == best and not again
