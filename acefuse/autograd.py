@@ -452,6 +452,11 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dk, run_kw, names, *tensors):
         inputs = dict(zip(names, tensors))
+        # the caller's output types ({output: dtype}, DifferentiableKernel.__call__'s out_dtypes):
+        # the kernels write those outputs in them; merged with the saved values' (kept wide)
+        odts = run_kw.get("out_dtypes") or {}
+        if "out_dtypes" in run_kw:
+            run_kw = {k: v for k, v in run_kw.items() if k != "out_dtypes"}
         aug, bwd = dk._grad_kernels()
         keys = list(dk.prog.outputs)
         unit = dk._unit_kernel() if bwd is not None and dk.grad_in_forward else None
@@ -464,19 +469,22 @@ class _Function(torch.autograd.Function):
         ctx.unit = unit is not None
         ctx.derived = bwd is not None and unit is None     # the derived backward kernels' saved values
         if bwd is None:                      # the backward is torch's: the plain forward kernel
-            out, saved = _as_dict(dk.kernel(**inputs, **run_kw), keys), []
+            kw = dict(run_kw, out_dtypes=odts) if odts and takes_out_dtypes(dk.kernel) else run_kw
+            out, saved = _as_dict(dk.kernel(**inputs, **kw), keys), []
         elif unit is None:
             kw = dict(run_kw)
             floats = [t for t in tensors if t.dtype.is_floating_point]
             odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
             wide = wide_dtype(odt)
             values, direct = dk.wide_values(aug, bwd)
-            if values and direct:
-                kw["out_dtypes"] = {n: wide for n in values}
+            if direct and (values or odts):
+                kw["out_dtypes"] = {**odts, **{n: wide for n in values}}
             out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
             saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
-            if values:
-                out = {k: (_to(v, odt) if k in values else v) for k, v in out.items()}   # the caller's type
+            if values:                       # the caller's type
+                out = {k: (_to(v, odts.get(k, odt)) if k in values else v) for k, v in out.items()}
+        if odts:                             # (a launcher without out_dtypes: converted here)
+            out = {k: (_to(v, odts[k]) if k in odts and k in keys else v) for k, v in out.items()}
         ctx.dk, ctx.run_kw, ctx.names = dk, run_kw, names
         ctx.set_materialize_grads(False)     # an unused output's cotangent is None, not zeros
         ctx.out_meta = [(out[k].shape, out[k].dtype, out[k].device) for k in keys]
@@ -669,7 +677,7 @@ class DifferentiableKernel:
             isinstance(v, torch.Tensor) and v.requires_grad for v in list(args) + list(inputs.values()))
         if not needs:
             return self.kernel(*args, **inputs)
-        run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs}
+        run_kw = {k: inputs.pop(k) for k in RUN_KW + ("out_dtypes",) if k in inputs}
         bind_inputs(self.prog.name, names, args, inputs)
         requested = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].requires_grad)
         floats = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].dtype.is_floating_point)

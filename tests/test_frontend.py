@@ -705,6 +705,51 @@ def test_cross_entropy_reads_bf16_logits_without_a_float32_copy():
     torch.testing.assert_close(WW.grad.double(), W2.grad.double(), atol=1e-2, rtol=1e-2)
 
 
+def plain_bf16_loss(logits, y):         # a causal LM's loss written plainly (HF's: .float(), a view)
+    logits = logits.float()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+
+
+def test_bf16_cross_entropy_trains_without_a_float32_copy_of_the_logits():
+    """Issue 12's training path for the loss: the cross-entropy region widens bfloat16 logits and
+    has an integer output (the targets' mask), so its differentiable kernel used to read float32
+    copies of the logits (saved for the backward too). Now it reads the bfloat16 logits
+    (``grad_plan``: the kernel is asked for eager's output types, ``out_dtypes``), no float32
+    tensor as large as the logits is made in the forward or the backward, the loss is float32 and
+    the logits' gradient bfloat16, both against a float64 reference within bfloat16 tolerances."""
+    logits = _g(3, 7, 50, seed=31, scale=3).bfloat16()
+    y = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(3))
+    y[0, 2] = y[2, 5] = -100                                     # ignored positions
+    x = logits.clone().requires_grad_()
+    cf = aff.compile_fn(plain_bf16_loss, x, y)
+    rec, rec_bwd = _Allocated(), _Allocated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        with rec:
+            loss = cf(x, y)
+        with rec_bwd:
+            loss.backward(torch.tensor(1.5))
+    reg, = cf.regions
+    assert reg.calls["grad"] == 1 and reg.calls["torch"] == 0
+    assert reg._grad_kw.get("out_dtypes"), "the differentiable kernel took the widening path"
+    assert not _float32_made(rec.made, (21, 50)) and not _float32_made(rec.made, (3, 7, 50)), rec.made
+    # the backward reads the saved bfloat16 logits as they are (it writes the gradient: a float32
+    # output there, rounded to bfloat16 once)
+    assert not [m for m in rec_bwd.made if m[0] == "_to_copy" and m[1] == torch.float32 and len(m[2]) > 1], \
+        rec_bwd.made
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    x64 = logits.double().requires_grad_()
+    ref = F.cross_entropy(x64.view(-1, 50), y.view(-1))
+    (ref * 1.5).backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)   # float32 math on exact inputs
+    # the gradient (softmax - one-hot) * 1.5 / 19 rounded once to bfloat16: 2^-8 relative, plus
+    # float32 rounding near zero
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-4, rtol=2 ** -7)
+    e = logits.clone().requires_grad_()
+    (plain_bf16_loss(e, y) * 1.5).backward()
+    torch.testing.assert_close(x.grad.double(), e.grad.double(), atol=1e-4, rtol=2 ** -7)
+
+
 def test_region_calls_work_out_their_plan_once():
     """Per-call work is cached (issue 12): the adapters' layout steps and the call's plan (which
     source feeds which input through which chain, the output types) are made on the first call."""

@@ -305,46 +305,61 @@ class Imported:
                 odt[o.name] = fd
         return chains, odt
 
-    def grad_chains(self, values: dict):
-        """How a differentiable call (training) reads its inputs in their own types: each input's
-        view chain without its widening casts (``InputSpec.direct_chain``), or None where the call
-        takes the widening path (``compute_dtype``). Direct only when it changes no value and no
-        type: a region without contractions (there every float16/bfloat16 output the region
-        computes ends with the program's own rounding, ``af.cast``, so the kernel writes it exactly
-        on the GPU and in Triton's interpreter alike), whose float inputs, read without their
-        widening casts, and whose outputs all have one type narrower than the compute dtype
-        (HF's RMSNorm in bfloat16: ``x.to(float32)`` and the weight in, bfloat16 out). The
-        differentiable kernel writes its outputs in its inputs' type and its gradients in each
-        input's, keeping the saved values wide (acefuse.autograd), so the float32 copy of every
-        input (saved for the backward too) and the float32 outputs narrowed by torch are not made.
-        An integer output or mixed input types keep the widening path (the kernel would write
-        the outputs in its first float input's type)."""
+    def grad_plan(self, values: dict, store=()):
+        """How a differentiable call (training) reads its inputs in their own types and writes each
+        output in eager's: ``(chains, out_dtypes)`` (``chains``: each input's view chain without its
+        widening casts, ``InputSpec.direct_chain``; ``out_dtypes``: the differentiable kernel's
+        option, acefuse.autograd), or None where the call takes the widening path
+        (``compute_dtype``). Direct only when it changes no value and no type: a region without
+        contractions that widens some float input (``x.to(float32)`` of a bfloat16 value: HF's
+        RMSNorm, or the logits of a cross-entropy) and whose outputs are each one of
+
+        - an integer or bool output, or one as wide as the compute dtype: written in float32, the
+          type the widening path wrote it in (the output adapter converts an integer one, exactly);
+        - a float16/bfloat16 output, when every float input is read in that type: there every such
+          output the region computes ends with the program's own rounding (``af.cast``), so the
+          kernel writes it exactly on the GPU and in Triton's interpreter alike.
+
+        ``store``: outputs the kernel writes in their cast's type anyway (its ``STORE_DTYPES``).
+        Index inputs, masks made from integers (``y != ignore_index``) and integer values read as
+        floats are made as before (float32, exact). The float32 copy of every widened input (saved
+        for the backward too) and the float32 outputs narrowed by torch are not made; gradients
+        come back in each input's type, saved values wide."""
         from acefuse.frontend.lower import kind_of
         if any(kind_of(n) == "contraction" for n in self.nodes):
             return None
-        chains, dt = {}, None
+        fd = self.compute_dtype(values)
+        chains, types, narrow = {}, set(), False
         for s in self.inputs:
             t = values.get(s.src)
             if not isinstance(t, torch.Tensor):
                 return None
             chain = s.direct_chain(t.dtype)
             chains[s.name] = chain
-            if s.role == "index":
+            if s.role == "index" or (s.extra and s.extra[0] == "ne"):
                 continue
-            if s.extra and s.extra[0] == "ne":
-                return None
             d = t.dtype
             for step in chain:
                 if step[0] == "to":
                     d = step[1]
-            if not d.is_floating_point or dt not in (None, d):
+            if not d.is_floating_point:
+                continue          # (an integer value read as a float: float32, as the widening path does)
+            types.add(d)
+            narrow = narrow or torch.finfo(d).bits < torch.finfo(fd).bits
+        if not narrow:
+            return None           # nothing is widened anyway
+        odt = {}
+        for o in self.outputs:
+            d = o.dtype
+            if o.name in store:
+                continue
+            if not d.is_floating_point or torch.finfo(d).bits >= torch.finfo(fd).bits:
+                odt[o.name] = torch.float32 if not d.is_floating_point else d
+            elif types == {d}:
+                odt[o.name] = d
+            else:
                 return None
-            dt = d
-        if dt is None or any(o.dtype != dt for o in self.outputs):
-            return None
-        if torch.finfo(dt).bits >= torch.finfo(self.compute_dtype(values)).bits:
-            return None          # nothing is widened anyway
-        return chains
+        return chains, odt
 
     def torch_outputs(self, outs) -> list:
         if not isinstance(outs, dict):

@@ -3,7 +3,7 @@
 Each compiled region of a specialised graph (runtime.specialize) becomes a call of
 ``region_call(key, *sources)``: the region's input adapters (views, size-1 squeezes; widening
 casts only in training, and there only where the region is not read in its own type:
-runtime.grad_chains), one opaque custom op ``acefuse::region(key, inputs)`` that runs the
+runtime.grad_plan), one opaque custom op ``acefuse::region(key, inputs)`` that runs the
 acefuse kernel on the program's inputs, and the output adapters (permutes, reshapes, the output
 dtype and torch's strides). For inference the op takes float16/bfloat16 sources as they are (the
 kernel widens on load) and its launcher writes each output in eager's type
@@ -103,18 +103,22 @@ class RegionOp:
         from acefuse.autograd import _to, wide_dtype
         dk = self.dk
         aug, bwd = dk._grad_kernels()
+        odts = self._out_kw.get("out_dtypes") or {}    # eager's output types (runtime.grad_plan)
         if bwd is None:            # no derived backward: gradients are torch's (warned by dk)
-            out = _as_dict(self.kernel(**inputs), self.keys)
+            from acefuse.autograd import takes_out_dtypes
+            out = _as_dict(self.kernel(**inputs, **(self._out_kw if takes_out_dtypes(self.kernel) else {})),
+                           self.keys)
             self.calls["grad"] += 1
-            return [out[k] for k in self.keys]
+            return [_to(out[k], odts[k]) if k in odts else out[k] for k in self.keys]
         floats = [t for t in inputs.values() if t.dtype.is_floating_point]
         odt = floats[0].dtype if floats else torch.float32
         wide = wide_dtype(odt)
         values, direct = dk.wide_values(aug, bwd)
-        kw = {"out_dtypes": {n: wide for n in values}} if values and direct else {}
+        kw = {"out_dtypes": {**odts, **{n: wide for n in values}}} if direct and (values or odts) else {}
         out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
         saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
-        outs = [(_to(out[k], odt) if k in values else out[k]) for k in self.keys]
+        outs = [_to(out[k], odts.get(k, odt)) if k in values else _to(out[k], odts[k]) if k in odts else out[k]
+                for k in self.keys]
         # (an op's results may not alias each other: a saved output kept as is is copied)
         saved = [s.clone() if any(s is o for o in outs) else s for s in saved]
         self.calls["grad"] += 1
@@ -345,18 +349,17 @@ def region_call(key, *srcs):
 
 def _plan(region, dk):
     """The region op's direct plan: for inference Imported.direct_plan's ``(chains, out_dtypes)``;
-    in training ``(chains, None)`` where the differentiable kernel reads its inputs in their own
-    types (runtime.grad_chains: it writes its outputs in that type, its saved values wide); None
-    where the region has none (the widening adapters)."""
+    in training runtime.grad_plan's ``(chains, out_dtypes)`` where the differentiable kernel reads
+    its inputs in their own types (it writes its outputs in eager's types, its saved values wide);
+    None where the region has none (the widening adapters)."""
     if region.kernel is None:
         return None
     imp = region.imp
     vals = {s: s.meta.get("af_val") for s in imp.sources}
     try:
         if dk is not None:
-            from acefuse.frontend.runtime import grad_chains
-            chains = grad_chains(imp, dk, vals)
-            return None if chains is None else (chains, None)
+            from acefuse.frontend.runtime import grad_plan
+            return grad_plan(imp, dk, vals)
         return imp.direct_plan(vals, region.kernel, imp.compute_dtype(vals))
     except Exception:  # noqa: BLE001 - the widening adapters always work
         return None

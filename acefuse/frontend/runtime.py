@@ -35,11 +35,12 @@ warning naming the region and why: gradients are never dropped. When that region
 holds contractions (matmuls: no derived backward kernel yet), they stay in torch and
 the reductions around them are retried, as for inference. Grad mode and
 ``requires_grad`` are part of the shape signature, so the same function under
-``torch.no_grad()`` (inference) runs the plain kernels. A float16/bfloat16 region without
-contractions whose inputs and outputs have one type (HF's RMSNorm: ``x.to(float32)`` inside)
-runs its differentiable kernel on the inputs as they are (``grad_chains``: no float32 copy of
-an input, none saved for the backward; outputs and gradients in that type, saved values wide);
-other regions are widened to the compute dtype as before.
+``torch.no_grad()`` (inference) runs the plain kernels. A region without contractions that
+widens a float16/bfloat16 input (HF's RMSNorm: ``x.to(float32)`` inside; a cross-entropy over
+``logits.float()``) runs its differentiable kernel on the inputs as they are (``grad_plan``: no
+float32 copy of an input, none saved for the backward; each output written in eager's type, the
+gradients in their inputs', saved values wide); other regions are widened to the compute dtype
+as before.
 
 Region inputs are named by position (``importer.import_nodes``), so regions that differ only in
 the torch values they read (every layer's norm or attention) are one program: derived, certified
@@ -85,6 +86,7 @@ class CompiledRegion(torch.nn.Module):
         self._fd = None               # the compute dtype: fixed per specialisation (dtypes are in the signature)
         self._plan = False            # the plain kernel's call without widened copies (Imported.direct_plan)
         self._grad_feeds = None       # the differentiable kernel's input adapters (_run_grad)
+        self._grad_kw = {}            # and its out_dtypes (eager's output types: grad_plan)
         self._outs = {}               # "kernel"/"grad" -> the output adapters (_torch_outputs)
         self._sources = imp.sources
 
@@ -125,19 +127,21 @@ class CompiledRegion(torch.nn.Module):
 
     def _run_grad(self, srcs):
         """The differentiable kernel on these source values: read in their own types where that
-        changes nothing (``grad_chains``: a bfloat16 norm region reads bfloat16 and writes it),
+        changes nothing (``grad_plan``: a bfloat16 norm region reads bfloat16 and writes it),
         else widened to the compute dtype; the input adapters are worked out on the first call."""
         if self._grad_feeds is None:
             values = dict(zip(self._sources, srcs))
             if self._fd is None:
                 self._fd = self.imp.compute_dtype(values)
-            chains = grad_chains(self.imp, self.grad, values)
-            fd = self._fd if chains is None else None
+            plan = grad_plan(self.imp, self.grad, values)
+            chains, fd = (None, self._fd) if plan is None else (plan[0], None)
+            self._grad_kw = {} if plan is None or not plan[1] else {"out_dtypes": plan[1]}
             at = {s: i for i, s in enumerate(self._sources)}
             self._grad_feeds = [(s.name, at[s.src], s.adapter(srcs[at[s.src]], fd,
                                                               None if chains is None else chains[s.name]))
                                 for s in self.imp.inputs]
-        return self.grad(**{name: srcs[i] if f is None else f(srcs[i]) for name, i, f in self._grad_feeds})
+        return self.grad(**{name: srcs[i] if f is None else f(srcs[i]) for name, i, f in self._grad_feeds},
+                         **self._grad_kw)
 
     def _torch_outputs(self, outs, how):
         """The region's torch results from the kernel's outputs (``how``: "kernel" or "grad"), through
@@ -212,14 +216,12 @@ def _interpreted(run):
     return call
 
 
-def grad_chains(imp, dk, values: dict):
-    """``Imported.grad_chains`` for a call of the differentiable kernel ``dk``, or None (the
-    widening path) unless ``dk`` keeps its saved values wide: its augmented forward kernel takes
-    ``out_dtypes`` (a row's max, sum or inverse deviation saved in bfloat16 would lose precision
-    in the backward)."""
-    chains = imp.grad_chains(values)
-    if chains is None:
-        return None
+def grad_plan(imp, dk, values: dict):
+    """``Imported.grad_plan`` ``(chains, out_dtypes)`` for a call of the differentiable kernel
+    ``dk``, or None (the widening path) unless ``dk`` keeps its saved values wide and writes its
+    outputs in the types asked for: its augmented forward kernel takes ``out_dtypes`` (a row's
+    max, sum or inverse deviation saved in bfloat16 would lose precision in the backward; a
+    cross-entropy's loss written in its logits' bfloat16 would lose it in the forward)."""
     try:
         from acefuse.autograd import takes_out_dtypes
         aug, bwd = dk._grad_kernels()
@@ -227,7 +229,7 @@ def grad_chains(imp, dk, values: dict):
         return None
     if bwd is None or not takes_out_dtypes(aug):
         return None
-    return chains
+    return imp.grad_plan(values, getattr(aug.module, "STORE_DTYPES", None) or {})
 
 
 def requires_grad_inputs(imp, values: dict) -> list:
