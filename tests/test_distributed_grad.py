@@ -215,3 +215,21 @@ def test_a_broken_reverse_ring_fails_the_check():
     rank: the comparison above must catch it."""
     with pytest.raises(AssertionError, match="grad k"):
         attention_case("global", [6, 5], "ring", broken=True)
+
+
+def test_block_offsets_share_one_timing_of_launch_configurations():
+    """The backward's programs instantiated at each rank's block offset (constants baked in) are
+    one kernel each for timing: every offset's launcher reads and writes the same table of timed
+    launch choices (a GPU times a sum kernel's configurations for 13-24 s per kernel, and a ring
+    visits every offset), while the kernels themselves differ."""
+    from acefuse.distributed.grad import prepare, _RUNNERS
+    plan = prepare(kernel(CE), "j", offsets=[{"j": 0}, {"j": 11}, {"j": 20}], sizes={"j": 31})
+    runner = next(r for r in _RUNNERS.values() if r.plan is plan)
+    shared = 0
+    for p in plan.progs:
+        ks = [k for key, k in runner._kernels.items() if key[0] == id(p)]
+        mods = [getattr(k, "module", None) for k in ks]
+        tables = {id(m._TUNED) for m in mods if m is not None and hasattr(m, "_TUNED")}
+        if len(ks) > 1 and len(tables) == 1 and len({id(m) for m in mods}) == len(ks):
+            shared += 1
+    assert shared >= 1, "no program's offset variants share their launch timing"

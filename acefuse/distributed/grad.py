@@ -296,6 +296,7 @@ class ShardedBackward:
             prog = Program(p.program.name, {o: Expr(instantiate(e.term, offs, gs), e.axes, e.tensors)
                                             for o, e in p.program.outputs.items()})
             k = compile_stage(prog, **self.kw)
+            _share_tuning(base, k)
             self._kernels[key] = k
         return k
 
@@ -591,6 +592,19 @@ class ShardedBackward:
 # ---- the differentiable sharded call -----------------------------------------------------
 _AUG: dict = {}        # id(differentiable kernel) -> (it, backward program, augmented forward kernel)
 _RUNNERS: dict = {}    # (id(backward program), J, D) -> ShardedBackward
+
+
+def _share_tuning(base, k) -> None:
+    """A program instantiated at another block offset is the same kernel but for constants: its
+    launch configuration is timed once for all offsets (the GPU's first call times each sum
+    kernel's configurations for 13-24 s; a ring visits every block offset) by sharing the
+    generated launcher's table of timed choices (keyed by sizes and dtypes)."""
+    mb, mk = getattr(base, "module", None), getattr(k, "module", None)
+    if mb is None or mk is None or not isinstance(getattr(mb, "_TUNED", None), dict) or not hasattr(mk, "_TUNED"):
+        return
+    same = all(getattr(mb, a, None) == getattr(mk, a, None) for a in ("AXIS", "TENSORS", "OUTPUTS"))
+    if same and type(base) is type(k):
+        mk._TUNED = mb._TUNED
 
 
 def _grad_parts(dk, axis):
