@@ -551,7 +551,25 @@ def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
     """For every derived form of a pass, the rules without which it is no longer
     derivable (one re-saturation per rule that fired, checking all forms at once).
     A rule that another rule can stand in for is not listed: these are the rules
-    each correction *needs*, ordered by the iteration in which they first fired."""
+    each correction *needs*, ordered by the iteration in which they first fired.
+
+    The result is a function of the pass's e-graph input (its states, the known ones, the
+    derived forms, the rules' text, the schedule) and of the code that saturates it, so it is
+    kept under that key (``_ablation_key``) in memory and on disk
+    (``$ACEFUSE_CACHE_DIR/ablation/<key>.json``, default ``~/.cache/acefuse``;
+    ``ACEFUSE_ABLATION_CACHE=0`` turns the disk part off): a program fused again, in this
+    process or another, reads its chains instead of re-saturating once per rule. The chains
+    only explain (explain(), the generated code's comments); nothing is certified from them."""
+    key = _ablation_key(f, p)
+    got = _ablation_load(key)
+    if got is None:
+        got = _ablate_pass_run(f, p)
+        _ablation_store(key, got)
+    return dict(got)
+
+
+def _ablate_pass_run(f: Fusion, p: FusionPass) -> dict:
+    """``_ablate_pass`` computed: one re-saturation per rule that fired."""
     out: dict = {}
     targets: dict = {}
     for s in p.states:
@@ -578,6 +596,95 @@ def _ablate_pass(f: Fusion, p: FusionPass) -> dict:
     for key, names in needed.items():
         out[key] = sorted(names, key=lambda n: (order.get(n, 99), n))
     return out
+
+
+_ABLATIONS: dict = {}        # key -> {(state, form): [rule, ...]}
+_CODE_HASH = None
+
+
+def _code_hash() -> str:
+    """sha256 of the code an ablation runs: this module, acefuse.rewrite and the egglog version."""
+    global _CODE_HASH
+    if _CODE_HASH is None:
+        import hashlib
+        from pathlib import Path
+        import acefuse.rewrite as rw
+        h = hashlib.sha256(Path(__file__).read_bytes())
+        for d in rw.__path__:
+            for q in sorted(Path(d).glob("*.py")):
+                h.update(q.name.encode() + b"\0" + q.read_bytes())
+        try:
+            from importlib.metadata import version
+            h.update(version("egglog").encode())
+        except Exception:  # noqa: BLE001 - no version metadata: the sources still key it
+            pass
+        _CODE_HASH = h.hexdigest()
+    return _CODE_HASH
+
+
+def _ablation_key(f: Fusion, p: FusionPass) -> str:
+    """What an ablation of ``p`` depends on, hashed: the code, the rules (each one's egglog text,
+    theory and kind), the schedule, the pass's states and known states, its derived forms, and
+    which rules fired in it and when (the order of each chain)."""
+    import hashlib
+    h = hashlib.sha256(_code_hash().encode())
+    sched = p.schedule or f.schedule
+    parts = [
+        [(r.name, r.theory, r.kind, r.egglog("r")) for r in f.rules],
+        repr(sched),
+        [(s.name, s.op, s.definition.sexpr()) for s in f.encoding.states if s.name not in p.known],
+        sorted(p.known),
+        [(s.name, form, t.sexpr()) for s in p.states for form, forms in (("rolling", p.rolling), ("merge", p.merge))
+         for t in [forms.get(s.name)] if t is not None],
+        sorted((p.stats.matches or {}).items()) if p.stats else None,
+        sorted((p.stats.first_iteration or {}).items()) if p.stats else None,
+    ]
+    h.update(repr(parts).encode())
+    return h.hexdigest()[:40]
+
+
+def _ablation_path(key: str):
+    import os
+    from pathlib import Path
+    if os.environ.get("ACEFUSE_ABLATION_CACHE", "1") == "0":
+        return None
+    base = os.environ.get("ACEFUSE_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "acefuse") / "ablation" / f"{key}.json"
+
+
+def _ablation_load(key: str):
+    got = _ABLATIONS.get(key)
+    if got is not None:
+        return got
+    path = _ablation_path(key)
+    if path is None:
+        return None
+    import json
+    try:
+        data = json.loads(path.read_text())
+        got = {(st, form): [str(r) for r in rules] for st, form, rules in data["chains"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None           # absent or unreadable: computed again (and rewritten)
+    _ABLATIONS[key] = got
+    return got
+
+
+def _ablation_store(key: str, chains: dict) -> None:
+    _ABLATIONS[key] = chains
+    path = _ablation_path(key)
+    if path is None:
+        return
+    import json
+    import os
+    import tempfile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ablation-")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"chains": [[st, form, rules] for (st, form), rules in sorted(chains.items())]}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass                  # an unwritable cache directory: nothing is persisted
 
 
 def _is_definition(f, name, target) -> bool:

@@ -248,3 +248,39 @@ def test_a_misspelled_theory_in_a_schedule_is_an_error():
     from acefuse.rewrite.schedules import Schedule, Phase, validate
     with pytest.raises(ValueError, match="arithh"):
         validate(Schedule("bad", (Phase("p", ("arithh",)),)))
+
+
+_ABLATE_TWICE = r'''
+import importlib, sys
+import acefuse as af
+F = importlib.import_module("acefuse.fuse")
+runs = []
+run = F._ablate_pass_run
+F._ablate_pass_run = lambda f, p: runs.append(p.index) or run(f, p)
+x = af.tensor("x", "i j")
+m = af.max(x, "j")
+l = af.sum(af.exp(x - m), "j")
+f = af.fuse(af.program("softmax_again", y=af.exp(x - m) / l))
+text = f.explain()
+print(len(runs))
+print(text)
+'''
+
+
+def test_rule_chains_are_read_back_in_a_fresh_process(tmp_path):
+    """The rule-chain ablation (one re-saturation per rule that fired: the largest phase of a cold
+    compile) is kept on disk under its e-graph input, rules, schedule and code: a second fusion of
+    the same program in a fresh process re-saturates nothing and explains (the generated code's
+    header) with the same bytes. Fails without the cache (the second process ablates again)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ACEFUSE_CACHE_DIR=str(tmp_path), ACEFUSE_ABLATION_CACHE="1")
+    outs = [subprocess.run([sys.executable, "-c", _ABLATE_TWICE], env=env, capture_output=True, text=True,
+                           timeout=120) for _ in range(2)]
+    for o in outs:
+        assert o.returncode == 0, o.stderr
+    first, second = (o.stdout.split("\n", 1) for o in outs)
+    assert int(first[0]) == 1 and int(second[0]) == 0, (first[0], second[0])
+    assert first[1] == second[1] and "rules: " in first[1]
+    assert list((tmp_path / "ablation").glob("*.json"))
