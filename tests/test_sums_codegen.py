@@ -217,6 +217,7 @@ def test_config_choice_is_timed_once_per_shape_class(monkeypatch):
         return cands[0]
     monkeypatch.setattr(mod, "_fastest", fake_fastest)
     monkeypatch.setattr(mod, "_TUNED", {})
+    monkeypatch.setenv("ACEFUSE_TUNING_CACHE", "0")   # this process's timing (the disk store: test_tuning.py)
     cpu = torch.device("cpu")
     for n in (33, 40, 64, 70):   # 33..64 round up to 64 (one class); 70 to 128
         ins = _inputs(n, n, n, 16, 16)

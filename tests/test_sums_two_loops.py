@@ -21,7 +21,7 @@ import acefuse as af
 from acefuse import autograd
 from acefuse.codegen import riders as rd
 from acefuse.codegen.riders import sum_kernel
-from acefuse.codegen.sums import compile_two_loops, double_sum_axis
+from acefuse.codegen.sums_loops import compile_two_loops, double_sum_axis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import attention as A  # noqa: E402
