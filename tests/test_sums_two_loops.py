@@ -165,3 +165,30 @@ def test_gqa_gradients_with_the_key_stage_as_one_sum_kernel(name, monkeypatch):
         err = (a - r).abs().max().item()
         assert torch.isfinite(a).all() and err <= 4e-5 * r.abs().max().item(), \
             f"{name}: grad of {x}: max error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GQA))
+@pytest.mark.parametrize("n", [200, 1100])
+def test_gqa_training_on_the_gpu(name, n):
+    """On a GPU, bf16, a small shape (the sum kernels' untimed default configuration) and one
+    above the timing threshold (timed candidates, the ride-or-apart choice): every gradient
+    against float64 torch autograd, no fallback to torch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kern = af.compile(GQA[name])
+    g = torch.Generator().manual_seed(n)
+    d = A.D
+    ins = {"q": torch.randn(2, 2, 4, n, d, generator=g), "k": torch.randn(2, 2, n, d, generator=g),
+           "v": torch.randn(2, 2, n, d, generator=g)}
+    cot = torch.randn(2, 2, 4, n, d, generator=g)
+    got = {x: t.to("cuda", torch.bfloat16).requires_grad_() for x, t in ins.items()}
+    kern(**got).backward(cot.to("cuda", torch.bfloat16))
+    assert kern.grad_fallback is None
+    ref = {x: t.to(torch.bfloat16).double().requires_grad_() for x, t in ins.items()}
+    _torch_gqa(name, **ref).backward(cot.to(torch.bfloat16).double())
+    for x in ins:
+        r, a = ref[x].grad, got[x].grad.double().cpu()
+        assert torch.isfinite(a).all(), f"{name}: non-finite grad of {x}"
+        rel = ((a - r).norm() / r.norm()).item()
+        assert rel < 2e-2, f"{name} n={n}: grad of {x}: norm-relative error {rel:.2e}"
