@@ -222,9 +222,9 @@ def sum_rider_lines(gen, full) -> list:
     per tile raises CodegenError (the rider stage then runs apart: riding would add work
     rather than share it)."""
     from acefuse.codegen.emit import CodegenError
-    from acefuse.codegen.sums import _const_factor
+    from acefuse.codegen.sums import _const_factor, _product
     from acefuse.codegen.contraction import _flat_mul
-    from acefuse.rewrite.terms import Term, pretty
+    from acefuse.rewrite.terms import pretty
     F, out = gen.F, []
     for o, (body, axes) in gen.riders.items():
         gen.lines = []
@@ -234,10 +234,7 @@ def sum_rider_lines(gen, full) -> list:
         if vs and len(vecs) != 1:
             raise CodegenError(f"program {gen.name!r}: rider {o!r}: `{pretty(body)}` is not a tile times one "
                                f"row vector over {vs[0]!r}")
-        rest = [f for f in fs if not (vecs and f is vecs[0])] or [Term("Num", (1.0,))]
-        tt = rest[0]
-        for f in rest[1:]:
-            tt = Term("Mul", (tt, f))
+        tt = _product([f for f in fs if not (vecs and f is vecs[0])])
         e, sh = gen.emit(tt)
         if sh not in ("rf", "r", "f", "s"):
             raise CodegenError(f"program {gen.name!r}: rider {o!r}: `{pretty(tt)}` is not a (rows x {F!r}) tile")

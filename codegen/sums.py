@@ -723,12 +723,9 @@ class SumGen:
                 self._scale[q] = c
             vecs = [f for f in fs if isinstance(self._shape_of(f), tuple) and self._shape_of(f)[0] == "f"]
             if len(vecs) == 1:
-                rest = [f for f in fs if f is not vecs[0]] or [Term("Num", (1.0,))]
+                tt = _product([f for f in fs if f is not vecs[0]])
                 wsh = self._shape_of(vecs[0])
                 w = self.dot_operand(vecs[0])
-                tt = rest[0]
-                for f in rest[1:]:
-                    tt = Term("Mul", (tt, f))
                 e, sh = self.emit(tt)
                 if sh not in ("rf", "r", "f", "s"):
                     raise CodegenError(f"state {q}: `{pretty(b)}` is not a (rows x {F!r}) tile times a vector")
@@ -789,6 +786,16 @@ class SumGen:
     def launcher(self):
         from acefuse.codegen.sums_launch import launcher
         return launcher(self)
+
+
+def _product(fs) -> Term:
+    """The product of the factors ``fs``, left to right (1 when there are none)."""
+    if not fs:
+        return Term("Num", (1.0,))
+    t = fs[0]
+    for f in fs[1:]:
+        t = Term("Mul", (t, f))
+    return t
 
 
 def _const_factor(fs):

@@ -74,6 +74,15 @@ def _cache_warn(msg):
     warnings.warn(f"acefuse: {msg}", CacheWarning, stacklevel=3)
 
 
+def _drop_index(idx: Path, msg):
+    """Remove an unusable index entry, with a warning saying why (``msg``)."""
+    _cache_warn(msg)
+    try:
+        idx.unlink()
+    except OSError:
+        pass
+
+
 def _load_indexed(idx: Path, program=None):
     """The kernel an index entry points to, or None (absent). A corrupt entry, or one whose
     kernel file is missing or changed, is removed with a warning (the caller regenerates)."""
@@ -88,12 +97,8 @@ def _load_indexed(idx: Path, program=None):
         from acefuse.codegen.compile import load_module
         return _Loaded(load_module(path, meta["module"]), path, program)
     except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
-        _cache_warn(f"kernel cache index {idx.name} is unusable ({type(e).__name__}: {e}); "
+        _drop_index(idx, f"kernel cache index {idx.name} is unusable ({type(e).__name__}: {e}); "
                     "removed, the kernel is regenerated")
-        try:
-            idx.unlink()
-        except OSError:
-            pass
         return None
 
 
@@ -219,12 +224,8 @@ def _load_riders(idx: Path, bwd, kernels):
                 raise ValueError(f"kernel file {path} does not match its recorded hash")
             loaded[int(a)] = _Loaded(load_module(path, h["module"]), path, bwd.stages[int(a)])
     except Exception as e:  # noqa: BLE001 - any bad entry is regenerated, never fatal
-        _cache_warn(f"rider index {idx.name} is unusable ({type(e).__name__}: {e}); removed, the stages "
+        _drop_index(idx, f"rider index {idx.name} is unusable ({type(e).__name__}: {e}); removed, the stages "
                     "run apart in this process")
-        try:
-            idx.unlink()
-        except OSError:
-            pass
         return None
     for a, k in loaded.items():
         kernels[a] = k
