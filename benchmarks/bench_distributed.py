@@ -243,6 +243,14 @@ def part_ce(args, device, dtype, kernels, T, V):
 
 
 # ---- context-parallel prefill ---------------------------------------------------------------
+def zigzag_index(N, world, rank, device):
+    """The sequence positions rank ``rank`` holds in the zig-zag layout: chunks ``rank`` and
+    ``2W-1-rank`` of 2W equal chunks (balanced causal work)."""
+    C = N // (2 * world)
+    return torch.cat([torch.arange(rank * C, rank * C + C),
+                      torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)]).to(device)
+
+
 def part_cp(args, device, dtype, kernels, lens, shape):
     world, rank = dist.get_world_size(), dist.get_rank()
     B, H, D = shape
@@ -256,10 +264,7 @@ def part_cp(args, device, dtype, kernels, lens, shape):
         q, kk, v = (t[:, :, j0:j0 + sizes[rank]].contiguous() for t in (Q, K, V))
         whole = F.scaled_dot_product_attention(Q.float(), K.float(), V.float(), is_causal=True)
         want = whole[:, :, j0:j0 + sizes[rank]]
-        # zig-zag layout: rank r holds chunks r and 2W-1-r of 2W equal chunks (balanced causal work)
-        C = N // (2 * world)
-        zidx = torch.cat([torch.arange(rank * C, rank * C + C),
-                          torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)]).to(device)
+        zidx = zigzag_index(N, world, rank, device)
         qz, kz, vz = (t[:, :, zidx].contiguous() for t in (Q, K, V))
         want_z = whole[:, :, zidx]
         flops = 2.0 * B * H * N * N * D
@@ -273,7 +278,7 @@ def part_cp(args, device, dtype, kernels, lens, shape):
             for ex in [e for e in ("gather", "ring") if f"{e}-zigzag" in args.cp_impls]:
                 impls[f"acefuse {ex} zig-zag"] = (lambda ex=ex: k(q=qz, k=kz, v=vz, process_group=dist.group.WORLD,
                                                                   sharded_axis="j", exchange=ex, zigzag=("i",),
-                                                                  shard_sizes=[2 * C] * world), "zigzag")
+                                                                  shard_sizes=[len(zidx)] * world), "zigzag")
         if "torch" in args.cp_impls:
             impls["torch context_parallel (SDPA ring)"] = (None, "torch")
         for name, (fn, kind) in impls.items():
@@ -434,9 +439,7 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
         j0 = sum(sizes[:rank])
         gen = torch.Generator(device="cpu").manual_seed(N + 1)
         Q, K, V, GO = (torch.randn(B, H, N, D, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
-        C = N // (2 * world)
-        zidx = torch.cat([torch.arange(rank * C, rank * C + C),
-                          torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)]).to(device)
+        zidx = zigzag_index(N, world, rank, device)
         cidx = torch.arange(j0, j0 + sizes[rank], device=device)
         wants = None
         if args.check_bwd:
@@ -451,7 +454,7 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
             if ex in args.cp_impls:
                 impls[f"acefuse {ex}"] = (ex, cidx, dict(axis_offsets={"i": j0}, shard_sizes=sizes))
             if f"{ex}-zigzag" in args.cp_impls and N % (2 * world) == 0:
-                impls[f"acefuse {ex} zig-zag"] = (ex, zidx, dict(zigzag=("i",), shard_sizes=[2 * C] * world))
+                impls[f"acefuse {ex} zig-zag"] = (ex, zidx, dict(zigzag=("i",), shard_sizes=[len(zidx)] * world))
         for name, (ex, idx, kw) in impls.items():
             row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
             try:

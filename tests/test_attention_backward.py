@@ -35,8 +35,8 @@ def _inputs(seed, ni=NI, nj=NJ):
 def _torch_attention(name, q, k, v, slope):
     """The plain math, float64 (no acefuse code)."""
     s = q @ k.transpose(-1, -2) * A.SCALE
-    i = torch.arange(q.shape[-2], dtype=torch.float64)[:, None]
-    j = torch.arange(k.shape[-2], dtype=torch.float64)[None, :]
+    i = torch.arange(q.shape[-2], dtype=torch.float64, device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], dtype=torch.float64, device=q.device)[None, :]
     if name in ("alibi", "alibi_global"):
         s = s + slope[None, :, None, None] * (j - i)
     if name == "softcap":

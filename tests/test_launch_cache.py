@@ -133,10 +133,11 @@ def test_another_device_index_gets_its_own_plan(softmax_kernel):
         _check({k: v.cpu() for k, v in out.items()}, x)
 
 
-def _errors(mod, good):
-    """(type, message) of each bad call."""
-    bad = [dict(x=good.double()), dict(x=good[0]), dict(), dict(x=good, z=good), dict(x=good.numpy()),
-           dict(x=good[:, :0]), dict(x=good.int()), dict(x=good, schedule="tiles")]
+def _errors(mod, good, bad=None):
+    """(type, message) of each bad call (``bad``: keyword sets; default, the row kernel's)."""
+    if bad is None:
+        bad = [dict(x=good.double()), dict(x=good[0]), dict(), dict(x=good, z=good), dict(x=good.numpy()),
+               dict(x=good[:, :0]), dict(x=good.int()), dict(x=good, schedule="tiles")]
     out = []
     for kw in bad:
         with pytest.raises((TypeError, ValueError)) as e:
@@ -367,21 +368,13 @@ def test_decode_bad_input_raises_the_same_errors_after_a_cached_call(decode_kern
     bad = [dict(good, q=good["q"].double()), dict(good, k=good["k"][0]), {n: good[n] for n in "qk"},
            dict(good, z=good["q"]), dict(good, v=good["v"].numpy()), dict(good, v=good["v"][:, :, :0]),
            dict(good, k=good["k"][:, :, :7]), dict(good, schedule="tiles"), dict(good, path="tma")]
-
-    def errors():
-        out = []
-        for kw in bad:
-            with pytest.raises((TypeError, ValueError)) as e:
-                mod.run(**kw)
-            out.append((type(e.value), str(e.value)))
-        return out
     mod._PLANS.clear()
-    fresh = errors()
+    fresh = _errors(mod, good, bad)
     assert not mod._PLANS
     assert "unknown schedule 'tiles'" in fresh[7][1] and "unknown path 'tma'" in fresh[8][1]
     assert "axis 'j' of program 'decode' has length 7 in one input and 40 in 'v'" in fresh[6][1]
     _decode_check(mod.run(**good), good)
-    assert errors() == fresh and len(mod._PLANS) == 1
+    assert _errors(mod, good, bad) == fresh and len(mod._PLANS) == 1
     mod._PLANS.clear()
 
 

@@ -2,11 +2,10 @@
 of sums over keys (dQ, and ALiBi's per-query slope part) is computed in the pass of the stage
 summing over queries (dK, dV), each tile's part added into a float32 buffer with an atomic
 add. Nothing names attention: the stages qualify by form. Gradients against float64 torch
-autograd of the plain math (written here), fresh random inputs, sizes that are not multiples
+autograd of the plain math (test_attention_backward.py's; GQA's here), fresh random inputs, sizes that are not multiples
 of the interpreter's 16-wide tiles, short head dims; each test asserts the rider path ran and
 the riding stage's own kernel did not (so it fails without the rider); a schedule option runs
 the stage itself; a finish that drops the constant factor is caught."""
-import math
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from acefuse.codegen import riders as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import attention as A  # noqa: E402
+from tests.test_attention_backward import _torch_attention  # noqa: E402
 
 i_, j_ = af.index("i"), af.index("j")
 STRICT = A.attend("strict_riders", af.where(j_ < i_, A.score, af.NEG_INF))   # query 0 sees no key
@@ -36,20 +36,7 @@ def _torch(name, q, k, v, slope=None):
     if name == "gqa":
         s = torch.einsum("bgrid,bgjd->bgrij", q, k) * A.SCALE
         return torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), v)
-    s = q @ k.transpose(-1, -2) * A.SCALE
-    i = torch.arange(q.shape[-2], dtype=torch.float64, device=q.device)[:, None]
-    j = torch.arange(k.shape[-2], dtype=torch.float64, device=q.device)[None, :]
-    if name == "alibi":
-        s = s + slope[None, :, None, None] * (j - i)
-    if name in ("causal", "alibi"):
-        s = torch.where(j <= i, s, -math.inf)
-    if name == "strict":   # the forward's convention for a row with no key: o = 0, gradient 0
-        s = torch.where(j < i, s, -math.inf)
-        m = s.amax(-1, keepdim=True).detach()
-        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
-        l = p.sum(-1, keepdim=True)
-        return (p @ v) / torch.where(l == 0, 1.0, l)
-    return torch.softmax(s, -1) @ v
+    return _torch_attention(name, q, k, v, slope)
 
 
 def _leaves(name, seed, n, d):
