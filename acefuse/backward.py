@@ -690,6 +690,10 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
     outputs = dict(outputs)
     if finish is not None:
         _split_finish(outputs, order, finish, forward)
+    for n, e in list(outputs.items()):   # a cascade's axis innermost in a chain of sums (Fubini)
+        t = _cascade_inner(e.term)
+        if t is not e.term:
+            outputs[n] = _retensor(t, e.axes, e.tensors)
     if hoisted is None:
         hoisted = {}
     taken = set(tensor_order) | set(outputs) | set(forward.outputs if forward is not None else ())
@@ -760,6 +764,31 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
     for st in stages:
         st.hoisted = {n: hoisted[n][2] for n in st.outputs if n in hoisted}
     return pre_stages + stages
+
+
+def _cascade_inner(t: Term) -> Term:
+    """``t`` with a chain of one reduction over several axes (``sum_j(sum_r(X))``) reordered so
+    that the axes ``X`` itself reduces over come innermost (``sum_r(sum_j(X))`` when ``X``
+    reads ``sum_j(...)`` per row r), ``t`` itself when nothing moves. Swapping two sums over
+    different axes is Fubini (two maxes, two mins: both are the one over the pairs of the two
+    axes), exact over the reals; only float rounding order changes. Why: ``X`` is a
+    cascade over j for each r. Fused over j with rows r (the inner order), that cascade is one
+    pass per row and the outer sum over r of its per-row values is a second stage
+    (codegen/compile.py ``stage``). In the other order neither axis compiles: fused over j,
+    the body over (r, j) is written whole and the sum over both after it has no row axis
+    (codegen/sums.py); fused over r, the cascade over j is a pass inside the pass. (A pre-stage
+    value ``sum_j(sum_r(...))`` of the adjoints of a reduction over a weight over j.)"""
+    axes, body = [], t
+    while body.op == t.op and body.op in RED and body.args[0].op == "Ax" and body.args[0].args[0] not in axes:
+        axes.append(body.args[0].args[0])
+        body = body.args[1]
+    inner = set(_red_axes(body))
+    order = [a for a in axes if a not in inner] + [a for a in axes if a in inner]
+    if order == axes:
+        return t
+    for a in reversed(order):
+        body = Term(t.op, (Term("Ax", (a,)), body))
+    return body
 
 
 # at most this many rounds of hoisting per stage set (each round removes at least one reduction

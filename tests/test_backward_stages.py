@@ -8,6 +8,7 @@ tiles) is computed once by a pre-stage and read by the stages that use it
 no query rows") and fell back to torch autograd; their gradients are checked against float64
 torch autograd of the plain math, fresh random inputs, odd sizes, float32 and bfloat16.
 """
+import math
 import warnings
 
 import pytest
@@ -276,3 +277,86 @@ def test_nested_zero_d_values_compiled(wrt):
         if n in wrt:
             assert b.grad.abs().max() > 1e-3
             _close(a.grad, b.grad, f"grad_{n}", *TOL[torch.float32])
+
+
+def _cascade_programs():
+    """Programs whose weight gradient holds a 0-d (or per-batch) sum over (r, j) of a body that
+    itself reads per-row sums over j: the adjoint of a reduction of ``w`` that scales a term
+    centred over j (``t - mean_j(t)``), routed through a max or min over j."""
+    x, w = af.tensor("x", "r j"), af.tensor("w", "j")
+    xb, wb, sb = af.tensor("x", "b r j"), af.tensor("w", "b j"), af.tensor("s", "b")
+
+    def ctr(t):
+        return t - af.sum(t, "j") / af.size("j")
+
+    def tctr(t):
+        return t - t.mean(-1, keepdim=True)
+
+    def lse(v):
+        m = af.max(v, "j")
+        return m + af.log(af.sum(af.exp(v - m), "j"))
+
+    def expmin(u):
+        return af.exp(af.min(u, "j") - u)
+
+    def texpmin(u):
+        return torch.exp(u.amin(-1, keepdim=True) - u)
+
+    def tmasked(W):
+        return torch.where(torch.arange(W.shape[-1]) < 5, W, torch.full_like(W, -math.inf))
+
+    masked = af.where(af.index("j") < 5.0, w, af.NEG_INF)
+    return {
+        # the gradient fuzzer's program 11 (--profile long --seed 1812, its fuzz seed 1347238023)
+        "fuzz_1812_11": (af.program("hc_fuzz11", o0=expmin(ctr(x * w * (af.max(masked, "j") + af.log(af.sum(
+            af.exp(masked - af.max(masked, "j")), "j")))))),
+            lambda X, W: texpmin(tctr(X * W * torch.logsumexp(tmasked(W), -1))), ((4, 17), (17,))),
+        # the same shape, smaller: a mean of w scales a centred term, a max over j reads it
+        "mean_w_max": (af.program("hc_mean_w_max", y=af.max(ctr(x * af.mean(w, "j")), "j")),
+                       lambda X, W: tctr(X * W.mean()).amax(-1), ((5, 23), (23,))),
+        # one logsumexp of w per batch entry b: the hoisted value ranges over b
+        "batched_lse": (af.program("hc_batched_lse", y=expmin(ctr(xb * wb * lse(wb)))),
+                        lambda X, W: texpmin(tctr(X * W[:, None, :] * torch.logsumexp(W, -1)[:, None, None])),
+                        ((3, 4, 19), (3, 19))),
+        # the gradient itself is the sum over (r, j): grad_s over b, a stage's own output
+        "batched_scale": (af.program("hc_batched_scale", y=expmin(ctr(xb * sb))),
+                          lambda X, S: texpmin(tctr(X * S[:, None, None])), ((3, 4, 19), (3,))),
+    }
+
+
+CASCADE = _cascade_programs()
+
+
+@pytest.mark.parametrize("name", list(CASCADE))
+def test_sum_over_rows_of_a_cascade_is_fused_over_the_cascade(name):
+    """Issue 11 (gradient fuzzer, --profile long --seed 1812, program 11): the weight's
+    gradient reads ``sum_j(sum_r(X))`` where X holds per-row sums over j (a cascade over j for
+    each row r). Its pre-stage was refused ("no row axis"): fused over j, the (r, j) body was
+    written whole and the sum over both after it had no rows; fused over r, the cascade over j
+    is a pass inside the pass. The sums are swapped (``sum_r(sum_j(X))``, Fubini): one pass over
+    j per row, then the sum of the per-row values. Gradients against float64 torch autograd."""
+    prog, ref_fn, shapes = CASCADE[name]
+    gen = torch.Generator().manual_seed(1812 + list(CASCADE).index(name))
+    X, W = (torch.randn(s, generator=gen, dtype=torch.float64).float().double() for s in shapes)
+    x, w = X.float().requires_grad_(), W.float().requires_grad_()
+    k = af.compile(prog)
+    wname = "s" if name == "batched_scale" else "w"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFallbackWarning)   # torch's gradient would hide a refusal
+        y = k(**{"x": x, wname: w})
+        cot = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+        y.backward(cot.float())
+    assert k.grad_fallback is None
+    xr, wr = X.clone().requires_grad_(), W.clone().requires_grad_()
+    ref_fn(xr, wr).backward(cot)
+    assert wr.grad.abs().max() > 1e-3, f"{name}: the weight's gradient is ~0 at this sample"
+    _close(x.grad, xr.grad, f"{name}: grad_x", *TOL[torch.float32])
+    _close(w.grad, wr.grad, f"{name}: grad_{wname}", *TOL[torch.float32])
+
+    bwd = af.backward(prog)
+    for st in bwd.stages:   # every chain of sums has the cascade's axis j innermost
+        for n, e in st.outputs.items():
+            t = e.term
+            if t.op == "Sum" and t.args[1].op == "Sum" and t.args[1].args[0].args[0] != "j":
+                assert not any(u.op == "Sum" and u.args[0].args[0] == "j" for u in t.args[1].args[1].walk()), \
+                    f"{st.name}: {n} = {e}"
