@@ -13,6 +13,12 @@ temporary folder, i.e. a cold kernel cache) is ``ACEFUSE_CACHE_DIR``; ``--proofs
 the rule-proof cache (``proofs.json``, ``proofs.key``) from ``D`` into it, so that proving the
 rules (once per checker version, not per program) is not counted. Without a GPU the kernels run
 in Triton's interpreter (``run-kernel`` then measures the interpreter, not a GPU).
+
+Run it twice with the same ``--cache-dir`` for a warm process: the second finds every region's
+kernels, backward programs, backward stages' kernels and riders in the frontend's disk index
+(acefuse/frontend/kernels.py); its ``kernel cache`` line then shows ``kernel_compiles`` and
+``backward_derivations`` 0 and no fusion, derivation or emit phase is timed. (The index is keyed
+by a hash of the code: a checkout edited between the two runs compiles again.)
 """
 from __future__ import annotations
 

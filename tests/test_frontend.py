@@ -715,8 +715,10 @@ def test_bf16_cross_entropy_trains_without_a_float32_copy_of_the_logits():
     has an integer output (the targets' mask), so its differentiable kernel used to read float32
     copies of the logits (saved for the backward too). Now it reads the bfloat16 logits
     (``grad_plan``: the kernel is asked for eager's output types, ``out_dtypes``), no float32
-    tensor as large as the logits is made in the forward or the backward, the loss is float32 and
-    the logits' gradient bfloat16, both against a float64 reference within bfloat16 tolerances."""
+    tensor as large as the logits is made in the forward or the backward (the backward kernel
+    rounds the logits' gradient to bfloat16 itself and writes it so: ``kernels.narrowed``), the
+    loss is float32 and the logits' gradient bfloat16, both against a float64 reference within
+    bfloat16 tolerances."""
     logits = _g(3, 7, 50, seed=31, scale=3).bfloat16()
     y = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(3))
     y[0, 2] = y[2, 5] = -100                                     # ignored positions
@@ -733,10 +735,12 @@ def test_bf16_cross_entropy_trains_without_a_float32_copy_of_the_logits():
     assert reg.calls["grad"] == 1 and reg.calls["torch"] == 0
     assert reg._grad_kw.get("out_dtypes"), "the differentiable kernel took the widening path"
     assert not _float32_made(rec.made, (21, 50)) and not _float32_made(rec.made, (3, 7, 50)), rec.made
-    # the backward reads the saved bfloat16 logits as they are (it writes the gradient: a float32
-    # output there, rounded to bfloat16 once)
+    # the backward reads the saved bfloat16 logits as they are and its kernel writes their gradient
+    # in bfloat16, rounded inside the kernel (kernels.narrowed): no float32 [tokens, vocab] buffer
     assert not [m for m in rec_bwd.made if m[0] == "_to_copy" and m[1] == torch.float32 and len(m[2]) > 1], \
         rec_bwd.made
+    assert not _float32_made(rec_bwd.made, (21, 50)) and not _float32_made(rec_bwd.made, (3, 7, 50)), rec_bwd.made
+    assert any(m[1] == torch.bfloat16 and m[2] in ((21, 50), (3, 7, 50)) for m in rec_bwd.made), rec_bwd.made
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     x64 = logits.double().requires_grad_()
     ref = F.cross_entropy(x64.view(-1, 50), y.view(-1))

@@ -564,3 +564,62 @@ def test_backward_riders_survive_the_disk_cache(monkeypatch, tmp_path, fresh_ker
     (first, hit0), (second, hit1) = riders
     assert first and not hit0 and hit1, riders        # the weight gradient rode; the second run loaded
     assert second == first, riders
+
+
+def test_backward_programs_and_staged_stages_come_from_the_disk_index(monkeypatch, tmp_path, fresh_kernels):
+    """Issue 12's warm start, in one process (tests/test_training_cache.py runs two): with the
+    in-memory kernels forgotten, a region found in the disk index derives and generates nothing.
+    The backward program is read back (``*_backward.json``), each stage's axis (``*_stage.json``)
+    and its kernel, the RMSNorm weight gradient's staged kernel (a sum over batch and sequence:
+    two modules) included; a program with no kernel of a form (the staged stage over its own axis)
+    raises its error again without being fused (``*_failed.json``). Gradients against float64
+    eager, both times."""
+    from acefuse.proofs import cache as proof_cache
+    src = proof_cache.cache_path().parent
+    for f in ("proofs.json", "proofs.key"):          # (the rules' proofs are not this test's work)
+        if (src / f).exists():
+            (tmp_path / f).write_bytes((src / f).read_bytes())
+    monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    calls = {"fuse": 0, "backward": 0, "generated": 0}
+
+    def counting(mod, attr, what):
+        f = getattr(sys.modules[mod], attr)
+
+        def wrapped(*a, **k):
+            calls[what] += 1
+            return f(*a, **k)
+        monkeypatch.setattr(sys.modules[mod], attr, wrapped)
+    import acefuse.codegen.compile  # noqa: F401
+    counting("acefuse.fuse", "fuse", "fuse")
+    counting("acefuse.backward", "backward", "backward")
+    counting("acefuse.codegen.compile", "cached_source", "generated")
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(2, 3, 16, generator=g).requires_grad_()
+    w = (torch.rand(16, generator=g) + 0.5).requires_grad_()
+    cot = torch.randn(2, 3, 16, generator=g)
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = torch.autograd.grad((_rms(xd, wd) * cot.double()).sum(), [xd, wd])
+    seen = []
+    for _ in range(2):                                   # compiled, then read back from the index
+        aff.clear_cache()
+        before = dict(calls)
+        cf = af.compile(_rms, x, w)
+        got = torch.autograd.grad((cf(x, w) * cot).sum(), [x, w])
+        r, = cf.regions
+        seen.append(({k: calls[k] - before[k] for k in calls}, [type(k).__name__ for k in r.grad._bwd_kernel.kernels]))
+        for name, a, e in zip("xw", got, ref):
+            torch.testing.assert_close(a.double(), e, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+    (first, kinds0), (second, kinds1) = seen
+    assert first["fuse"] and first["backward"] and first["generated"] and "StagedKernel" in kinds0, seen
+    assert second == {"fuse": 0, "backward": 0, "generated": 0}, seen
+    assert "_LoadedStaged" in kinds1, seen
+    # the staged stage's own axis has no kernel (the first process learnt it by fusing): the error
+    # comes back from the index, with no fusion
+    from acefuse.codegen.emit import CodegenError
+    from acefuse.frontend.kernels import get_kernel
+    st = next(s for s, k in zip(r.grad._bwd.stages, r.grad._bwd_kernel.kernels) if type(k).__name__ == "_LoadedStaged")
+    aff.clear_cache()
+    fused = calls["fuse"]
+    with pytest.raises(CodegenError, match=st.name):
+        get_kernel(st, axis=st.axis)
+    assert calls["fuse"] == fused, calls

@@ -39,8 +39,9 @@ the reductions around them are retried, as for inference. Grad mode and
 widens a float16/bfloat16 input (HF's RMSNorm: ``x.to(float32)`` inside; a cross-entropy over
 ``logits.float()``) runs its differentiable kernel on the inputs as they are (``grad_plan``: no
 float32 copy of an input, none saved for the backward; each output written in eager's type, the
-gradients in their inputs', saved values wide); other regions are widened to the compute dtype
-as before.
+gradients in their inputs', saved values wide; a gradient as large as its input is rounded and
+written in that type by the backward kernel itself: ``kernels.narrowed``); other regions are
+widened to the compute dtype as before.
 
 Region inputs are named by position (``importer.import_nodes``), so regions that differ only in
 the torch values they read (every layer's norm or attention) are one program: derived, certified
@@ -168,7 +169,7 @@ class CompiledRegion(torch.nn.Module):
             # when the region was specialised: the differentiable kernel is built now)
             if self.grad is None and self.grad_error is None:
                 try:
-                    self.grad = get_grad_kernel(self.program, self.kernel, requires_grad_inputs(self.imp, values))
+                    self.grad = grad_kernel(self.imp, self.kernel, values)
                 except GradKernelError as e:
                     self.grad_error = e
                     _warn(self.imp.nodes, e)
@@ -230,6 +231,44 @@ def grad_plan(imp, dk, values: dict):
     if bwd is None or not takes_out_dtypes(aug):
         return None
     return imp.grad_plan(values, getattr(aug.module, "STORE_DTYPES", None) or {})
+
+
+def grad_kernel(imp, kernel, values: dict):
+    """The differentiable kernel of region ``imp`` for these source values (``values``: source
+    node -> tensor): its backward derives the gradients of the inputs that require grad, and
+    where ``grad_plan`` reads a float16/bfloat16 input in its own type, writes that input's
+    gradient in that type too (``kernels.narrowed``: a bfloat16 cross-entropy's logit gradient
+    is rounded in the kernel, no float32 copy as large as the logits). When that backward does
+    not compile, the one writing float32 gradients (torch rounds them) runs: same values."""
+    wrt = requires_grad_inputs(imp, values)
+    dk = get_grad_kernel(imp.program, kernel, wrt)
+    narrow = _narrow_grads(imp, dk, values, wrt)
+    if narrow:
+        try:
+            return get_grad_kernel(imp.program, kernel, wrt, narrow)
+        except GradKernelError:
+            pass
+    return dk
+
+
+def _narrow_grads(imp, dk, values: dict, wrt) -> dict:
+    """{input: "bfloat16" or "float16"}: the inputs requiring grad that ``grad_plan`` reads in
+    that type (empty on the widening path)."""
+    plan = grad_plan(imp, dk, values)
+    if plan is None:
+        return {}
+    out = {}
+    for s in imp.inputs:
+        t = values.get(s.src)
+        if s.name not in wrt or not isinstance(t, torch.Tensor):
+            continue
+        d = t.dtype
+        for step in plan[0][s.name]:
+            if step[0] == "to":
+                d = step[1]
+        if d in (torch.bfloat16, torch.float16):
+            out[s.name] = str(d).removeprefix("torch.")
+    return out
 
 
 def requires_grad_inputs(imp, values: dict) -> list:
@@ -462,7 +501,7 @@ def _compile_region(nodes, outs, rname):
     k = get_kernel(imp.program)
     dk = None
     if _needs_grad(s.meta.get("af_val") for s in imp.sources):
-        dk = get_grad_kernel(imp.program, k, requires_grad_inputs(imp, {s: s.meta.get("af_val") for s in imp.sources}))
+        dk = grad_kernel(imp, k, {s: s.meta.get("af_val") for s in imp.sources})
     return imp, k, dk
 
 
