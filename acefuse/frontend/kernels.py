@@ -33,6 +33,7 @@ stats = {"specializations": 0, "kernel_memory_hits": 0, "kernel_disk_hits": 0, "
 _KERNELS: dict = {}
 _FAILED: dict = {}
 _GRAD: dict = {}
+_BWD: dict = {}
 
 
 def clear_cache(memory_only: bool = True):
@@ -40,6 +41,7 @@ def clear_cache(memory_only: bool = True):
     _KERNELS.clear()
     _FAILED.clear()
     _GRAD.clear()
+    _BWD.clear()
     if not memory_only:
         d = _index_dir()
         for p in d.glob("*.json"):      # (the kernel, stage, rider, backward and failure indexes)
@@ -256,7 +258,7 @@ def get_grad_kernel(prog, kernel, wrt=None, grad_dtypes=None):
     the inputs read in that type, whose gradients the backward writes in it (``narrowed``).
     Cached in memory by program, ``wrt`` and ``grad_dtypes``."""
     wrt = None if wrt is None else frozenset(wrt)
-    base = f"{prog.name}_{prog.key()}_{_code_version()}" + ("" if wrt is None else "_" + ",".join(sorted(wrt)))
+    base = _grad_key(prog, wrt)
     key = base + "".join(f"_{n}-{d}" for n, d in sorted((grad_dtypes or {}).items()))
     hit = _GRAD.get(key)
     if isinstance(hit, Exception):
@@ -287,6 +289,19 @@ def get_grad_kernel(prog, kernel, wrt=None, grad_dtypes=None):
         stats["grad_kernel_compiles"] += 1
     _GRAD[key] = dk
     return dk
+
+
+def _grad_key(prog, wrt) -> str:
+    return f"{prog.name}_{prog.key()}_{_code_version()}" + ("" if wrt is None else "_" + ",".join(sorted(wrt)))
+
+
+def grad_parts(prog, kernel, wrt=None):
+    """``(augmented forward kernel, backward program)`` of ``get_grad_kernel(prog, kernel, wrt)``,
+    without compiling the backward's stages (what ``runtime.grad_plan`` needs to decide how the
+    differentiable kernel is called, before it is built). Raises when there is no backward."""
+    wrt = None if wrt is None else frozenset(wrt)
+    bwd = _backward_program(prog, wrt, _grad_key(prog, wrt))
+    return (kernel if bwd.augmented is prog else get_kernel(bwd.augmented)), bwd
 
 
 def narrowed(bwd, grad_dtypes: dict):
@@ -347,6 +362,8 @@ def _backward_program(prog, wrt, key):
     import base64
     import pickle
     from acefuse.codegen.compile import write_atomic
+    if key in _BWD:
+        return _BWD[key]
     idx = _index_dir() / f"{key}_backward.json"
     version = _backward_version()
     if idx.exists():
@@ -361,12 +378,13 @@ def _backward_program(prog, wrt, key):
                 bwd.augmented = prog      # (callers test `bwd.augmented is prog`: no augmented kernel)
             bwd.forward = prog
             stats["backward_disk_hits"] += 1
+            _BWD[key] = bwd
             return bwd
         except Exception as e:  # noqa: BLE001 - any bad entry is derived again, never fatal
             _drop_index(idx, f"backward index {idx.name} is unusable ({type(e).__name__}: {e}); removed, the "
                         "backward is derived again")
     from acefuse.backward import backward
-    bwd = backward(prog, wrt=None if wrt is None else sorted(wrt))
+    bwd = _BWD[key] = backward(prog, wrt=None if wrt is None else sorted(wrt))
     stats["backward_derivations"] += 1
     try:
         data = base64.b64encode(pickle.dumps(bwd)).decode()

@@ -217,15 +217,16 @@ def _interpreted(run):
     return call
 
 
-def grad_plan(imp, dk, values: dict):
+def grad_plan(imp, dk, values: dict, parts=None):
     """``Imported.grad_plan`` ``(chains, out_dtypes)`` for a call of the differentiable kernel
     ``dk``, or None (the widening path) unless ``dk`` keeps its saved values wide and writes its
     outputs in the types asked for: its augmented forward kernel takes ``out_dtypes`` (a row's
     max, sum or inverse deviation saved in bfloat16 would lose precision in the backward; a
-    cross-entropy's loss written in its logits' bfloat16 would lose it in the forward)."""
+    cross-entropy's loss written in its logits' bfloat16 would lose it in the forward).
+    ``parts``: ``(augmented kernel, backward program)`` instead of ``dk``'s."""
     try:
         from acefuse.autograd import takes_out_dtypes
-        aug, bwd = dk._grad_kernels()
+        aug, bwd = parts if parts is not None else dk._grad_kernels()
     except Exception:  # noqa: BLE001 - the widening path reports its own errors
         return None
     if bwd is None or not takes_out_dtypes(aug):
@@ -238,23 +239,27 @@ def grad_kernel(imp, kernel, values: dict):
     node -> tensor): its backward derives the gradients of the inputs that require grad, and
     where ``grad_plan`` reads a float16/bfloat16 input in its own type, writes that input's
     gradient in that type too (``kernels.narrowed``: a bfloat16 cross-entropy's logit gradient
-    is rounded in the kernel, no float32 copy as large as the logits). When that backward does
-    not compile, the one writing float32 gradients (torch rounds them) runs: same values."""
+    is rounded in the kernel, no float32 copy as large as the logits). The plan is worked out
+    from the backward program and the augmented forward kernel (``kernels.grad_parts``), so only
+    the backward that runs has its stages compiled. When the narrowed backward does not compile,
+    the one writing float32 gradients (torch rounds them) runs: same values."""
+    from acefuse.frontend.kernels import grad_parts
     wrt = requires_grad_inputs(imp, values)
-    dk = get_grad_kernel(imp.program, kernel, wrt)
-    narrow = _narrow_grads(imp, dk, values, wrt)
+    try:
+        narrow = _narrow_grads(imp, grad_plan(imp, None, values, grad_parts(imp.program, kernel, wrt)), values, wrt)
+    except Exception:  # noqa: BLE001 - get_grad_kernel reports why there is no backward
+        narrow = {}
     if narrow:
         try:
             return get_grad_kernel(imp.program, kernel, wrt, narrow)
         except GradKernelError:
             pass
-    return dk
+    return get_grad_kernel(imp.program, kernel, wrt)
 
 
-def _narrow_grads(imp, dk, values: dict, wrt) -> dict:
-    """{input: "bfloat16" or "float16"}: the inputs requiring grad that ``grad_plan`` reads in
-    that type (empty on the widening path)."""
-    plan = grad_plan(imp, dk, values)
+def _narrow_grads(imp, plan, values: dict, wrt) -> dict:
+    """{input: "bfloat16" or "float16"}: the inputs requiring grad that ``plan`` (``grad_plan``'s)
+    reads in that type (empty on the widening path)."""
     if plan is None:
         return {}
     out = {}
