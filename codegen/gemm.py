@@ -90,7 +90,6 @@ class Frame:
     for the Emitter."""
 
     nan_extrema = True
-    row_division = True
     tile_mask = None
 
     def __init__(self, gen, side, kind):

@@ -109,45 +109,6 @@ def _div0(a, b):
 
 
 @triton.jit
-def _div_row(a, b, ZERO0: tl.constexpr):
-    # a / b correctly rounded (exactly tl.div_rn) where b is one value per row ([BLOCK_R, 1]):
-    # per row y = RN(1/b), yd = RD(1/b) and yl = (1 - b*yd)*yd >= 0, so that yd + yl = 1/b to
-    # ~2^-46; per element three FMAs and a product:
-    #   q0 = a*yd + a*yl   within half an ulp of a/b plus ~2^-22 ulp: a faithful quotient
-    #   e  = b*q0 - a      exact (the remainder of a faithful quotient is representable)
-    #   q  = q0 - e*y      = RN(a/b): Markstein's theorem (P. Markstein, IBM J. Res. Dev. 34(1),
-    #                      1990; Muller et al., Handbook of Floating-Point Arithmetic, "Newton-
-    #                      Raphson-based division with an FMA"): y within half an ulp of 1/b and
-    #                      q0 within one ulp of a/b give RN(q0 + (a - b*q0)*y) = RN(a/b), barring
-    #                      underflow and overflow
-    # (RN(a*y) alone is not always faithful, so yl is needed.) The theorem's conditions hold
-    # where 2^-64 <= b <= 2^64 and lo = max(2^-100, b*2^-98) <= |a| <= hi = b*2^124: every
-    # intermediate is normal, |a/b| in [2^-98, 2^124], the remainder exact. a = +-0 gives the
-    # signed zero (yl >= 0 and b > 0 keep the sign through every step) and NaN propagates,
-    # so neither needs a fix-up. Elsewhere (a tiny or huge a, an infinite a; a row whose b is
-    # <= 0, tiny, huge, infinite or NaN) the tile takes tl.div_rn: a branch taken only when
-    # some element of the tile needs it (a select would evaluate div_rn on every element)
-    y = tl.div_rn(1.0, b)
-    yd = tl.where(tl.fma(-b, y, 1.0) < 0.0, (y.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), y)
-    yl = tl.fma(-b, yd, 1.0) * yd
-    rbad = (b < 5.421010862427522e-20) | (b > 1.8446744073709552e19) | (b != b)
-    lo = tl.maximum(b * 3.1554436208840472e-30, 7.888609052210118e-31)
-    hi = tl.minimum(b * 2.1267647932558654e37, 3.4028234663852886e38)
-    q0 = tl.fma(a, yd, a * yl)
-    # (the remainder times -y, not -(remainder) times y: Triton's negation is 0 - x, which
-    # turns the remainder -0 * b + 0 = +0 of a = -0 into +0 and the quotient into +0; found on an H100)
-    q = tl.fma(tl.fma(q0, b, -a), -y, q0)
-    aa = tl.abs(a)
-    bad = ((aa < lo) & (aa > 0.0)) | (aa > hi)
-    if tl.max(bad.to(tl.int32)) + tl.max(rbad.to(tl.int32)) > 0:
-        d = tl.div_rn(a, b)
-        if ZERO0:   # 0 / 0 -> 0 (_div0)
-            d = tl.where(a == 0.0, tl.where(b == 0.0, 0.0, d), d)
-        q = tl.where(bad | rbad, d, q)
-    return q
-
-
-@triton.jit
 def _widen(v):
     # a loaded value as float32; float8 natively on the GPU (through float16: exact, NaN and
     # infinities kept), else decoded from its bits (exact, NaN included: Triton's interpreter
@@ -298,9 +259,6 @@ class Context:
     """Maps state references, counts, leaves and tensors to names in one code region."""
 
     nan_extrema = True   # max/min reductions and maximum/minimum propagate NaN (torch semantics)
-    # a division by one value per row uses _div_row (the contraction family's context, which
-    # joins shapes its own way, keeps tl.div_rn / _div0 until it is measured there)
-    row_division = True
 
     def __init__(self, gen, mode, tile=True):
         self.g = gen

@@ -329,9 +329,8 @@ def test_quant_native_path_matches_torch():
 
 
 def test_div_by_a_row_value_is_bit_exact_with_torch():
-    """x / s (one s per row: RN(1/s) once per row, Markstein's correction per element) against
-    torch's float32 division on CUDA (IEEE): the hardest quotients (within ~2^-48 of a
-    midpoint), every kind of dividend, and divisors outside the fast path's range."""
+    """x / s (one s per row) against torch's float32 division on CUDA (IEEE): the hardest
+    quotients (within ~2^-48 of a midpoint), every kind of dividend, and extreme divisors."""
     import sys
     import numpy as np
     import acefuse as af

@@ -256,31 +256,7 @@ def test_quantization_matches_float64_and_torch(quant_kernels, case):
     assert np.abs(q64).max() <= {"quant_fp8": 448, "quant_e5m2": 57344, "quant_int8": 127}[name]
 
 
-# ---- division by a per-row value: reciprocal once per row, Markstein's correction per element -----
-def _fma32(x, y, z):
-    """fma on float32 arrays, exactly rounded: the float64 product of two float32 values is
-    exact, TwoSum keeps the sum's error, and rounding the float64 sum to odd before the final
-    rounding to float32 makes the double rounding innocuous (53 >= 24 + 2)."""
-    p, z = x.astype(np.float64) * y.astype(np.float64), z.astype(np.float64)
-    s = p + z
-    bp = s - z
-    t = (p - bp) + (z - (s - bp))
-    fix = (t != 0) & ((s.view(np.int64) & 1) == 0) & np.isfinite(s)
-    s = np.where(fix, np.nextafter(s, np.where(t > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
-
-
-def _div_row_model(a, b):
-    """codegen/row.py _div_row's fast path in numpy, step for step (float32 throughout)."""
-    f = np.float32
-    with np.errstate(all="ignore"):
-        y = (f(1) / b).astype(f)
-        yd = np.where(_fma32(-b, y, np.ones_like(b)) < 0, (y.view(np.int32) - 1).view(f), y)
-        yl = (_fma32(-b, yd, np.ones_like(b)) * yd).astype(f)
-        q0 = _fma32(a, yd, (a * yl).astype(f))
-        return _fma32(-_fma32(q0, b, -a), y, q0)
-
-
+# ---- division by a per-row value: correctly rounded (tl.div_rn), bit-exact with torch ----------------
 def _hard_mantissas(g, n):
     """float32 values in [1, 2): a quarter random, the rest near 2 and near 1 (where RN(a * RN(1/b))
     is most often not faithful) and a few with few significant bits."""
@@ -312,75 +288,6 @@ def _near_midpoints(g, rows, cols):
     return np.where(g.random((rows, cols)) < 0.5, -a, a).astype(np.float32), b
 
 
-def test_interpreter_fma_is_exactly_rounded():
-    """tl.fma in Triton's interpreter rounds once (the row division relies on it), as does the
-    numpy model used below (checked against exact rationals)."""
-    import triton
-    import triton.language as tl
-    from fractions import Fraction
-
-    @triton.jit
-    def _fma_kernel(x_ptr, y_ptr, z_ptr, o_ptr, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(o_ptr + i, tl.fma(tl.load(x_ptr + i), tl.load(y_ptr + i), tl.load(z_ptr + i)))
-
-    g = np.random.default_rng()
-    n = 4096
-    x, y = _hard_mantissas(g, n), _hard_mantissas(g, n)
-    z = -(x.astype(np.float64) * y * (1 + g.standard_normal(n) * 2.0 ** -20)).astype(np.float32)
-    z[: n // 4] = (g.standard_normal(n // 4) * 2.0 ** g.integers(-30, 30, n // 4)).astype(np.float32)
-    want = _fma32(x, y, z)
-    for i in range(0, n, 97):   # the model against exact rationals: within half an ulp
-        exact = Fraction(float(x[i])) * Fraction(float(y[i])) + Fraction(float(z[i]))
-        assert abs(exact - Fraction(float(want[i]))) <= Fraction(abs(float(np.spacing(want[i])))) / 2
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        out = torch.empty(n)
-        _fma_kernel[(1,)](*(torch.from_numpy(v) for v in (x, y, z)), out, BLOCK=n)
-        assert np.array_equal(out.numpy().view(np.int32), want.view(np.int32))
-
-
-def test_row_division_model_is_correctly_rounded():
-    """The fast path of a / b for one b per row (codegen/row.py _div_row: RN(1/b), RD(1/b) and its
-    remainder once per row; a product and three FMAs per element) equals the correctly rounded
-    quotient (float64 division rounded once to float32) on ~2M pairs across the whole guarded
-    domain: 2^-64 <= b <= 2^64, max(2^-100, b*2^-98) <= |a| <= b*2^124, hard mantissas, and the
-    domain's edges."""
-    g = np.random.default_rng()
-    n = 1_000_000
-    for _ in range(2):
-        b = _hard_mantissas(g, n) * np.exp2(g.integers(-64, 64, n)).astype(np.float32)
-        b[:8] = np.float32(2.0 ** -64), np.float32(2.0 ** 64), 1, 3, 448, 1 / np.float32(3), 127, 0.75
-        lo = np.maximum(b * np.float32(2.0 ** -98), np.float32(2.0 ** -100))
-        hi = np.minimum(b.astype(np.float64) * 2.0 ** 124, np.finfo(np.float32).max)
-        la, lh = np.log2(lo.astype(np.float64)), np.log2(hi)
-        e = np.floor(la + (lh - la) * g.random(n))
-        a = (_hard_mantissas(g, n) * np.exp2(e)).astype(np.float32)
-        a[: n // 20] = lo[: n // 20]                       # the edges of the guard
-        a[n // 20: n // 10] = hi[n // 20: n // 10].astype(np.float32)
-        a = np.where(g.random(n) < 0.5, -a, a).astype(np.float32)
-        ok = (np.abs(a) >= lo) & (np.abs(a) <= hi)
-        a, b = a[ok], b[ok]
-        want = (a.astype(np.float64) / b.astype(np.float64)).astype(np.float32)
-        got = _div_row_model(a, b)
-        bad = got.view(np.int32) != want.view(np.int32)
-        assert not bad.any(), (a[bad][:4], b[bad][:4], got[bad][:4], want[bad][:4])
-        # RN(a * RN(1/b)) alone is often wrong here: the correction is doing work
-        naive = (a * (np.float32(1) / b)).astype(np.float32)
-        assert (naive != want).mean() > 1e-3
-    # quotients within ~2^-48 of a midpoint: a*yd + a*yl alone (no correction) would be wrong
-    a, b = _near_midpoints(g, 64, 256)
-    b = np.broadcast_to(b[:, None], a.shape).ravel()
-    a = a.ravel()
-    want = (a.astype(np.float64) / b.astype(np.float64)).astype(np.float32)
-    assert np.array_equal(_div_row_model(a, b).view(np.int32), want.view(np.int32))
-    # signed zeros and NaN need no fix-up
-    b = np.array([1.0, 3.0, 0.1, 2.0 ** -64, 2.0 ** 64, 448.0], dtype=np.float32)
-    for z in (0.0, -0.0):
-        got = _div_row_model(np.full(6, z, np.float32), b)
-        assert np.array_equal(np.signbit(got), np.full(6, np.signbit(z))) and (got == 0).all()
-    assert np.isnan(_div_row_model(np.full(6, np.nan, np.float32), b)).all()
-
-
 @pytest.fixture(scope="module")
 def div_kernel():
     x, s = af.tensor("x", "r j"), af.tensor("s", "r")
@@ -390,11 +297,10 @@ def div_kernel():
 @pytest.mark.parametrize("schedule,kw", [("single", {"block_r": 1}), ("loop", {"block_j": 64, "block_r": 2})])
 def test_row_division_kernel_is_bit_exact_with_torch(div_kernel, schedule, kw):
     """x / s (one s per row) and x / max|x| through the interpreter against torch's float32
-    division (correctly rounded on the CPU): rows whose every element takes the fast path
-    (moderate values, hard mantissas), rows with elements past the guard (tiny, huge, infinite,
-    subnormal: the tile takes tl.div_rn), and rows whose divisor is outside it (0, -0, negative,
-    2^-64 and 2^64 on either side, subnormal, huge, inf, NaN); an all-zero row gives 0 / 0 = 0
-    for the divisor that is a reduction."""
+    division (correctly rounded on the CPU): moderate values with hard mantissas, tiny, huge,
+    infinite and subnormal dividends, and divisors 0, -0, negative, 2^-64 and 2^64 on either
+    side, subnormal, huge, inf and NaN; an all-zero row gives 0 / 0 = 0 for the divisor that
+    is a reduction."""
     g = np.random.default_rng()
     rows, cols = 32, 200
     b = _hard_mantissas(g, rows) * np.exp2(g.integers(-40, 40, rows)).astype(np.float32)
