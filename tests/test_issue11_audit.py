@@ -91,17 +91,18 @@ def ref_grads(ref, inputs, cots, dtype=torch.float64):
     return out, {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(wrt, got)}
 
 
-def assert_close(got: dict, ref: dict, dtype, what, theirs=None, f32=None):
+def assert_close(got: dict, ref: dict, dtype, what, theirs=None, f32=None, atol=0.0):
     """``theirs``: torch's gradients in ``dtype`` (twice their error is allowed); ``f32``: torch's
     float32 gradients of the same math (16 times their error: cancellation where a gradient is
-    much smaller than its terms, a norm over two elements)."""
+    much smaller than its terms, a norm over two elements); ``atol``: float32 rounding of the
+    terms a gradient is a difference of (attention's dP - D, exactly 0 over one key)."""
     rtol, stol = TOL[dtype]
     for n, r in ref.items():
         g = got[n]
         g = torch.zeros_like(r) if g is None else g.double()   # (None: an input no output depends on)
         assert g.shape == r.shape, f"{what}: grad {n} shape {tuple(g.shape)} != {tuple(r.shape)}"
         assert torch.isfinite(g).all(), f"{what}: grad {n} has non-finite values"
-        bound = rtol * r.abs() + stol * r.abs().max().clamp_min(1e-30)
+        bound = rtol * r.abs() + stol * r.abs().max().clamp_min(1e-30) + atol
         if theirs is not None:
             bound = bound + 2 * (theirs[n].double() - r).abs().max()
         if f32 is not None:
@@ -112,9 +113,10 @@ def assert_close(got: dict, ref: dict, dtype, what, theirs=None, f32=None):
 
 
 def check(k, ref, inputs64, dtype, run_kw, what, int_outputs=(), yardstick=False, allow_fallback=False,
-          nontrivial=True):
+          nontrivial=True, atol=None):
     """Inputs rounded to ``dtype``; random cotangents for every float output; the kernel's
-    gradients against float64 autograd of ``ref``. Returns the fallback warnings."""
+    gradients against float64 autograd of ``ref``; ``atol(inputs, cotangents)``: a float32
+    rounding floor. Returns the fallback warnings."""
     inputs = {n: (t.to(dtype) if t.dtype.is_floating_point else t) for n, t in inputs64.items()}
     g = torch.Generator().manual_seed(sum(map(ord, what)))
     out, cots, got, fell = run_kernel(k, inputs, g, run_kw, int_outputs, allow_fallback)
@@ -126,7 +128,8 @@ def check(k, ref, inputs64, dtype, run_kw, what, int_outputs=(), yardstick=False
     assert not nontrivial or any(r.abs().max() > 1e-3 for r in want.values()), \
         f"{what}: every reference gradient ~ 0"
     theirs = ref_grads(ref, inputs, cots, dtype)[1] if yardstick and dtype != torch.float32 else None
-    assert_close(got, want, dtype, what, theirs, f32=ref_grads(ref, inputs, cots, torch.float32)[1])
+    assert_close(got, want, dtype, what, theirs, f32=ref_grads(ref, inputs, cots, torch.float32)[1],
+                 atol=0.0 if atol is None else atol(inputs, cots))
     return fell
 
 
@@ -193,8 +196,11 @@ def check_attention(name, dtype, sched, b, h, i, j, d, e, scale, seed, allow_fal
     ins = attention_inputs(name, torch.Generator().manual_seed(seed), b, h, i, j, d, e, scale)
     run_kw = {k: v for k, v in sched.items() if k != "block_j" or v < j}
     k = kernel(name, lambda: A[name])
-    return check(k, attention_refs()[name], ins, dtype, run_kw,
-                 f"{name} {dtype} {sched} {(b, h, i, j, d, e)} s{seed}", yardstick=True, allow_fallback=allow_fallback)
+    def atol(x, cots):   # dS = P (dP - D): each term up to e |dO| |v|, times |q| or |k| and the scale
+        terms = e * cots["o"].abs().max() * x["v"].abs().max() * max(x["q"].abs().max(), x["k"].abs().max())
+        return 8 * 2.0 ** -24 * float(terms) * A["SCALE"]
+    return check(k, attention_refs()[name], ins, dtype, run_kw, f"{name} {dtype} {sched} {(b, h, i, j, d, e)} s{seed}",
+                 yardstick=True, allow_fallback=allow_fallback, atol=atol)
 
 
 # attention.py programs whose backward acefuse does not compile into kernels (torch's gradient, a warning)
@@ -294,7 +300,11 @@ def row_inputs(name, g, r, n, scale, offset):
     return ins
 
 
-def check_row(name, dtype, sched, r, n, scale, offset, seed):
+# the forward fuses (split schedule included), its augmented forward (outputs + saved values) does not
+NO_SPLIT_WITH_GRAD = {"softmax_top2"}
+
+
+def check_row(name, dtype, sched, r, n, scale, offset, seed, nontrivial=True):
     fname, ref = row_refs()[name]
     low = {"layernorm_onepass": 2, "softmax_top2": 2, "deepseek_top2": 2, "mad": 2}.get(name, 1)
     n = max(n, low)
@@ -310,11 +320,11 @@ def check_row(name, dtype, sched, r, n, scale, offset, seed):
         return False            # |x - mean| has a kink at 0: its gradient is not defined there
     k = kernel(name, lambda: ns(fname)[name], rules=ns(fname).get("RULES", ()))
     run_kw = dict(sched)
-    if run_kw.get("schedule") == "split" and not k.fusible:   # (a ValueError says the forward has none)
-        run_kw = dict(schedule="loop", block_j=16)
+    if run_kw.get("schedule") == "split" and (not k.fusible or name in NO_SPLIT_WITH_GRAD):
+        run_kw = dict(schedule="loop", block_j=16)   # (a ValueError says the program has none)
     if run_kw.get("block_j", 0) >= n:
         run_kw = {}
-    check(k, ref, ins, dtype, run_kw, f"{name} {dtype} {sched} {(r, n)} s{seed}", INT_OUTPUTS, nontrivial=n >= 3)
+    check(k, ref, ins, dtype, run_kw, f"{name} {dtype} {sched} {(r, n)} s{seed}", INT_OUTPUTS, nontrivial=nontrivial)
     return True
 
 
@@ -338,7 +348,22 @@ def test_row_examples_gradients_hypothesis(name, data):
     draw = data.draw
     check_row(name, draw(st.sampled_from(DTYPES)), draw(st.sampled_from(ROW_SCHEDULES)), draw(st.integers(1, 6)),
               draw(st.integers(1, 70)), draw(st.sampled_from([0.5, 3.0])), draw(st.sampled_from([0.0, 20.0])),
-              draw(st.integers(0, 2**31 - 1)))
+              draw(st.integers(0, 2**31 - 1)), nontrivial=False)   # (a saturated sigmoid, n = 1: ~0 is right)
+
+
+@pytest.mark.xfail(strict=True, reason="softmax_top2's augmented forward (weights, experts and the saved top-k "
+                                       "values) is not fusible: a second pass over the experts, and "
+                                       "schedule='split' raises ValueError when x requires grad")
+def test_topk_of_softmax_trains_with_the_forward_fusion():
+    """moe.py's softmax top-2 (top-k of the probabilities, one pass in every schedule) keeps that
+    fusion when its input requires grad: the augmented forward is fusible and the differentiable
+    kernel takes the split schedule the plain kernel takes."""
+    prog = ns("moe")["softmax_top2"]
+    k = kernel("softmax_top2", lambda: prog)
+    assert k.fusible                                           # the plain forward: one pass
+    assert af.fuse(af.backward(prog).augmented).fusible, "augmented forward not fusible"
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    k(x=x, schedule="split", block_j=16)["weights"].sum().backward()
 
 
 def test_topk_bias_used_only_for_choosing_gets_zero_gradient():
