@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from acefuse.rewrite.terms import Term, pretty
+from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN
 from acefuse.codegen.emit import CodegenError, _scale_log2e
 from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
@@ -110,13 +110,22 @@ class SumGen:
                 raise CodegenError(f"program {self.name!r}: output {o!r} = {pretty(t)} is neither a state nor "
                                    f"elementwise over the loop axis {self.F!r}")
         F = self.F
+        # lookups (af.take: ``doc[n=index(i)]``, ``rel[r=index(j) - index(i) + ...]``): the gathered
+        # axis of a tensor read only through lookups is no axis of the kernel (its length is passed
+        # for the range check); the lookups' index tensors are integers (INDEX_TENSORS)
+        bodies = list(self.states.values()) + [t for o, t in enc.outputs.items() if o not in self.outs]
+        takes = [u for b in bodies for u in b.walk() if u.op == "Take"]
+        direct = {u.args[0] for b in bodies for u in b.walk() if u.op == "In"}
+        self.Lk = [a for a in fusion.program.axes if a in {u.args[2] for u in takes}
+                   and not any(a in self.tensors[n] for n in direct) and not any(a in ax for ax in self.out_axes.values())]
+        self.index_tensors = sorted({u.args[0] for t in takes for u in t.args[1].walk() if u.op in ("In", "Take")})
         ft = [ax for ax in self.tensors.values() if F in ax]
         if not ft:
             raise CodegenError(f"program {self.name!r}: no tensor ranges over the loop axis {F!r}")
         common = set(ft[0]).intersection(*[set(a) for a in ft[1:]]) - {F}
         order = fusion.program.axes
         out_ax = [a for ax in self.out_axes.values() for a in ax if a != F]
-        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax}
+        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax} - set(self.Lk)
         self.R = [a for a in order if a in out_ax and not any(a in ax for ax in ft)]
         self.G = [a for a in order if a in common and a not in self.R]
         self.V = [a for a in order if a in allax and a != F and a not in self.R and a not in self.G]
@@ -353,6 +362,12 @@ class SumGen:
             return (f"(len_{t.args[0]} * 1.0)" if t.args[0] != self.F else "nf_f"), "s"
         if op == "Sum":
             return self.contract(t)
+        if op == "Take":
+            return self.take(t)
+        if op in INT_OPS:   # exact in int64 (emit.py's semantics: // and % round toward -inf)
+            r, sh, bad = self.emit_int(t)
+            f = f"({r}).to(tl.float32)"
+            return self.bind(f if bad is None else f"tl.where({bad}, float('nan'), {f})", sh, "i")
         if op in ("RMax", "RMin"):
             raise CodegenError(f"`{pretty(t)}`: a max/min over another axis inside the body is not supported")
         if op == "Exp":
@@ -371,7 +386,9 @@ class SumGen:
         for _, s in args:
             sh = self.join(sh, s)
         xs = [self.bcast(e, s, sh) for e, s in args]
-        binop = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "CmpLt": "<", "CmpLe": "<=", "CmpGt": ">",
+        if op == "Div":   # correctly rounded, as torch divides (Triton's `/` is not: emit.py)
+            return self.bind(f"tl.div_rn({xs[0]}, {xs[1]})", sh)
+        binop = {"Add": "+", "Sub": "-", "Mul": "*", "CmpLt": "<", "CmpLe": "<=", "CmpGt": ">",
                  "CmpGe": ">=", "CmpEq": "==", "CmpNe": "!=", "LAnd": "&", "LOr": "|"}
         if op in binop:
             return self.bind(f"{xs[0]} {binop[op]} {xs[1]}", sh)
@@ -384,6 +401,129 @@ class SumGen:
         if op == "Where":
             return self.bind(f"tl.where({xs[0]}, {xs[1]}, {xs[2]})", sh)
         raise CodegenError(f"operator {op!r} in `{pretty(t)}` is not supported by the sum kernel")
+
+    # -- integers and lookups -------------------------------------------------------------------
+    def emit_int(self, t: Term):
+        """An integer expression (indices, sizes, integer constants and operators, index tensors
+        and lookups of them) as exact int64: (expression, shape, bad), ``bad`` naming a boolean
+        that is true where the value is undefined (a division by zero, a shift count outside
+        0..63, a float value outside int64), or None. The semantics of emit.py's ``emit_int``
+        (the row and contraction families'): ``//`` and ``%`` round toward -inf, as torch on
+        integers."""
+        key = ("int", t)
+        if key not in self._memo:
+            self._memo[key] = self._emit_int(t)
+        return self._memo[key]
+
+    def _ibind(self, expr, sh, hint="n"):
+        return self.bind(expr, sh, hint)[0]
+
+    def _emit_int(self, t: Term):
+        op = t.op
+        if op == "Num" and not isinstance(t.args[0], Term) and float(t.args[0]).is_integer():
+            return repr(int(t.args[0])), "s", None
+        if op == "Idx":
+            a = t.args[0]
+            if a == self.F:
+                return self._ibind("cols.to(tl.int64)", "f"), "f", None
+            if a in self.R or a in self.G or a == self.F2:
+                return f"idx_{a}", ("r" if a in self.R else "s"), None
+            raise CodegenError(f"program {self.name!r}: index({a!r}) over a vector axis is not supported in "
+                               "this kernel")
+        if op == "Size":
+            return ("n_f" if t.args[0] == self.F else f"len_{t.args[0]}"), "s", None
+        if op == "In" and t.args[0] in self.index_tensors:
+            e, sh = self.raw(t)
+            return self._ibind(f"({e}).to(tl.int64)", sh, "ix"), sh, None
+        if op == "Take":
+            return self.take(t, as_int=True)
+        if op in ("Add", "Sub", "Mul", "Max2", "Min2", "BitAnd", "BitOr", "BitXor", "FloorDiv", "Mod", "Shl", "Shr"):
+            (a, sa, ba), (b, sb, bb) = self.emit_int(t.args[0]), self.emit_int(t.args[1])
+            sh = self.join(sa, sb)
+            a, b = self.bcast(a, sa, sh), self.bcast(b, sb, sh)
+            bad = _or(ba, bb)
+            sym = {"Add": "+", "Sub": "-", "Mul": "*", "BitAnd": "&", "BitOr": "|", "BitXor": "^"}
+            if op in sym:
+                return self._ibind(f"{a} {sym[op]} {b}", sh), sh, bad
+            if op in ("Max2", "Min2"):
+                return self._ibind(f"tl.{'maximum' if op == 'Max2' else 'minimum'}({a}, {b})", sh), sh, bad
+            lit = _int_literal(t.args[1])
+            if op in ("FloorDiv", "Mod") and lit is not None and lit > 0 and lit & (lit - 1) == 0:
+                # a power of two: an arithmetic shift and a mask round toward -inf exactly
+                e = f"{a} >> {lit.bit_length() - 1}" if op == "FloorDiv" else f"{a} & {lit - 1}"
+                return self._ibind(e, sh), sh, bad
+            if op in ("FloorDiv", "Mod"):
+                if lit is None or lit == 0:
+                    zero = self._ibind(f"{b} == 0", sh, "z")
+                    bad = _or(bad, zero)
+                    b = self._ibind(f"tl.where({zero}, 1, {b})", sh)
+                # Triton's // truncates toward zero (C); floor semantics by a correction
+                q = self._ibind(f"{a} // {b}", sh)
+                r = self._ibind(f"{a} - {q} * {b}", sh)
+                fix = self._ibind(f"{r} < 0" if lit is not None and lit > 0
+                                  else f"({r} != 0) & (({r} < 0) != ({b} < 0))", sh, "z")
+                e = f"tl.where({fix}, {q} - 1, {q})" if op == "FloorDiv" else f"tl.where({fix}, {r} + {b}, {r})"
+                return self._ibind(e, sh), sh, bad
+            if lit is None:   # shifts: the count must be in 0..63 (else undefined in int64: NaN)
+                okc = self._ibind(f"({b} >= 0) & ({b} < 64)", sh, "z")
+                bad = _or(bad, f"~{okc}")
+                b = self._ibind(f"tl.where({okc}, {b}, 0)", sh)
+            if _int_literal(t.args[0]) is not None:   # a literal shifted by a tensor: make it int64
+                a = f"tl.full([], {a}, tl.int64)"
+            return self._ibind(f"{a} {'<<' if op == 'Shl' else '>>'} {b}", sh), sh, bad
+        if op in ("Neg", "Abs", "BitNot"):
+            a, sa, ba = self.emit_int(t.args[0])
+            return self._ibind({"Neg": f"-{a}", "Abs": f"tl.abs({a})", "BitNot": f"~{a}"}[op], sa), sa, ba
+        if op == "Where":
+            c, sc = self.emit(t.args[0])
+            if t.args[0].op not in BOOL_OPS:
+                c = f"({c} != 0)"
+            (a, sa, ba), (b, sb, bb) = self.emit_int(t.args[1]), self.emit_int(t.args[2])
+            sh = self.join(self.join(sc, sa), sb)
+            c, a, b = self.bcast(c, sc, sh), self.bcast(a, sa, sh), self.bcast(b, sb, sh)
+            bad = _or(f"tl.where({c}, {self.bcast(ba, sa, sh)}, False)" if ba else None,
+                      f"tl.where({c}, False, {self.bcast(bb, sb, sh)})" if bb else None)
+            return self._ibind(f"tl.where({c}, {a}, {b})", sh), sh, bad
+        if not is_integer(t) and op not in ("In", "Take"):
+            raise CodegenError(f"program {self.name!r}: `{pretty(t)}` is not an integer expression; an index or "
+                               "an integer operator's operand must be one (round it first: af.floor, af.round, "
+                               "af.cast)")
+        # a float value that is integer by construction (a boolean, a rounded value)
+        f, sf = self.emit(t)
+        if op in BOOLEAN:
+            return self._ibind(f"({f}).to(tl.int64)", sf), sf, None
+        ok = self._ibind(f"({f} >= -9.223372036854776e18) & ({f} < 9.223372036854776e18)", sf, "z")
+        return self._ibind(f"tl.where({ok}, {f}, 0.0).to(tl.int64)", sf), sf, f"~{ok}"
+
+    def take(self, t: Term, as_int=False):
+        """A lookup ``af.take(x, idx, a)``: ``x`` read with its axis ``a`` replaced by the integer
+        value of ``idx`` (emit_int), a load at the computed offset. An index outside
+        ``0 .. len(a) - 1`` reads NaN (a comparison with it is false), as in the forward families
+        (codegen/contraction_ctx.py ``take``). ``as_int``: (int64 value, shape, bad)."""
+        name, idx, ax = t.args
+        rest = [a for a in self.tensors[name] if a != ax]
+        bad_ax = [a for a in rest if a not in self.G + self.R + [self.F] + self.loop2]
+        if bad_ax:
+            raise CodegenError(f"program {self.name!r}: af.take({name}, `{pretty(idx)}`, {ax!r}): {name!r} also "
+                               f"ranges over {bad_ax}; a lookup in a sum kernel reads one value per row and loop "
+                               "element (its other axes must be grid, row or loop axes)")
+        ie, si, bad = self.emit_int(idx)
+        has_r, has_f = any(a in self.R for a in rest), self.F in rest
+        sh = self.join(si, "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
+        ptr = f"{name}_ptr + {self.goff(name, self.tensors[name])}"
+        if has_r:
+            ptr += f" + {self.bcast(f'off_{name}_r', 'r', sh)}"
+        if has_f:
+            ptr += f" + {self.bcast('cols', 'f', sh)} * s_{name}_{self.F}"
+        inr = f"({ie} >= 0) & ({ie} < len_{ax})"
+        ok = self._ibind(f"{inr} & ~({bad})" if bad else inr, si, "c")
+        ptr += f" + {self.bcast(f'tl.where({ok}, {ie}, 0)', si, sh)} * s_{name}_{ax}"
+        m = "" if not has_f or self.full else f", mask={self.bcast('fmask', 'f', sh)}, other=0"
+        v = self._ibind(f"tl.load({ptr}{m})", sh, "tk_")
+        okb = self.bcast(ok, si, sh)
+        if as_int:
+            return self._ibind(f"({v}).to(tl.int64)", sh, "tk_"), sh, f"~{okb}"
+        return self.bind(f"tl.where({okb}, ({v}).to(tl.float32), float('nan'))", sh, "tk_")
 
     def contract(self, t: Term):
         ax = t.args[0].args[0]
@@ -418,6 +558,8 @@ class SumGen:
             return set(self.tensors[t.args[0]])
         if t.op == "Idx":
             return {t.args[0]}
+        if t.op == "Take":
+            return (set(self.tensors[t.args[0]]) - {t.args[2]}) | self._axes(t.args[1])
         if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
             return self._axes(t.args[1]) - {t.args[0].args[0]}
         return set().union(*[self._axes(c) for c in t.children]) if t.children else set()
@@ -500,7 +642,7 @@ class SumGen:
             args += [f"s_{o}_{a}" for a in axes]
             if o in self.rtma:
                 args.append(f"{o}_desc")   # its TMA descriptor ([grid, loop, vector]; None: pointer atomics)
-        args += [f"len_{a}" for a in self.G + self.R + self.V + self.loop2]
+        args += [f"len_{a}" for a in self.G + self.R + self.V + self.loop2 + self.Lk]
         return args + ["n_rows", "n_f"]
 
     def kernel(self) -> str:
@@ -830,3 +972,11 @@ def sum_pass(fusion) -> bool:
     return (len(fusion.passes) == 1 and bool(fusion.passes[0].states)
             and all(s.op == "sum" for s in fusion.passes[0].states)
             and all(t.op == "St" or _tile_output(t, enc.axis, enc.output_axes[o]) for o, t in enc.outputs.items()))
+
+
+def _or(a, b):
+    return a if b is None else b if a is None else f"({a}) | ({b})"
+
+
+def _int_literal(t: Term):
+    return int(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None

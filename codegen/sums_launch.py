@@ -17,7 +17,7 @@ def launcher(self):
         f"PROGRAM = {self.name!r}",
         f"AXIS = {self.F!r}",
         f"TENSORS = {dict(self.tensors)!r}",
-        "INDEX_TENSORS = []",
+        f"INDEX_TENSORS = {self.index_tensors!r}   # read as indices of lookups: int32/int64",
         f"INT_OK = {sorted(n for n, ax in self.tensors.items() if not any(a in self.V for a in ax))!r}"
         "   # may be integers or bool (read as float32: exact below 2**24)",
         f"OUTPUTS = {dict(self.out_axes)!r}",
@@ -25,6 +25,7 @@ def launcher(self):
         f"ROW_AXES = {self.R!r}",
         f"VEC_AXES = {self.V!r}",
         f"LOOP2_AXES = {self.loop2!r}   # a second axis every state sums over, looped over in each program",
+        f"LOOKUP_AXES = {self.Lk!r}   # axes read only through lookups (their lengths: the range check)",
         f"TILE_OUTPUTS = {list(self.tiles)!r}   # written tile by tile"
         + (" (zeroed first: the mask analysis skips tiles)" if self.tiles and self.skips else ""),
         f"ZERO_TILE_OUTPUTS = {bool(self.tiles and self.skips)!r}",
@@ -208,7 +209,7 @@ def launcher(self):
         "        if o in RIDER_TMA:",
         "            slots.append((len(argv), o))",
         "            argv.append(None)",
-        "    argv.extend(sizes[a] for a in GRID_AXES + ROW_AXES + VEC_AXES + LOOP2_AXES)",
+        "    argv.extend(sizes[a] for a in GRID_AXES + ROW_AXES + VEC_AXES + LOOP2_AXES + LOOKUP_AXES)",
         "    argv.extend([n_rows, n_f])",
         "    wide = ref.dtype == torch.float32",
         "    # the interpreter: small tiles (fast); a GPU without a timed choice: today's defaults",

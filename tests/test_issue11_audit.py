@@ -402,11 +402,6 @@ def test_checker_fails_on_a_wrong_gradient(monkeypatch):
 # variants whose backward acefuse does not derive into kernels (their gradients are torch autograd
 # of the program, with a GradientFallbackWarning); measured at HEAD b70ebc2 on the CPU
 NO_BACKWARD_KERNELS = {
-    "dilated_sliding_window": "operator 'Mod' in a backward stage",
-    "block_diagonal": "operator 'FloorDiv' in a backward stage",
-    "block_causal": "operator 'FloorDiv' in a backward stage",
-    "natten_2d": "operator 'FloorDiv' in a backward stage",
-    "document_mask": "operator 'Take' (doc.at(n=i)) in a backward stage",
     "relative_bias": "a lookup rel.at(r=j-i+N-1) in the scores",
     "t5_buckets": "a lookup t5.at(u=bucket): grad_q does not range over every row axis ['u']",
     "sigmoid_attention": "no softmax: an output ranges over ['d'], which the scores contract",

@@ -1,0 +1,99 @@
+"""Issue 11: the backward of the mask gallery's variants (examples/masks.py) is derived into
+kernels, with no torch fallback: masks from integer index arithmetic (``%``, ``//``: dilated
+windows, blocks, NATTEN), lookups (``doc[n=i]``), and contractions without a softmax
+(sigmoid/ReLU attention). Each variant's gradients, in float32 and bfloat16, against float64
+torch autograd of the gallery's own reference on fresh random inputs (odd sizes, a grid of
+6 x 8 for NATTEN).
+
+Tolerances: ``|got - ref| <= RTOL |ref| + STOL max|ref|`` per gradient; in bfloat16 plus twice
+torch's own error (autograd of the same reference in bfloat16), the yardstick for a contraction
+computed in a 16-bit type."""
+import runpy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import acefuse as af
+from acefuse.autograd import GradientFallbackWarning
+
+EX = Path(__file__).resolve().parents[1] / "examples"
+TOL = {torch.float32: (1e-4, 2e-5), torch.bfloat16: (1.6e-2, 8e-3)}
+_GAL: dict = {}
+_K: dict = {}
+
+
+def gallery():
+    if not _GAL:
+        _GAL.update(runpy.run_path(str(EX / "masks.py"), run_name="examples_masks"))
+    return _GAL
+
+
+def grads(name, dtype, seed, n=11):
+    """(kernel gradients, float64 reference gradients, torch's gradients in ``dtype``)."""
+    gal = gallery()
+    var = gal["GALLERY"][name]
+    N = gal["GRID"][0] * gal["GRID"][1] if name == "natten_2d" else n
+    made = gal["make_inputs"](name, B=1, H=2, N=N, seed=seed)
+    ins = {t: (x.to(dtype) if x.dtype.is_floating_point else x) for t, x in made.items() if t in var.program.tensors}
+    extra = {t: x for t, x in made.items() if t not in var.program.tensors}
+    if name not in _K:
+        _K[name] = af.compile(var.program)
+    k = _K[name]
+    leaves = {t: (x.clone().requires_grad_() if x.dtype.is_floating_point else x) for t, x in ins.items()}
+    wrt = [t for t, x in leaves.items() if x.dtype.is_floating_point]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFallbackWarning)
+        o = k(**leaves)
+        o = o if isinstance(o, torch.Tensor) else o["o"]
+        cot = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+        got = dict(zip(wrt, torch.autograd.grad(o, [leaves[t] for t in wrt], cot, allow_unused=True)))
+    assert k.grad_fallback is None, k.grad_fallback
+
+    def ref(tp):
+        lv = {t: (x.detach().to(tp).requires_grad_() if x.dtype.is_floating_point else x) for t, x in ins.items()}
+        ex = {t: (x.to(tp) if x.dtype.is_floating_point else x) for t, x in extra.items()}
+        r = var.reference(**lv, **ex)
+        g = torch.autograd.grad(r, [lv[t] for t in wrt], cot.to(tp), allow_unused=True)
+        return r, {t: torch.zeros_like(lv[t]) if x is None else x for t, x in zip(wrt, g)}
+    r64, want = ref(torch.float64)
+    assert torch.allclose(o.double(), r64, rtol=2 * TOL[dtype][0], atol=2 * TOL[dtype][1] * r64.abs().max().item()), \
+        f"{name}: the forward is off by {(o.double() - r64).abs().max().item():.3g}"
+    theirs = ref(dtype)[1] if dtype != torch.float32 else None
+    return got, want, theirs
+
+
+def check(name, dtype, seed=3):
+    got, want, theirs = grads(name, dtype, seed)
+    rtol, stol = TOL[dtype]
+    assert any(w.abs().max() > 1e-3 for w in want.values()), f"{name}: every reference gradient ~ 0"
+    for t, w in want.items():
+        g = torch.zeros_like(w) if got[t] is None else got[t].double()
+        bound = rtol * w.abs() + stol * w.abs().max()
+        if theirs is not None:
+            bound = bound + 2 * (theirs[t].double() - w).abs().max()
+        err = (g - w).abs()
+        assert torch.isfinite(g).all() and (err <= bound).all(), \
+            f"{name} {dtype}: grad {t} off by {err.max().item():.3g} (scale {w.abs().max().item():.3g})"
+
+
+INDEX_ARITHMETIC = ["dilated_sliding_window", "block_diagonal", "block_causal", "natten_2d", "document_mask"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", INDEX_ARITHMETIC)
+def test_index_arithmetic_masks_backward_is_kernels(name, dtype):
+    """``%``, ``//`` of indices and lookups of integer tensors inside the backward's stages: exact
+    int64 with torch's rounding toward -inf (the forward families' semantics), no fallback."""
+    check(name, dtype)
+
+
+def test_checker_fails_on_a_wrong_gradient(monkeypatch):
+    """The check fails when the kernels' gradients are scaled by 1.001 (float32)."""
+    from acefuse.autograd import BackwardKernel
+    good = BackwardKernel.__call__
+    monkeypatch.setattr(BackwardKernel, "__call__",
+                        lambda self, *a, **kw: {n: t * 1.001 for n, t in good(self, *a, **kw).items()})
+    with pytest.raises(AssertionError, match="off by"):
+        check("block_causal", torch.float32)
