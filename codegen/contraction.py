@@ -427,12 +427,12 @@ class ContractionGen(MaskAnalysis):
                 # an output over no query axis (a plain key sum) is written by row 0 only
                 rm = "rmask" if r else "(rows == 0)"
                 ptr = f"{o}_ptr + off_{o}_g + {f'off_{o}_r' if r else '(rows * 0)'}[:, None] + ecols[None, :] * s_{o}_{self.E[0]}"
-                em.line(f"tl.store({ptr}, ({e}).to({o}_ptr.dtype.element_ty), mask={rm}[:, None] & emask[None, :])")
+                em.line(f"tl.store({ptr}, _out({e}, {o}_ptr), mask={rm}[:, None] & emask[None, :])")
             else:
                 if sh != "row":
                     e = f"({e}) + tl.zeros([BLOCK_I], tl.float32)"
                 ptr = f"{o}_ptr + off_{o}_g + " + (f"off_{o}_r" if r else "rows * 0")
-                em.line(f"tl.store({ptr}, ({e}).to({o}_ptr.dtype.element_ty), mask={'rmask' if r else '(rows == 0)'})")
+                em.line(f"tl.store({ptr}, _out({e}, {o}_ptr), mask={'rmask' if r else '(rows == 0)'})")
         L.extend(em.lines)
 
     def kernel_loop(self, hopper=False):

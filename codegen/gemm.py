@@ -403,7 +403,7 @@ class GemmGen:
         L.append("        tl.store(optr, (_rnd_bf16(res).to(tl.int32, bitcast=True) >> 16).to(tl.int16), "
                  "mask=amask[:, None] & bmask[None, :])")
         L.append("    else:")
-        L.append("        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=amask[:, None] & bmask[None, :])")
+        L.append("        tl.store(optr, _out(res, out_ptr), mask=amask[:, None] & bmask[None, :])")
         return "\n".join(L) + "\n"
 
     def module(self, explain: str) -> str:

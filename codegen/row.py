@@ -35,20 +35,25 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-def _native():
-    # compiled for an NVIDIA GPU of compute capability >= 9.0, not run by Triton's interpreter
-    # (decided when this module is imported, as triton.jit decides): casts then use the
-    # hardware conversions (Triton lowers float32 -> float8 there to one cvt.rn.satfinite; on
-    # sm_89 it would round through float16 first), float8 inputs are converted natively
-    # (ACEFUSE_NATIVE=0 keeps the emulated path on the GPU too: to compare the two)
+def _interpreted():
+    # run by Triton's interpreter (decided when this module is imported, as triton.jit decides)
     import os
     knobs = getattr(triton, "knobs", None)
-    interp = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
-    return bool(not interp and os.environ.get("ACEFUSE_NATIVE", "1") != "0" and torch.cuda.is_available()
+    return bool(knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _native():
+    # compiled for an NVIDIA GPU of compute capability >= 9.0, not run by Triton's interpreter:
+    # casts then use the hardware conversions (Triton lowers float32 -> float8 there to one
+    # cvt.rn.satfinite; on sm_89 it would round through float16 first), float8 inputs are
+    # converted natively (ACEFUSE_NATIVE=0 keeps the emulated path on the GPU too: to compare the two)
+    import os
+    return bool(not _interpreted() and os.environ.get("ACEFUSE_NATIVE", "1") != "0" and torch.cuda.is_available()
                 and torch.version.cuda and torch.cuda.get_device_capability() >= (9, 0))
 
 
 NATIVE = tl.constexpr(_native())   # the `if NATIVE:` branches of the helpers below
+INTERPRETED = tl.constexpr(_interpreted())   # _out's rounding of a bfloat16 output
 
 
 @triton.jit
@@ -218,6 +223,21 @@ def _rnd_emul(a, P: tl.constexpr, EMIN: tl.constexpr, TOP: tl.constexpr, SAT: tl
     else:
         r = tl.where(r > TOP, float("inf"), r)
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _out(v, P):
+    # v in the element type of the output pointer P, rounded to nearest even (torch's .to()):
+    # on a GPU the store's own conversion (cvt.rn); Triton's interpreter truncates float32 ->
+    # bfloat16, so there the bits of _rnd_bf16(v) (float16 the interpreter rounds: numpy's cast)
+    if INTERPRETED:
+        if P.dtype.element_ty == tl.bfloat16:
+            r = _rnd_bf16(v.to(tl.float32)).to(tl.int32, bitcast=True) >> 16
+            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(P.dtype.element_ty)
+    else:
+        return v.to(P.dtype.element_ty)
 
 
 @triton.jit
@@ -569,7 +589,7 @@ class RowGen:
             return f"tl.where(({v}) == ({v}), {v}, -1.0).to(tl.int64)"
         if dt == "int8":
             return f"tl.where(({v}) == ({v}), {v}, 0.0).to({dst}_ptr.dtype.element_ty)"
-        return f"({v}).to({dst}_ptr.dtype.element_ty)"
+        return f"_out({v}, {dst}_ptr)"
 
     # -- kernels -------------------------------------------------------------------------------
     def kernel_single(self):

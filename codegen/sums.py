@@ -791,7 +791,7 @@ class SumGen:
             if isinstance(sh, tuple) != any(a in self.V for a in self.out_axes[o]):
                 raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
             val = f"({q} * {self._scale[q]!r})" if q in self._scale else q
-            store.append(f"    tl.store({ptr}, {val}.to({o}_ptr.dtype.element_ty), mask={mask})")
+            store.append(f"    tl.store({ptr}, _out({val}, {o}_ptr), mask={mask})")
         return "\n".join(L + self.hoisted + L2 + store)
 
     def _two_loops(self, full, true, tail, conds):
@@ -904,7 +904,7 @@ class SumGen:
             body.append(f"        # {o} = {pretty(t)}, over this (rows x {F!r}) tile")
             body.extend("        " + x for x in self.lines)
             body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
-                        f"{e}.to({o}_ptr.dtype.element_ty), mask={'rmask[:, None]' if full else 'tmask'})")
+                        f"_out({e}, {o}_ptr), mask={'rmask[:, None]' if full else 'tmask'})")
         if self.riders:
             from acefuse.codegen.riders import sum_rider_lines
             body.extend(sum_rider_lines(self, full))

@@ -166,11 +166,6 @@ def test_backend_report_spans_graph_breaks_and_names_what_is_left():
 
 # ---- bugs found by the audit (strict xfails) -----------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's float32 -> bfloat16 conversion")
-@pytest.mark.xfail(strict=True, reason="BUG: on the Triton interpreter the attention (contraction family) "
-                   "kernel stores a bfloat16 output with .to(bfloat16), which the interpreter truncates "
-                   "(round toward zero): up to 1 ulp, mean 0.5 ulp, ~45% of elements differ from the "
-                   "float32 result rounded to nearest even (the row family rounds with _rnd_bf16 and is "
-                   "exact). Fix: round outputs with the _rnd_bf16 helper before the store.")
 def test_bf16_sdpa_output_is_rounded_to_nearest_once():
     q, k, v = (_g(2, 2, 9, 64, seed=s, scale=2).bfloat16() for s in (6, 7, 8))
     fn = F.scaled_dot_product_attention

@@ -462,10 +462,6 @@ def test_auxiliary_kernels_match_float64(aux_kernels, case):
 
 
 # ---- found by this audit -----------------------------------------------------------------------------
-@pytest.mark.xfail(os.environ.get("TRITON_INTERPRET") == "1", strict=True,
-                   reason="under Triton's interpreter a bfloat16 output (bfloat16 inputs) is truncated, not "
-                          "rounded to nearest: codegen/row.py stored() writes `v.to(ptr.dtype.element_ty)` and the "
-                          "interpreter's float32 -> bfloat16 conversion truncates (README: 'rounded once at the output')")
 def test_bfloat16_outputs_are_rounded_to_nearest():
     """The product of two bfloat16 values is exact in float32, so the bfloat16 output must be
     that product rounded to nearest even: torch's ``.to(torch.bfloat16)`` of it, bit for bit."""
