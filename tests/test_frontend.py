@@ -1097,3 +1097,94 @@ def test_backend_takes_only_the_region_kinds_asked_for():
     assert [_short_op(e.op) for e in r.taken] == ["F.cross_entropy"], str(r)
     assert [(_short_op(e.op), e.reason) for e in r.left] == [
         ("torch.rms_norm", "not taken: a norm, and the backend takes loss (Backend(take=...))")], str(r)
+
+
+# ---- elementwise torch.max(a, b) / torch.min(a, b) inside a region ------------------------------
+def clamp_between_then_softmax(x, lo, hi):   # elementwise min/max feeding a reduction, and a reduction
+    return torch.softmax(torch.min(torch.max(x, lo), hi) * 3, -1), x.max(-1).values
+
+
+def test_elementwise_max_min_are_part_of_a_region_not_reductions():
+    """Binary ``torch.max(a, b)`` is elementwise: it joins the softmax's region and is not listed
+    in the report (before: two extra 'taken' reductions), while ``x.max(-1)`` still reduces."""
+    x, lo, hi = _g(5, 13, seed=60), _g(5, 13, seed=61) - 0.5, _g(13, seed=62) + 0.5
+    cf = af.compile(clamp_between_then_softmax, x, lo, hi)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        got = cf(x, lo, hi)
+    _close(got, clamp_between_then_softmax(*_f64([x, lo, hi])))
+    ops = [(e.op.replace("torch.nn.functional.", "F."), e.status) for e in cf.report().entries]
+    assert sorted(ops) == [("Tensor.max", "taken"), ("torch.softmax", "taken")], str(cf.report())
+
+
+# ---- capture errors name the function and what to pass ------------------------------------------
+def scaled_softmax(x, w):
+    return torch.softmax(x * w, -1)
+
+
+def test_capture_errors_say_what_to_pass():
+    x = _g(3, 5, seed=63)
+    with pytest.raises(TypeError, match=r"af.compile\(scaled_softmax.*missing an example for 'w'"):
+        af.compile(scaled_softmax, x)
+    with pytest.raises(TypeError, match=r"scaled_softmax.*3 example input"):
+        af.compile(scaled_softmax, x, x, x)
+    with pytest.raises(aff.FrontendError, match=r"scaled_softmax: the captured function fails on these "
+                       r"inputs in `operator.mul` at test_frontend.py:\d+.*size of tensor"):
+        af.compile(scaled_softmax, x, _g(4, seed=64))
+    cf = af.compile(scaled_softmax, x, _g(5, seed=64))       # (the right inputs compile)
+    _close(cf(x, _g(5, seed=64)), scaled_softmax(x.double(), _g(5, seed=64).double()))
+
+
+# ---- a region whose reductions run over two axes splits into one region per axis ---------------
+def norm_rows_softmax_cols_norm_rows(x, w):   # layer_norm over dim 1, softmax over dim 0, again dim 1
+    h = torch.softmax(F.layer_norm(x, (x.shape[-1],), w) * 2, dim=0)
+    return F.layer_norm(h, (x.shape[-1],))
+
+
+def test_region_over_three_axis_changes_splits_at_each():
+    """Partitioning only (no kernel): the region [layer_norm, mul, softmax, layer_norm] is cut at
+    each change of reduced axis, into convex pieces each over one axis."""
+    from acefuse.frontend.graph import capture, propagate
+    from acefuse.frontend.importer import reduced_dims
+    from acefuse.frontend.partition import find_regions, split_at_axis_change
+    x, w = _g(6, 9, seed=65), _g(9, seed=66) + 1
+    gm = capture(norm_rows_softmax_cols_norm_rows, (x, w))
+    propagate(gm, (x, w))
+    (region,) = find_regions(gm)
+    red = reduced_dims(region)
+    assert sorted(dims for _, dims in red.values()) == [(0,), (1,), (1,)]
+    pieces, work = [], [region]
+    while work:
+        p = work.pop(0)
+        s = split_at_axis_change(p, reduced_dims(p))
+        if s is None:
+            pieces.append(p)
+        else:
+            work[:0] = s
+    names = [[n.target.__name__ if callable(n.target) else n.target for n in p] for p in pieces]
+    assert names == [["layer_norm", "mul"], ["softmax"], ["layer_norm"]], names
+
+
+def mean_over_rows_and_cols(x):      # two reductions over different dims, neither depending on the other
+    return x - x.mean(0) - x.mean(1, keepdim=True)
+
+
+def global_variance(x):              # one op reducing over both dims, and a reduction depending on it
+    return (x - x.mean()).pow(2).mean()
+
+
+def test_reductions_over_two_dims_split_or_say_why_in_torch_terms():
+    x = _g(6, 9, seed=67)
+    cf = af.compile(mean_over_rows_and_cols, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AcefuseFallbackWarning)
+        got = cf(x)
+    _close(got, mean_over_rows_and_cols(x.double()))
+    r = cf.report()
+    assert len(r.taken) == 2 and not r.left and len(cf.regions) == 2, str(r)
+    with pytest.warns(AcefuseFallbackWarning, match=r"`Tensor.mean` reduces over dims \[0, 1\] at once"):
+        cf = af.compile(global_variance, x)
+    got = cf(x)
+    _close(got, global_variance(x.double()))
+    r = cf.report()
+    assert len(r.left) == 2 and "axis=" not in str(r) and "x.flatten().mean()" in r.left[0].reason, str(r)

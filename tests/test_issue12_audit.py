@@ -182,10 +182,6 @@ def elementwise_min_max(a, b):          # T5's relative-position buckets: torch.
     return torch.min(a, b) * 2 + torch.max(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: binary torch.min(a, b) / torch.max(a, b) (elementwise) are "
-                   "classified as reductions (lower_reduce registers 'min'/'max' as kind 'reduce'): the "
-                   "report lists them as taken reductions (T5 shows 3 'torch.min' entries from its "
-                   "position-bucket code) and a region with no reduction becomes an acefuse kernel")
 def test_elementwise_min_max_are_not_reported_as_reductions():
     a, b = _g(4, 6, seed=9), _g(4, 6, seed=10)
     cf = af.compile(elementwise_min_max, a, b)
@@ -197,9 +193,6 @@ def norm_then_softmax_over_rows(x, w):   # the norm reduces over columns, the so
     return torch.softmax(F.layer_norm(x, (x.shape[-1],), w), dim=0)
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: a region whose reductions run over two different axes is "
-                   "evicted whole ('reduces over several axes [...]; pick the one to fuse with axis=...', "
-                   "advice a torch user cannot follow) instead of being split into one region per axis")
 def test_reductions_over_two_axes_split_the_region_instead_of_evicting_it():
     x, w = _g(6, 9, seed=11), _g(9, seed=12) + 1
     cf = af.compile(norm_then_softmax_over_rows, x, w)
@@ -392,11 +385,6 @@ def two_inputs(x, w):
     return torch.softmax(x * w, -1)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: af.compile(fn, *examples) with fewer examples than fn's "
-                   "parameters raises Dynamo's RuntimeError ('Expected positional argument for parameter w, "
-                   "but one was not passed in! While executing %w : placeholder ... Use tlparse') instead of "
-                   "an error naming the function and the missing input (calling the compiled function with "
-                   "too few arguments already gives a clean TypeError)")
 def test_af_compile_with_too_few_examples_says_which_input_is_missing():
     import acefuse.frontend as aff
     with pytest.raises((TypeError, aff.FrontendError), match=r"two_inputs.*\bw\b"):

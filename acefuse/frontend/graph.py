@@ -145,6 +145,7 @@ def op_name(node) -> str:
 
 class _Prop(torch.fx.Interpreter):
     def run_node(self, n):
+        self.af_node = n
         out = super().run_node(n)
         n.meta["af_val"] = out
         return out
@@ -162,5 +163,20 @@ def propagate(gm: torch.fx.GraphModule, args) -> None:
         return
     except Exception:  # data-dependent ops: fall back to one real execution
         pass
-    with torch.no_grad():
-        _Prop(gm).run(*flat_args(gm, args))
+    prop = _Prop(gm)
+    try:
+        with torch.no_grad():
+            prop.run(*flat_args(gm, args))
+    except Exception as e:  # noqa: BLE001 - the function itself fails on these inputs
+        from acefuse.frontend.errors import FrontendError
+        n = getattr(prop, "af_node", None)
+        where = ""
+        if n is not None:
+            line = source_line(n)
+            where = f" in `{op_name(n)}`" + (f" at {line}" if line else "")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        name = getattr(gm, "_af_name", "the function")
+        raise FrontendError(
+            f"{name}: the captured function fails on these inputs{where} ({type(e).__name__}: {first}). "
+            "Check the inputs' shapes, dtypes and order: they must be arguments a plain call of the "
+            "function accepts") from e

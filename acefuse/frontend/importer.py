@@ -448,6 +448,52 @@ def import_nodes(nodes, outputs, name: str, full: bool = False) -> Imported:
     return imp
 
 
+def _exprs(v):
+    """The expression nodes of a lowered value (a tensor, or a tuple of them: ``max(x, dim)``)."""
+    if isinstance(v, TV):
+        return [v.n] if v.n is not None else []
+    if isinstance(v, (tuple, list)):
+        return [n for x in v for n in _exprs(x)]
+    return []
+
+
+def reduced_dims(nodes) -> dict:
+    """For each node of ``nodes`` (a region, topological order) that reduces: the axes it reduces
+    over itself (not those of the values it reads), as ``(frozenset of axis keys, dims)`` where
+    ``dims`` are the torch dims of its first tensor operand that those axes are. Two nodes reduce
+    over the same axis when their keys are equal (broadcasting and masks unify axes)."""
+    cx = Ctx(set(nodes), False)
+    for n in nodes:
+        cx.vals[n] = lower_node(cx, n)
+    own = {}
+    for n in nodes:
+        seen: set = set()
+        stack = [e for p in n.all_input_nodes for e in _exprs(cx.vals.get(p))]
+        while stack:                      # every expression node its operands already hold
+            e = stack.pop()
+            if id(e) not in seen:
+                seen.add(id(e))
+                stack += [a for a in e.args if isinstance(a, ir.N)]
+        axes, stack, mine = set(), _exprs(cx.vals[n]), set()
+        while stack:
+            e = stack.pop()
+            if id(e) in seen or id(e) in mine:
+                continue
+            mine.add(id(e))
+            if e.op == "red":
+                axes.add(e.args[1])
+            stack += [a for a in e.args if isinstance(a, ir.N)]
+        if axes:
+            own[n] = axes
+    out = {}
+    for n, axes in own.items():           # (keys only now: every unification has happened)
+        roots = {a.find() for a in axes}
+        x = next((cx.vals[p] for p in n.all_input_nodes if isinstance(cx.vals.get(p), TV)), None)
+        dims = tuple(i for i, d in enumerate(x.dims) if d is not None and d.find() in roots) if x else ()
+        out[n] = (frozenset(r.order for r in roots), dims)
+    return out
+
+
 def import_graph(gm: torch.fx.GraphModule, args, name=None) -> Imported:
     """Import a whole traced function (every op must have a lowering)."""
     propagate(gm, args)

@@ -20,6 +20,7 @@ import math
 import operator
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
@@ -543,7 +544,20 @@ def name_of(node) -> str | None:
 
 def kind_of(node) -> str | None:
     nm = name_of(node)
+    if nm in ("max", "min") and _binary_maxmin(node):
+        return "elementwise"      # torch.max(a, b): elementwise, nothing is reduced
     return KIND.get(nm) if nm else None
+
+
+def _binary_maxmin(node) -> bool:
+    """``torch.max(a, b)`` / ``a.min(b)``: the second operand is a tensor (``torch.max(x, 1)``
+    reduces over dim 1 instead). A graph value without a recorded value is taken as a tensor:
+    Dynamo records dims as constants, not as graph values."""
+    o = node.kwargs.get("other", node.args[1] if len(node.args) > 1 else None)
+    if not isinstance(o, torch.fx.Node):
+        return False
+    v = o.meta.get("af_val", o.meta.get("example_value"))
+    return v is None or isinstance(v, torch.Tensor)
 
 
 def lower_node(cx: Ctx, node):

@@ -213,6 +213,29 @@ def find_regions(gm: torch.fx.GraphModule, exclude=frozenset()) -> list:
     return sorted(out, key=lambda ms: order[ms[0]])
 
 
+def split_at_axis_change(nodes, reduced: dict):
+    """Two convex pieces of a region whose reductions run over different axes, or None.
+
+    ``reduced``: node -> (axis key, dims) of the axes each reduction reduces over itself
+    (``importer.reduced_dims``). The cut is at the first reduction (topological order) over other
+    axes than the region's first reduction: that reduction and everything inside the region that
+    depends on it form the second piece, the rest the first. No path leaves the second piece and
+    comes back (it holds its descendants), nor the first (a node of the second cannot reach it), so
+    both are convex; each holds a reduction. A piece still over several axes is split again."""
+    reds = [n for n in nodes if n in reduced]
+    if not reds:
+        return None
+    first = reduced[reds[0]][0]
+    cut = next((n for n in reds if reduced[n][0] != first), None)
+    if cut is None:
+        return None
+    inside, later = set(nodes), {cut}
+    for n in nodes:                     # topological order: descendants follow their producers
+        if n not in later and any(p in later for p in n.all_input_nodes if p in inside):
+            later.add(n)
+    return [[n for n in nodes if n not in later], [n for n in nodes if n in later]]
+
+
 def region_outputs(gm, nodes) -> list:
     s = set(nodes)
     return [n for n in nodes if any(u not in s for u in n.users)]

@@ -57,11 +57,11 @@ import torch
 import torch.fx
 
 from acefuse.frontend.errors import FrontendError, UnsupportedOpError
-from acefuse.frontend.graph import capture, propagate, source_line, trace
-from acefuse.frontend.importer import import_nodes
+from acefuse.frontend.graph import capture, op_name, propagate, source_line, trace
+from acefuse.frontend.importer import import_nodes, reduced_dims
 from acefuse.frontend.lower import kind_of, name_of
-from acefuse.frontend.partition import (find_regions, rebuild, region_outputs, split_composites,
-                                        unshare_contraction_operands)
+from acefuse.frontend.partition import (find_regions, rebuild, region_outputs, split_at_axis_change,
+                                        split_composites, unshare_contraction_operands)
 from acefuse.frontend.report import Report, graph_entries, is_reduction_like
 from acefuse.frontend.kernels import (GradKernelError, clear_cache, get_grad_kernel, get_kernel,  # noqa: F401
                                       stats)
@@ -373,7 +373,10 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
     warned_contr: set = set()
     for attempt in range(4):
         compiled, failed_contraction = [], False
-        for i, nodes in enumerate(find_regions(gm, frozenset(exclude))):
+        work = find_regions(gm, frozenset(exclude))
+        i = -1
+        while work:
+            nodes, i = work.pop(0), i + 1
             outs = region_outputs(gm, nodes)
             if not outs:
                 _left(reasons, nodes, "its result is not used")
@@ -385,6 +388,12 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
                 except GradKernelError:
                     raise
                 except Exception as e:  # noqa: BLE001 - several outputs: retry with the last one
+                    pieces, why = _axis_split(nodes, outs)
+                    if pieces:         # reductions over different axes: one region per axis
+                        work[:0] = pieces
+                        continue
+                    if why:
+                        raise FrontendError(why) from e
                     if len(outs) < 2 or [n for n in nodes if kind_of(n) == "contraction"]:
                         raise
                     nodes, cut = _cut_to_last_output(gm, nodes)
@@ -428,6 +437,34 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
     in_region = {n: m for _, m, imp in compiled for n in imp.nodes}
     new.af_report = graph_entries(gm, in_region, reasons, name)
     return new
+
+
+def _axis_split(nodes, outs):
+    """``(pieces, None)`` when the region's reductions run over different axes, which no one kernel
+    fuses (acefuse.fuse picks one axis per program): the region cut at the first reduction over
+    another axis (``partition.split_at_axis_change``), each piece compiled on its own. ``(None,
+    why)`` when no such cut exists (one op reduces over several dims at once): ``why`` says so in
+    torch's terms. ``(None, None)`` when the region's program has one axis to fuse."""
+    from acefuse.fuse import FuseError, _pick_axis
+    try:
+        _pick_axis(import_nodes(nodes, outs, "probe").program, None)
+        return None, None
+    except FuseError:
+        pass
+    except Exception:  # noqa: BLE001 - the region's own compile error is reported
+        return None, None
+    try:
+        reduced = reduced_dims(nodes)
+    except Exception:  # noqa: BLE001
+        return None, None
+    pieces = split_at_axis_change(nodes, reduced)
+    if pieces:
+        return pieces, None
+    n, dims = next(((n, d) for n, (_, d) in reduced.items() if len(d) > 1), (None, ()))
+    what = f"`{op_name(n)}` reduces over dims {list(dims)} at once" if n is not None else \
+        "its reductions run over several dims"
+    return None, (f"{what} and a reduction depends on another: acefuse fuses dependent reductions along "
+                  "one dim per kernel (reducing a flattened tensor, x.flatten().mean(), is one dim)")
 
 
 def _computed_operands(contr, nodes) -> list:
@@ -617,6 +654,36 @@ def _capture(fn, args) -> torch.fx.GraphModule:
             raise e from None
 
 
+def _check_examples(name, sig, example_inputs):
+    """The example inputs bind to the function's parameters (before Dynamo captures it: a missing
+    one would otherwise surface as Dynamo's error about a graph placeholder)."""
+    if sig is None:
+        return
+    try:
+        sig.bind(*example_inputs)
+    except TypeError:
+        params = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        free = [p for p in params if p.kind != p.VAR_POSITIONAL]
+        missing = [p.name for p in free[len(example_inputs):] if p.default is p.empty]
+        if missing:
+            raise TypeError(
+                f"af.compile({name}, ...): {name}{sig} takes {len(free)} positional parameter(s) and "
+                f"{len(example_inputs)} example input(s) were given; missing an example for "
+                f"{', '.join(map(repr, missing))}. Pass one example value per parameter, in order "
+                f"(af.compile({name}, {', '.join(p.name for p in free)}), tensors of the shapes and "
+                "dtypes of a real call)") from None
+        kwonly = [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+        if kwonly:
+            raise TypeError(
+                f"af.compile({name}, ...): {name}{sig} has keyword-only parameter(s) {', '.join(map(repr, kwonly))} "
+                "without a default, and af.compile passes its example inputs by position; compile a wrapper "
+                f"that takes them by position (af.compile(lambda *a: {name}(...), ...))") from None
+        raise TypeError(
+            f"af.compile({name}, ...): {len(example_inputs)} example input(s) do not match {name}{sig}; "
+            "pass one example value per positional parameter, in order") from None
+
+
 def compile_fn(fn, *example_inputs):
     """``af.compile(fn, *example_inputs)``: a callable with ``fn``'s signature and outputs,
     in which each recognised region runs as an acefuse kernel (specialised and compiled
@@ -628,6 +695,7 @@ def compile_fn(fn, *example_inputs):
         sig = None
     cf = CompiledFunction(None, name, sig, fn=fn)
     if example_inputs:
+        _check_examples(name, sig, example_inputs)
         cf.graph_for(*example_inputs)
     try:
         import functools
