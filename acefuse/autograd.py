@@ -450,6 +450,34 @@ def compile_backward(bwd, **kw) -> BackwardKernel:
     return BackwardKernel(bwd, kernels, riders)
 
 
+def _augmented(dk, aug, bwd, inputs, run_kw, odts):
+    """(outputs, saved values) of the augmented forward kernel: the saved values that
+    ``wide_values`` keeps in float32 written so (or converted), the outputs in the caller's
+    types ``odts``."""
+    kw = dict(run_kw)
+    floats = [t for t in inputs.values() if t.dtype.is_floating_point]
+    odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
+    wide = wide_dtype(odt)
+    values, direct = dk.wide_values(aug, bwd)
+    if direct and (values or odts):
+        kw["out_dtypes"] = {**odts, **{n: wide for n in values}}
+    out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
+    saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
+    if values:                       # the caller's type
+        out = {k: (_to(v, odts.get(k, odt)) if k in values else v) for k, v in out.items()}
+    return out, saved
+
+
+def _exact_scale(g: torch.Tensor):
+    """For a 0-d cotangent: None when multiplying a gradient by it may round (it is not a
+    power of two in [2^-60, 2^60]), else whether it is 1 (one sync)."""
+    v = float(g)
+    m, e = math.frexp(v)
+    if not (m in (0.5, -0.5) and -60 <= e <= 61):
+        return None
+    return v == 1.0
+
+
 class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dk, run_kw, names, *tensors):
@@ -461,7 +489,7 @@ class _Function(torch.autograd.Function):
             run_kw = {k: v for k, v in run_kw.items() if k != "out_dtypes"}
         aug, bwd = dk._grad_kernels()
         keys = list(dk.prog.outputs)
-        unit = dk._unit_kernel() if bwd is not None and dk.grad_in_forward else None
+        unit = dk._unit_kernel() if bwd is not None and dk._grad_in_forward() else None
         if unit is not None:                 # the gradient for a unit cotangent, computed now
             try:
                 out = _as_dict(_run_stage(unit, inputs, run_kw), list(unit.program.outputs))
@@ -474,17 +502,7 @@ class _Function(torch.autograd.Function):
             kw = dict(run_kw, out_dtypes=odts) if odts and takes_out_dtypes(dk.kernel) else run_kw
             out, saved = _as_dict(dk.kernel(**inputs, **kw), keys), []
         elif unit is None:
-            kw = dict(run_kw)
-            floats = [t for t in tensors if t.dtype.is_floating_point]
-            odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
-            wide = wide_dtype(odt)
-            values, direct = dk.wide_values(aug, bwd)
-            if direct and (values or odts):
-                kw["out_dtypes"] = {**odts, **{n: wide for n in values}}
-            out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
-            saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
-            if values:                       # the caller's type
-                out = {k: (_to(v, odts.get(k, odt)) if k in values else v) for k, v in out.items()}
+            out, saved = _augmented(dk, aug, bwd, inputs, run_kw, odts)
         if odts:                             # (a launcher without out_dtypes: converted here)
             out = {k: (_to(v, odts[k]) if k in odts and k in keys else v) for k, v in out.items()}
         ctx.dk, ctx.run_kw, ctx.names = dk, run_kw, names
@@ -515,7 +533,30 @@ class _Function(torch.autograd.Function):
             (oname, oexpr), = dk.prog.outputs.items()
             g = cots[0]
             grads = {}
-            for x, (name, gname) in zip(vals[n:], dk._bwd.grads.items()):
+            scalar = g is not None and g.dim() == 0
+            exact = _exact_scale(g) if scalar else None
+            if scalar and exact is not None:
+                # a loss's cotangent, 1 from .backward() (the unit gradient is the gradient: no
+                # pass over it) or a power of two (a product that does not round); reading it
+                # costs one sync
+                for x, (name, gname) in zip(vals[n:], dk._bwd.grads.items()):
+                    axes, full = dk._bwd.outputs[gname].axes, dk._bwd.input_axes[name]
+                    unit = _to_axes(x, axes, full, list(inputs[name].shape))
+                    grads[gname] = unit if exact else unit * g.to(unit.dtype)
+            elif scalar:
+                # another scale: the unit gradient, already rounded to the input's type, would be
+                # rounded twice; the derived backward kernels run instead, on saved values
+                # recomputed by the augmented forward (one more read of the input)
+                aug, bwd = dk._grad_kernels()
+                _, saved = _augmented(dk, aug, bwd, inputs, ctx.run_kw, {})
+                kin = dict(inputs, **dict(zip(bwd.saved, saved)))
+                kin[f"grad_{oname}"] = g.to(ctx.out_meta[0][1])
+                try:
+                    grads = dk._bwd_kernel(**{k: kin[k] for k in bwd.tensors}, **ctx.run_kw)
+                except Exception as e:  # noqa: BLE001 - a failing backward kernel must not lose the gradient
+                    dk._fall_back(f"its backward kernel failed at .backward() ({_first_line(e)})")
+                    grads = None
+            for x, (name, gname) in zip(() if scalar else vals[n:], dk._bwd.grads.items()):
                 axes = dk._bwd.outputs[gname].axes
                 full = dk._bwd.input_axes[name]
                 unit = _to_axes(x.to(wide_dtype(x.dtype)), axes, full, list(inputs[name].shape))
@@ -558,10 +599,13 @@ class DifferentiableKernel:
         self._aug = self._bwd = self._bwd_kernel = None
         self._torch_reason = None   # why the gradient is torch's (None: acefuse's backward kernels)
         self._warned = False
-        # opt-in: the forward also writes the gradient for a unit cotangent (unit_cotangent_program);
-        # the backward is one multiply. Off by default: it moves more bytes than the derived
-        # backward (the forward writes the unit gradient, the backward reads it back)
-        self.grad_in_forward = False
+        # the forward also writes the gradient for a unit cotangent (unit_cotangent_program), in
+        # the input's type; the backward returns it as is when the cotangent is 1 (a loss's
+        # .backward()), else multiplies it by the cotangent. "auto" (the default): where the
+        # program's only output is 0-d (a loss), so that the loss's forward and backward read the
+        # input once (two passes instead of three). True: for any program that allows it (a
+        # per-row loss too: the backward then reads the gradient back to multiply it); False: never
+        self.grad_in_forward = "auto"
         self._unit = None           # its kernel; False when the program does not allow it
         self.unit_reason = None     # why not
         self._wide = None           # (saved values kept wide, the launcher takes out_dtypes): per kernel
@@ -631,6 +675,14 @@ class DifferentiableKernel:
         if self._torch_reason is not None:
             return self.kernel, None
         return self._aug, self._bwd
+
+    def _grad_in_forward(self) -> bool:
+        """Whether the forward computes the gradient (``grad_in_forward``; "auto": the program's
+        only output is 0-d)."""
+        if self.grad_in_forward == "auto":
+            outs = list(self.prog.outputs.values())
+            return len(outs) == 1 and not outs[0].axes
+        return bool(self.grad_in_forward)
 
     def _unit_kernel(self):
         """The kernel of ``unit_cotangent_program`` (compiled on first use), or None."""
