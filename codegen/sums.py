@@ -22,6 +22,8 @@ def _ld(ptr, mask, MASKED: tl.constexpr):
     else:
         return tl.load(ptr)"""
 
+# special functions and roundings (SumGen._function; emit.py's _FUNCS)
+_FUNCS = ("Erf", "Sigmoid", "Softplus", "Log1p", "Expm1", "Floor", "Ceil", "Round", "Cast")
 BOOL_OPS = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
 
 
@@ -101,9 +103,18 @@ class SumGen:
         self.outs = {}
         self.tiles = {}    # outputs elementwise over (rows, loop axis): stored from each loop tile
         self.out_axes = dict(enc.output_axes)
+        self.finals = {}   # outputs computed after the loop from several states and per-row values
+        self._final = None   # while emitting them: the lines they are computed in
+        self._oscale = {}   # output -> the constant factor it multiplies its state by (``s_J * 0.25``)
         for o, t in enc.outputs.items():
-            if t.op == "St" and t.args[0] in self.states:
-                self.outs[o] = t.args[0]
+            so = _state_output(t)
+            if so and so[0] in self.states:
+                self.outs[o] = so[0]
+                if so[1] != 1.0:
+                    self._oscale[o] = so[1]
+            elif _final_output(t, self.F, self.tensors) and all(u.args[0] in self.states for u in t.walk()
+                                                                if u.op == "St"):
+                self.finals[o] = t
             elif _tile_output(t, self.F, self.out_axes[o]):
                 self.tiles[o] = t
             else:
@@ -214,6 +225,11 @@ class SumGen:
         """Name a value. A value that does not range over the loop axis (its shape has no
         ``f``) is loop-invariant: it is computed once, above the loop (the ``h`` names), and
         one expression gets one name there."""
+        if self._final is not None:   # after the loop (an output from several states)
+            self.n += 1
+            name = f"{hint}{self.n}"
+            self._final.append(f"    {name} = {expr}")
+            return name, shape
         if not _over_f(shape):
             if expr not in self._hoist:
                 name = f"h{len(self._hoist) + 1}"
@@ -364,6 +380,10 @@ class SumGen:
             return self.contract(t)
         if op == "Take":
             return self.take(t)
+        if op == "St" and self._final is not None:   # a state's value after the loop
+            q = t.args[0]
+            sh = self._accs[q][1]
+            return (f"({q} * {self._scale[q]!r})" if q in self._scale else q), sh
         if op in INT_OPS:   # exact in int64 (emit.py's semantics: // and % round toward -inf)
             r, sh, bad = self.emit_int(t)
             f = f"({r}).to(tl.float32)"
@@ -375,6 +395,14 @@ class SumGen:
             # exp(s * c - m) -> exp2(s * (c * log2 e) - m * log2 e), the per-row part above the loop)
             a, sa = self.emit(_scale_log2e(t.args[0], None))
             return self.bind(f"tl.exp2({a})", sa)
+        if op in _FUNCS:
+            return self._function(t)
+        if op == "Pow":
+            a, sa = self.emit(t.args[0])
+            p = float(t.args[1])
+            if p.is_integer() and 0 < p <= 4:
+                return self.bind(" * ".join([a] * int(p)), sa)
+            return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
         if op == "Where" and self.alltrue and t.args[0] in self._conds:
             return self.emit(t.args[1])
         args = [self.emit(c) for c in t.children]
@@ -401,6 +429,47 @@ class SumGen:
         if op == "Where":
             return self.bind(f"tl.where({xs[0]}, {xs[1]}, {xs[2]})", sh)
         raise CodegenError(f"operator {op!r} in `{pretty(t)}` is not supported by the sum kernel")
+
+    def _function(self, t: Term):
+        """Special functions and roundings, lowered as emit.py's ``_function`` lowers them (the
+        forward families'): a stable sigmoid, log1p/expm1/softplus in float64, round half to
+        even, casts that truncate (integer types) or round into the float format."""
+        from acefuse.rewrite.terms import FLOAT_CASTS, SATURATING, CAST_LIMITS
+        op, arg = t.op, t.args[0]
+        a, sa = self.emit(arg)
+        if op == "Erf":
+            return self.bind(f"tl.erf({a})", sa)
+        if op == "Sigmoid":   # exp of -|a| never overflows: 1 / (1 + e) where a >= 0, else e / (1 + e)
+            e = self.bind(f"tl.exp(-tl.abs({a}))", sa, "e")[0]
+            return self.bind(f"tl.where({a} >= 0, 1.0 / (1.0 + {e}), {e} / (1.0 + {e}))", sa)
+        if op in ("Log1p", "Expm1", "Softplus"):   # in float64: a series for tiny arguments, no cancellation
+            w = self.bind(f"({a}).to(tl.float64)", sa, "w")[0]
+            if op == "Log1p":
+                return self.bind(f"tl.where(tl.abs({w}) < 1e-5, {w} * (1.0 - {w} * (0.5 - {w} * "
+                                 f"0.3333333333333333)), tl.log(1.0 + {w})).to(tl.float32)", sa)
+            if op == "Expm1":
+                return self.bind(f"tl.where(tl.abs({w}) < 1e-5, {w} * (1.0 + {w} * (0.5 + {w} * "
+                                 f"0.16666666666666666)), tl.exp({w}) - 1.0).to(tl.float32)", sa)
+            e = self.bind(f"tl.exp(-tl.abs({w}))", sa, "w")[0]
+            lp = self.bind(f"tl.where({e} < 1e-5, {e} * (1.0 - 0.5 * {e}), tl.log(1.0 + {e}))", sa, "w")[0]
+            return self.bind(f"(tl.where({w} > 0.0, {w}, 0.0) + {lp}).to(tl.float32)", sa)
+        if op in ("Floor", "Ceil"):
+            return self.bind(f"tl.{op.lower()}({a})", sa)
+        if op == "Round":
+            return self.bind(f"_rint({a})", sa)
+        dtype = t.args[1]
+        if dtype == "float32":
+            return a, sa
+        if dtype in FLOAT_CASTS:
+            helper = {"float8_e4m3fn": "_rnd_e4m3", "float8_e5m2": "_rnd_e5m2", "float16": "_rnd_f16",
+                      "bfloat16": "_rnd_bf16"}[dtype]
+            return self.bind(f"{helper}({a})", sa)
+        tr = self.bind(f"_trunc({a})", sa)[0]
+        if dtype in SATURATING:
+            lo, hi = SATURATING[dtype]
+            return self.bind(f"tl.where({tr} != {tr}, {tr}, tl.minimum(tl.maximum({tr}, {lo!r}), {hi!r}))", sa)
+        lim = CAST_LIMITS[dtype]
+        return self.bind(f"tl.where(({tr} >= {-lim!r}) & ({tr} < {lim!r}), {tr}, float('nan'))", sa)
 
     # -- integers and lookups -------------------------------------------------------------------
     def emit_int(self, t: Term):
@@ -790,8 +859,34 @@ class SumGen:
                 mask = "rmask"
             if isinstance(sh, tuple) != any(a in self.V for a in self.out_axes[o]):
                 raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
-            val = f"({q} * {self._scale[q]!r})" if q in self._scale else q
+            c = self._scale.get(q, 1.0) * self._oscale.get(o, 1.0)
+            val = f"({q} * {c!r})" if c != 1.0 else q
             store.append(f"    tl.store({ptr}, _out({val}, {o}_ptr), mask={mask})")
+        for o, t in self.finals.items():   # sum kernels' finalize: after the loop, per row tile
+            self._final, self._memo, self._raw = [], {}, {}
+            self._wide = {k: v for k, v in self._wide.items() if not _over_f(v[1])}
+            try:
+                e, sh = self.emit(t)
+                lines = self._final
+            finally:
+                self._final = None
+            vs = [a for a in self.out_axes[o] if a in self.V]
+            to = ("r", vs[0]) if vs else "r"
+            if sh not in ("s", "r", to):
+                raise CodegenError(f"program {self.name!r}: output {o!r} = {pretty(t)}: its value has shape {sh}, "
+                                   f"not the output's {to}")
+            e = self.bcast(e, sh, to) if sh != "s" else e
+            if sh != to:
+                e = f"({e}) + tl.zeros([BLOCK_I{', BLOCK_V_' + vs[0] if vs else ''}], tl.float32)"
+            ptr = f"{o}_ptr + off_{o}_g + off_{o}_r"
+            mask = "rmask"
+            if vs:
+                c, m = self.vec(vs[0])
+                ptr = f"{ptr}[:, None] + {c}[None, :] * s_{o}_{vs[0]}"
+                mask = f"rmask[:, None] & {m}[None, :]"
+            store.append(f"    # {o} = {pretty(t)}")
+            store += lines
+            store.append(f"    tl.store({ptr}, _out({e}, {o}_ptr), mask={mask})")
         return "\n".join(L + self.hoisted + L2 + store)
 
     def _two_loops(self, full, true, tail, conds):
@@ -971,7 +1066,32 @@ def sum_pass(fusion) -> bool:
     enc = fusion.encoding
     return (len(fusion.passes) == 1 and bool(fusion.passes[0].states)
             and all(s.op == "sum" for s in fusion.passes[0].states)
-            and all(t.op == "St" or _tile_output(t, enc.axis, enc.output_axes[o]) for o, t in enc.outputs.items()))
+            and all(_state_output(t) or _tile_output(t, enc.axis, enc.output_axes[o])
+                    or _final_output(t, enc.axis, enc.tensors) for o, t in enc.outputs.items()))
+
+
+def _final_output(t: Term, F: str, tensors) -> bool:
+    """An output computed after the loop: an expression of states, constants, sizes and inputs
+    that do not range over the loop axis (``c * s_J - pre1 * c * s2_J + c * s3_J``)."""
+    ops = ("St", "BJ", "Num", "Size", "Cnt", "In", "Add", "Sub", "Mul", "Div", "Neg")   # (BJ: a state's block)
+    return (any(u.op == "St" for u in t.walk()) and all(u.op in ops for u in t.walk())
+            and not any(u.op == "In" and F in tensors[u.args[0]] for u in t.walk()))
+
+
+def _state_output(t: Term):
+    """(state, c) when the output ``t`` is a state times constants (``s_J * 0.25``: the constant
+    factored out of the sum), with c their product; else None."""
+    fs = _flat_mul(t)
+    st = [f for f in fs if f.op == "St"]
+    c = 1.0
+    for f in fs:
+        if f.op == "St":
+            continue
+        v = f.args[0] if f.op == "Num" and not isinstance(f.args[0], Term) else None
+        if v is None or not math.isfinite(float(v)):
+            return None
+        c *= float(v)
+    return (st[0].args[0], c) if len(st) == 1 else None
 
 
 def _or(a, b):

@@ -89,6 +89,49 @@ def test_index_arithmetic_masks_backward_is_kernels(name, dtype):
     check(name, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["sigmoid_attention", "relu_attention"])
+def test_contractions_without_softmax_backward_is_kernels(name, dtype):
+    """No softmax: dQ = sum_j(dS * k) * c is a constant times a sum over keys, an output over the
+    contraction axis d (the sum kernel's, not the attention template's)."""
+    check(name, dtype)
+
+
+def _inside_grads(dtype, seed=2):
+    A = runpy.run_path(str(EX / "attention.py"), run_name="examples_attention")
+    if "inside" not in _K:
+        _K["inside"] = af.compile(A["inside"])
+    g = torch.Generator().manual_seed(seed)
+    ins = {"q": torch.randn(1, 2, 7, 5, generator=g) * 2, "k": torch.randn(1, 2, 23, 5, generator=g) * 2,
+           "v": torch.randn(1, 2, 23, 3, generator=g)}
+    ins = {n: x.to(dtype) for n, x in ins.items()}
+    cot = torch.randn(1, 2, 7, 3, generator=g).to(dtype)
+    leaves = {n: x.clone().requires_grad_() for n, x in ins.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFallbackWarning)
+        o = _K["inside"](**leaves)
+        o = o if isinstance(o, torch.Tensor) else o["o"]
+        got = dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), cot)))
+
+    def ref(tp):
+        lv = {n: x.detach().to(tp).requires_grad_() for n, x in ins.items()}
+        r = torch.softmax(lv["q"] @ lv["k"].transpose(-1, -2) * A["SCALE"], -1) @ lv["v"]
+        return dict(zip(lv, torch.autograd.grad(r, list(lv.values()), cot.to(tp))))
+    return got, ref(torch.float64), (ref(dtype) if dtype != torch.float32 else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_normalize_inside_backward_is_kernels(dtype):
+    """attention.py's ``inside`` (sum_j(p * v / sum_j(p))): dQ is a combination of three sums over
+    keys and per-row values, computed after the loop (the sum kernel's finalize)."""
+    got, want, theirs = _inside_grads(dtype)
+    rtol, stol = TOL[dtype]
+    for t, w in want.items():
+        bound = rtol * w.abs() + stol * w.abs().max() + (0 if theirs is None else 2 * (theirs[t].double() - w).abs().max())
+        err = (got[t].double() - w).abs()
+        assert (err <= bound).all(), f"inside {dtype}: grad {t} off by {err.max().item():.3g}"
+
+
 def test_checker_fails_on_a_wrong_gradient(monkeypatch):
     """The check fails when the kernels' gradients are scaled by 1.001 (float32)."""
     from acefuse.autograd import BackwardKernel
