@@ -9,8 +9,11 @@ in memory and on disk, so a new shape with the same program reuses the
 kernel. The generated module itself chooses its schedule from the sizes (one tile,
 rolling loop, split), so whether the fused axis fits one tile needs no new kernel.
 
-Regions that acefuse cannot compile (a contraction, several reduced axes, float64)
-run in torch, with one warning line naming the region, its source line and why.
+A region whose reductions run over different axes (a norm over features, then a softmax over
+rows) is split at the first reduction over another axis, one region per axis (``_axis_split``).
+Regions that acefuse cannot compile (a contraction, one op reducing over several dims that
+another reduction depends on, float64) run in torch, with one warning line naming the region,
+its source line and why.
 
 Dtypes (inference): a region's kernel reads float16/bfloat16 inputs in their own type (widened
 on load, exactly) and writes each output in the type eager gives it; a computed value that
