@@ -195,6 +195,9 @@ def _lift(x) -> Expr:
         return Expr(Term("Num", (1.0 if x else 0.0,)), (), {})
     if isinstance(x, (int, float)):
         return Expr(Term("Num", (float(x),)), (), {})
+    if _stacked(x):   # af.topk's candidates: their parts print as pages
+        raise LanguageError(f"cannot use {x.describe()} where one expression is expected; use one "
+                            "candidate `vals[r]`, or `vals.sum()`, `.max()`, `.min()` over the candidates")
     raise LanguageError(f"cannot use {x!r} (a {type(x).__name__}) in an acefuse expression; "
                         "use af.tensor(...) for inputs and Python numbers for constants")
 
@@ -565,7 +568,9 @@ def take(t: Expr, idx, axis: str) -> Expr:
         raise LanguageError(f"take: {axis!r} is not an axis of tensor {t.term.args[0]!r} "
                             f"(axes {' '.join(t.axes)})")
     if axis in idx.axes:
-        raise LanguageError(f"take: the index must not range over the gathered axis {axis!r}")
+        raise LanguageError(f"take: the index `{idx}` ranges over {axis!r}, the axis it reads "
+                            f"{t.term.args[0]!r} along; index with an expression over other axes, or name "
+                            f"the index's axis differently (the result ranges over it)")
     axes = _union_axes(Expr(t.term, tuple(a for a in t.axes if a != axis), {}), idx)
     return Expr(Term("Take", (t.term.args[0], idx.term, axis)), axes, _merge_tensors(t, idx))
 

@@ -85,9 +85,10 @@ class Stacked:
     __array_priority__ = 1001
     _acefuse_elementwise_over_parts = True   # Expr's operators defer to ours (``s - vals``)
 
-    def __init__(self, parts, axis: str, source_axis: str | None = None):
+    def __init__(self, parts, axis: str, source_axis: str | None = None, origin: str | None = None):
         parts = [lang._lift(p) for p in parts]
         self.source_axis = source_axis   # the axis topk selected along (a row must hold k elements)
+        self.origin = origin             # the af.topk call it comes from, short (for error messages)
         if not parts:
             raise LanguageError("a stacked expression needs at least one part")
         if axis in parts[0].axes:
@@ -113,7 +114,7 @@ class Stacked:
 
     def map(self, fn) -> "Stacked":
         """``fn`` applied to every candidate."""
-        return Stacked([fn(p) for p in self.parts], self.axis, self.source_axis)
+        return Stacked([fn(p) for p in self.parts], self.axis, self.source_axis, self.origin)
 
     def _zip(self, other, fn, swap=False):
         if isinstance(other, Stacked):
@@ -124,7 +125,8 @@ class Stacked:
         else:
             pairs = ((p, other) for p in self.parts)
         src = self.source_axis or getattr(other, "source_axis", None)
-        return Stacked([fn(b, a) if swap else fn(a, b) for a, b in pairs], self.axis, src)
+        origin = self.origin or getattr(other, "origin", None)
+        return Stacked([fn(b, a) if swap else fn(a, b) for a, b in pairs], self.axis, src, origin)
 
     def __add__(self, o): return self._zip(o, lambda a, b: a + b)
     def __radd__(self, o): return self._zip(o, lambda a, b: a + b, True)
@@ -158,6 +160,11 @@ class Stacked:
     def __bool__(self):
         raise LanguageError("a stacked expression has no truth value; use af.where")
 
+    def describe(self) -> str:
+        """A short name for error messages (the parts of a top-k cascade print as pages)."""
+        return (f"a stacked expression ({len(self)} candidates over {self.axis!r}"
+                + (f", from {self.origin}" if self.origin else "") + ")")
+
     def __repr__(self):
         return f"Stacked({len(self)} over {self.axis!r}: {', '.join(str(p) for p in self.parts)})"
 
@@ -173,6 +180,11 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
         >>> vals.axes, idx.axes
         (('t', 'k'), ('t', 'k'))
     """
+    if isinstance(x, Stacked):
+        raise LanguageError(f"topk of {x.describe()}, k = {k}, axis {axis!r}: top-k of top-k candidates "
+                            "is not supported. Select once from the original operand (its candidates "
+                            "come largest first), or use one candidate `vals[r]` or `vals.max()`, "
+                            "`.min()`, `.sum()` over the candidates")
     x = lang._lift(x)
     lang._reduce("RMax", x, axis, "topk")   # checks the axis
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
@@ -219,7 +231,14 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
         CANDIDATES[id(v.term)] = (v.term, spec, t, "v")   # by identity (the term is kept alive)
         CANDIDATES[id(i.term)] = (i.term, spec, t, "i")
         POSITIONS[id(idxs[-1].term)] = (idxs[-1].term, spec, t)
-    return Stacked(vals, kaxis, axis), Stacked(idxs, kaxis, axis)
+    origin = f"topk(`{_short(x)}`, {k}, {axis!r})"
+    return Stacked(vals, kaxis, axis, origin), Stacked(idxs, kaxis, axis, origin)
+
+
+def _short(e, n: int = 60) -> str:
+    """An expression's text, cut to about n characters (for error messages)."""
+    text = str(e)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def gather(x, idx, axis: str):
@@ -232,8 +251,20 @@ def gather(x, idx, axis: str):
     moved whole by the proved merge): no extra pass."""
     if isinstance(idx, Stacked):
         return idx.map(lambda i: gather(x, i, axis))
+    if isinstance(x, Stacked):
+        raise LanguageError(f"gather from {x.describe()} along {axis!r} is not supported; gather from "
+                            "the expression the candidates were selected from")
     x = lang._lift(x)
     lang._reduce("RMax", x, axis, "gather")
+    idx = lang._lift(idx)
+    if axis in idx.axes:
+        raise LanguageError(
+            f"gather(`{_short(x)}`, `{_short(idx)}`, {axis!r}): the index ranges over {axis!r}, the axis it "
+            f"selects along, so there would be one position per element, not one per row. Give the index "
+            f"one position per row (an expression over the other axes, e.g. af.topk's or af.argmax's "
+            f"indices along {axis!r}); for one position per element (torch.gather with an index of x's "
+            f"shape), name the index's axis differently (af.tensor('idx', '... s')): the result ranges "
+            f"over that axis")
     out = lang.max(lang.where(lang.index(axis).eq(idx), x, -math.inf), axis)
     sel = POSITIONS.get(id(getattr(idx, "term", None)))
     if sel is not None and sel[1].axis == axis:

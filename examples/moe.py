@@ -75,7 +75,9 @@ def _grouped_programs(k, groups, topk_group, group_size, scale):
     xg = af.tensor("x", "t g f")
     bg = af.tensor("bias", "g f")
     top2, _ = af.topk(af.sigmoid(xg) + bg, 2, "f")
-    scores = af.program("ds_group_scores", gs=top2.sum())
+    # written in float32 whatever the logits' type: the group choice compares these sums, and a
+    # bfloat16 store would make distinct ones equal (1.99274 and 1.99485 both 1.9921875)
+    scores = af.program("ds_group_scores", gs=af.cast(top2.sum(), "float32"))
     # 2. the topk_group-th group in the order (value, then the lower group index)
     gs = af.tensor("gs", "t g")
     gv, gi = af.topk(gs, topk_group, "g")
@@ -97,12 +99,21 @@ def _grouped_programs(k, groups, topk_group, group_size, scale):
 def deepseek_grouped(k, groups, topk_group, n_experts, scale=1.0):
     """DeepSeek-V3 grouped routing as a callable ``route(x, bias) -> (weights, experts)``:
     three acefuse kernels (group scores, threshold group, masked top-k). Masked experts score
-    -inf (DeepSeek's reference code); ties go to the lower index, groups as experts."""
+    -inf (DeepSeek's reference code); ties go to the lower index, groups as experts.
+
+    Precision: DeepSeek-V3's reference gate (``MoEGate`` in modeling_deepseek.py) casts the
+    router's input and weight to float32, so its scores, biased scores and group scores are
+    float32 whatever the model's type. The kernels compute in float32 too, and the group
+    scores, which the group choice compares, are written in float32 for any input type (a
+    bfloat16 store would make distinct group scores equal and keep the wrong group); the
+    threshold and the per-expert group scores stay float32 up to the comparison. Only the
+    weights are written in the logits' type (float32 for float8 logits)."""
     if n_experts % groups:
         raise ValueError(f"deepseek_grouped: {n_experts} experts do not split into {groups} groups")
     gsz = n_experts // groups
     if topk_group * gsz < k:
         raise ValueError(f"deepseek_grouped: {topk_group} groups of {gsz} experts hold fewer than k = {k}")
+    import torch
     progs = _grouped_programs(k, groups, topk_group, gsz, scale)
     k1, k2, k3 = (af.compile(p) for p in progs)
 
@@ -113,7 +124,10 @@ def deepseek_grouped(k, groups, topk_group, n_experts, scale=1.0):
         # the row family gathers only along its fused axis: torch repeats each group's score
         # over its experts ([t, e], one elementwise copy), the kernel compares it per expert
         gs_e = gs.repeat_interleave(gsz, dim=1)
-        out = k3(x=x, bias=bias, gs_e=gs_e, tv=th["tv"], ti=th["ti"].to(gs.dtype), **kw)
+        # the weights in the logits' type (kernel 3's first input is the float32 gs_e)
+        wdt = x.dtype if x.dtype.itemsize > 1 else torch.float32
+        out = k3(x=x, bias=bias, gs_e=gs_e, tv=th["tv"], ti=th["ti"].to(gs.dtype),
+                 out_dtypes={"weights": wdt}, **kw)
         return out["weights"], out["experts"]
     route.kernels = (k1, k2, k3)
     return route
