@@ -88,6 +88,11 @@ class SumGen:
             if s.op != "sum" or src.op != "Sum":
                 raise CodegenError(f"program {self.name!r}: state {s.name} is not a plain sum over {self.F!r}")
             self.states[s.name] = src
+        # scatter outputs (codegen/sums_scatter.py): a lookup table's gradient, added per tile
+        from acefuse.codegen.sums_scatter import find_scatters
+        self.scatters = find_scatters(self.name, self.F, self.states, enc)
+        for sc in self.scatters.values():
+            del self.states[sc.state]
         # two loop axes (class docstring): every state a double sum over F and one other axis
         two = two_loop_axes(self.states, self.F, enc.tensors.values(), enc.output_axes.values())
         self.F2 = None
@@ -107,6 +112,8 @@ class SumGen:
         self._final = None   # while emitting them: the lines they are computed in
         self._oscale = {}   # output -> the constant factor it multiplies its state by (``s_J * 0.25``)
         for o, t in enc.outputs.items():
+            if o in self.scatters:
+                continue
             so = _state_output(t)
             if so and so[0] in self.states:
                 self.outs[o] = so[0]
@@ -124,19 +131,26 @@ class SumGen:
         # lookups (af.take: ``doc[n=index(i)]``, ``rel[r=index(j) - index(i) + ...]``): the gathered
         # axis of a tensor read only through lookups is no axis of the kernel (its length is passed
         # for the range check); the lookups' index tensors are integers (INDEX_TENSORS)
-        bodies = list(self.states.values()) + [t for o, t in enc.outputs.items() if o not in self.outs]
+        bodies = (list(self.states.values()) + [t for o, t in enc.outputs.items() if o not in self.outs
+                                                 and o not in self.scatters]
+                  + [u for sc in self.scatters.values() for u in (sc.index, sc.body)])
+        cls_axes = {o: ax for o, ax in self.out_axes.items() if o not in self.scatters}   # (a scatter's
+        # output is over grid axes and its table axis: it takes no part in choosing the rows)
         takes = [u for b in bodies for u in b.walk() if u.op == "Take"]
         direct = {u.args[0] for b in bodies for u in b.walk() if u.op == "In"}
         self.Lk = [a for a in fusion.program.axes if a in {u.args[2] for u in takes}
-                   and not any(a in self.tensors[n] for n in direct) and not any(a in ax for ax in self.out_axes.values())]
-        self.index_tensors = sorted({u.args[0] for t in takes for u in t.args[1].walk() if u.op in ("In", "Take")})
+                   and not any(a in self.tensors[n] for n in direct) and not any(a in ax for ax in cls_axes.values())]
+        self.Lk += [sc.axis for sc in self.scatters.values() if sc.axis not in self.Lk]
+        self.index_tensors = sorted({u.args[0] for t in takes for u in t.args[1].walk() if u.op in ("In", "Take")}
+                                    | {u.args[0] for sc in self.scatters.values() for u in sc.index.walk()
+                                       if u.op == "In"})
         ft = [ax for ax in self.tensors.values() if F in ax]
         if not ft:
             raise CodegenError(f"program {self.name!r}: no tensor ranges over the loop axis {F!r}")
         common = set(ft[0]).intersection(*[set(a) for a in ft[1:]]) - {F}
         order = fusion.program.axes
-        out_ax = [a for ax in self.out_axes.values() for a in ax if a != F]
-        allax = {a for ax in list(self.tensors.values()) + list(self.out_axes.values()) for a in ax} - set(self.Lk)
+        out_ax = [a for ax in cls_axes.values() for a in ax if a != F]
+        allax = {a for ax in list(self.tensors.values()) + list(cls_axes.values()) for a in ax} - set(self.Lk)
         self.R = [a for a in order if a in out_ax and not any(a in ax for ax in ft)]
         self.G = [a for a in order if a in common and a not in self.R]
         self.V = [a for a in order if a in allax and a != F and a not in self.R and a not in self.G]
@@ -148,7 +162,10 @@ class SumGen:
         if not self.R:
             raise CodegenError(f"program {self.name!r}: no row axis (every output axis is carried by a "
                                f"tensor over {F!r})")
-        for o, ax in self.out_axes.items():
+        if self.scatters:
+            from acefuse.codegen.sums_scatter import check_scatters
+            check_scatters(self)
+        for o, ax in cls_axes.items():
             if any(a not in ax for a in self.G):   # programs of the grid would write the same elements
                 raise CodegenError(f"program {self.name!r}: output {o!r} (axes {' '.join(ax)}) does not range "
                                    f"over the grid axes {self.G} (a sum over them needs a second stage)")
@@ -758,7 +775,8 @@ class SumGen:
         # the loop's range: mask analysis
         conds = self.mask_conds()
         skip = bool(conds) and all(self._zero_if_false(b, conds)
-                                   for b in list(self.states.values()) + list(self.tiles.values()))
+                                   for b in list(self.states.values()) + list(self.tiles.values())
+                                   + [sc.body for sc in self.scatters.values()])
         for o, (b, _) in self.riders.items():   # a skipped tile must add 0 to the riders' sums too
             if skip and not self._zero_if_false(b, conds):
                 raise CodegenError(f"program {self.name!r}: rider {o!r} = sum(`{pretty(b)}`) is not 0 on the "
@@ -1000,6 +1018,9 @@ class SumGen:
             body.extend("        " + x for x in self.lines)
             body.append(f"        tl.store({o}_ptr + off_{o}_g + off_{o}_r[:, None] + cols[None, :] * s_{o}_{F}, "
                         f"_out({e}, {o}_ptr), mask={'rmask[:, None]' if full else 'tmask'})")
+        if self.scatters:
+            from acefuse.codegen.sums_scatter import scatter_lines
+            body.extend(scatter_lines(self, full))
         if self.riders:
             from acefuse.codegen.riders import sum_rider_lines
             body.extend(sum_rider_lines(self, full))

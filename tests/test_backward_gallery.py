@@ -97,6 +97,14 @@ def test_contractions_without_softmax_backward_is_kernels(name, dtype):
     check(name, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_lookup_table_gradient_is_a_scatter(dtype):
+    """T5's buckets: the table's gradient sum_j(sum_i(where(index(u) == bucket, sum_b(dS), 0))) is
+    added per (query, key) element into the entry it read (a scatter in dQ's pass), not summed
+    once per entry; the table's gradient is checked with the others."""
+    check("t5_buckets", dtype)
+
+
 def _inside_grads(dtype, seed=2):
     A = runpy.run_path(str(EX / "attention.py"), run_name="examples_attention")
     if "inside" not in _K:
