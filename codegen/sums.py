@@ -660,11 +660,14 @@ class SumGen:
         return conds
 
     def _index_only(self, c: Term) -> bool:
-        ok = ("Idx", "Num", "Size", "Add", "Sub", "Neg", "Mul", "Abs", "CmpLt", "CmpLe", "CmpGt", "CmpGe",
-              "LAnd", "LOr", "LNot")
+        ok = ("Idx", "Num", "Size", "Add", "Sub", "Neg", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod", "CmpLt",
+              "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
+        # // and % by a power of two only: their interval bounds divide in float32 with Triton's `/`,
+        # exact for a power of two (a GPU's approximate division could floor k * c / c to k - 1)
         return (any(s.op == "Idx" for s in c.walk()) and all(s.op in ok for s in c.walk())
                 and all(s.args[0] in [self.F] + self.R + self.G for s in c.walk() if s.op == "Idx")
-                and not any(s.op == "Mul" and not any(x.op == "Num" for x in s.args) for s in c.walk()))
+                and not any(s.op == "Mul" and not any(x.op == "Num" for x in s.args) for s in c.walk())
+                and all(_pow2(s.args[1]) for s in c.walk() if s.op in ("FloorDiv", "Mod")))
 
     def _zero_if_false(self, t: Term, conds) -> bool:
         """``t`` is 0 wherever every condition in ``conds`` is false. Inputs are taken to be
@@ -711,11 +714,22 @@ class SumGen:
         if op == "Size":
             v = "nf_f" if t.args[0] == self.F else f"(len_{t.args[0]} * 1.0)"
             return v, v
-        if op in ("Neg", "Add", "Sub", "Mul", "Abs", "FloorDiv"):
+        if op in ("Neg", "Add", "Sub", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod"):
             return ContractionGen.interval(self, t, L)
         raise CodegenError(f"program {self.name!r}: no interval arithmetic for {op!r} in a mask condition")
 
-    truth = ContractionGen.truth
+    def truth(self, c: Term, L: list):
+        """(always_true, always_false) of a mask condition over each tile box (ContractionGen's);
+        ``==`` and ``!=`` here, with every bound made a block over the tiles (a row bound is a
+        0-d value in this kernel, and Triton's interpreter cannot ``&`` it with a block)."""
+        from acefuse.codegen.masks import _atom_ok
+        if c.op in ("CmpEq", "CmpNe") and _atom_ok(self, c):
+            z = "start * 0.0"
+            (al, ah), (bl, bh) = (self.interval(x, L) for x in c.args)
+            eq = f"(({al} + {z} == {ah} + {z}) & ({bl} + {z} == {bh} + {z}) & ({al} + {z} == {bl} + {z}))"
+            ne = f"(({ah} + {z} < {bl}) | ({al} + {z} > {bh}))"
+            return (eq, ne) if c.op == "CmpEq" else (ne, eq)
+        return ContractionGen.truth(self, c, L)
 
     # -- kernel text -----------------------------------------------------------------------------
     def sig(self):
@@ -1121,3 +1135,9 @@ def _or(a, b):
 
 def _int_literal(t: Term):
     return int(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
+
+
+def _pow2(t: Term) -> bool:
+    """A positive integer constant that is a power of two."""
+    v = _int_literal(t)
+    return v is not None and v > 0 and float(t.args[0]) == v and v & (v - 1) == 0
