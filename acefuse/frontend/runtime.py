@@ -93,6 +93,7 @@ class CompiledRegion(torch.nn.Module):
         self._grad_kw = {}            # and its out_dtypes (eager's output types: grad_plan)
         self._outs = {}               # "kernel"/"grad" -> the output adapters (_torch_outputs)
         self._sources = imp.sources
+        self.timing = None            # acefuse.frontend.timed's choice, when the region was timed
 
     def _inputs(self, values):
         if self._fd is None:
@@ -349,11 +350,13 @@ def reduction_kind(n) -> str | None:
     return "norm" if k == "reduce" else None
 
 
-def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
+def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None, timed=False):
     """Partition ``gm`` for these concrete arguments and compile each region. The result
     carries ``af_regions`` (the compiled regions) and ``af_report`` (report entries).
     ``take``: the region kinds acefuse takes (``KINDS``; None: all); the others stay torch ops
-    (with Inductor: Inductor's), reported as left for that reason."""
+    (with Inductor: Inductor's), reported as left for that reason. ``timed``: a region that is one
+    call of a torch library op (SDPA) is kept only where acefuse's kernel is measured faster on
+    this GPU (acefuse.frontend.timed; nothing is timed on the CPU)."""
     stats["specializations"] += 1
     gm = _copy_gm(gm)
     gm._af_name = name
@@ -432,7 +435,13 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
                     _warn(nodes, e, warned)
                 continue
             imp, k, dk = res
-            compiled.append((f"af_region{i}", CompiledRegion(imp, k, _torch_region(gm, imp), dk), imp))
+            region = CompiledRegion(imp, k, _torch_region(gm, imp), dk)
+            why = _timed_out(region, imp, timed)
+            if why:
+                for n in imp.nodes:
+                    reasons[n] = why
+                continue
+            compiled.append((f"af_region{i}", region, imp))
         if not failed_contraction:
             break
     new = rebuild(gm, compiled)
@@ -440,6 +449,21 @@ def specialize(gm: torch.fx.GraphModule, args, name="fn", take=None):
     in_region = {n: m for _, m, imp in compiled for n in imp.nodes}
     new.af_report = graph_entries(gm, in_region, reasons, name)
     return new
+
+
+def _timed_out(region, imp, timed) -> str | None:
+    """Why ``region`` is left to torch by timing (torch's library op measured faster), or None:
+    it is kept (not timed: ``timed`` off, not one library call, not on a CUDA device; or acefuse's
+    kernel measured faster, recorded as ``region.timing``)."""
+    from acefuse.frontend import timed as timing
+    if not timing.enabled(timed):
+        return None
+    values = {s: s.meta.get("af_val") for s in imp.sources}
+    choice = timing.decide(region, imp.nodes, values, _needs_grad(values.values()))
+    if choice is None:
+        return None
+    region.timing = choice
+    return timing.reason(choice) if choice["winner"] == "torch" else None
 
 
 def _axis_split(nodes, outs):
@@ -604,9 +628,11 @@ class CompiledFunction:
     Call it like the original; ``.graphs`` maps each shape signature seen to its
     partitioned GraphModule (``print(f.graph_for(*args).code)`` shows the regions)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None, inner="eager", take=None):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, signature=None, fn=None, inner="eager", take=None,
+                 timed=False):
         self.gm, self.name, self.signature = gm, name, signature
         self.take = take          # the region kinds taken (None: all)
+        self.timed = timed        # keep a library-op region only where acefuse is measured faster (GPU)
         self.fn = fn              # captured by Dynamo per call signature (af.compile)
         self.inner = inner        # "eager": torch runs the rest of the graph; "inductor": Inductor compiles it
         self.graphs: dict = {}
@@ -616,7 +642,7 @@ class CompiledFunction:
         g = self.graphs.get(sig)
         if g is None:
             gm = self.gm if self.fn is None else _capture(self.fn, args)
-            g = specialize(gm, args, self.name, self.take)
+            g = specialize(gm, args, self.name, self.take, self.timed)
             if self.inner == "inductor":
                 g = _InductorGraph(g, args, self.name)
             self.graphs[sig] = g
@@ -747,11 +773,16 @@ class Backend:
     CUDA device, eager on the CPU, where acefuse's kernels run in Triton's interpreter and
     Inductor's C++ compilation would only add compile time). ``take``: the region kinds acefuse
     takes, from ``KINDS`` (``"attention"``, ``"loss"``, ``"softmax"``, ``"norm"``; None, the
-    default: all); the others stay with torch (Inductor), reported as left. Specialised per shape signature.
+    default: all); the others stay with torch (Inductor), reported as left. ``timed`` (default True;
+    ``ACEFUSE_TIMED_REGIONS=0`` turns it off): on a CUDA device, a region whose torch code is one
+    call of a fused library op (``F.scaled_dot_product_attention``) is timed on first use per shape
+    class against that call, and left to torch where torch is faster (reported as left with both
+    times; the choice is kept on disk by acefuse.codegen.tuning: acefuse.frontend.timed); False
+    always takes acefuse's kernel. Nothing is timed on the CPU. Specialised per shape signature.
     ``report()`` lists what it took and what it left to torch, over every graph it was
     handed (``af.backend`` is a default instance shared by all its users)."""
 
-    def __init__(self, inner: str = "auto", take=None):
+    def __init__(self, inner: str = "auto", take=None, timed: bool = True):
         if inner not in INNERS:
             raise ValueError(f"af.Backend(inner={inner!r}): inner is one of {', '.join(map(repr, INNERS))} "
                              "(what compiles the part of the graph acefuse does not take)")
@@ -763,6 +794,7 @@ class Backend:
                                  f"{', '.join(KINDS)}")
         self.inner = inner
         self.take = take
+        self.timed = bool(timed)
         self.functions: list = []
 
     def inner_for(self, example_inputs) -> str:
@@ -773,7 +805,7 @@ class Backend:
         return "inductor" if cuda else "eager"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        cf = CompiledFunction(gm, "dynamo", inner=self.inner_for(example_inputs), take=self.take)
+        cf = CompiledFunction(gm, "dynamo", inner=self.inner_for(example_inputs), take=self.take, timed=self.timed)
         self.functions.append(cf)
         return cf
 
@@ -785,7 +817,7 @@ class Backend:
         self.functions.clear()
 
     def __repr__(self):
-        return f"<acefuse Backend (inner={self.inner!r}): {len(self.functions)} graph(s)>"
+        return f"<acefuse Backend (inner={self.inner!r}, timed={self.timed}): {len(self.functions)} graph(s)>"
 
 
 backend = Backend()
