@@ -94,8 +94,35 @@ def _pols(t: Term, pol):
     return [None] * len(t.children)
 
 
-def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
-    """Evaluate every output of ``prog`` in float64; returns {output: ndarray in output axis order}."""
+ROUNDING_OPS = ("Cast", "Round", "Floor", "Ceil")   # discontinuous: an ulp of their argument can move them a unit
+
+
+def has_rounding(prog) -> bool:
+    """Whether an output of ``prog`` reads a rounding operator (``ROUNDING_OPS``)."""
+    seen: set = set()
+    todo = [getattr(e, "term", e) for e in prog.outputs.values()]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.op in ROUNDING_OPS:
+            return True
+        todo.extend(t.children)
+    return False
+
+
+def evaluate(prog, inputs: dict, masked_conventions: bool = True, round_args_to=None) -> dict:
+    """Evaluate every output of ``prog`` in float64; returns {output: ndarray in output axis order}.
+
+    ``round_args_to="float32"``: the argument of every rounding operator (``ROUNDING_OPS``: a cast,
+    round, floor, ceil) is first rounded to float32, the precision a kernel computes it in. These
+    operators are discontinuous: ``cast(x / s, "float8_e4m3fn")`` with x/s = 168.0000036 exactly is
+    176, but the float32 quotient is 168.0, a tie that rounds to 160 (as torch's ``.to()`` of the
+    float32 quotient does), and one unit of float8 moves a sum that reads it far. The exact float64
+    evaluation (the default) is the program's real-number semantics; this one is the documented
+    semantics of a kernel (a cast converts the float32 value it computed) up to float32 rounding
+    of the argument's other operations."""
     sizes: dict = {}
     arrays = {}
     for name, axes in prog.tensors.items():
@@ -196,6 +223,9 @@ def evaluate(prog, inputs: dict, masked_conventions: bool = True) -> dict:
                 r = np.tanh(arrs[0])
             elif op == "Pow":
                 r = np.power(arrs[0], float(t.args[1]))
+            elif op in ROUNDING_OPS and round_args_to == "float32":
+                a32 = arrs[0].astype(np.float32).astype(np.float64)
+                r = _cast(a32, t.args[1]) if op == "Cast" else _FUNCS[op](a32)
             elif op in _FUNCS:
                 r = _FUNCS[op](arrs[0])
             elif op == "Cast":
