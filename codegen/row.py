@@ -766,6 +766,8 @@ class RowGen:
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
             "",
+            "RIDER_PROGRAMS_PER_SM = 2   # programs of the persistent riders schedule, per SM",
+            "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "",
         ]
         if self.stacks:   # af.topk's outputs, each one tensor (codegen/stacked.py)
@@ -941,7 +943,8 @@ class RowGen:
             "        if riders and RIDERS:",
             "            # persistent: a few programs per SM, each folding its rows' sums in registers",
             "            schedule = 'riders'",
-            "            p.grid = (min(triton.cdiv(n_rows, br), programs // 2 if on_gpu else 4),)",
+            "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
+            "            p.grid = (min(triton.cdiv(n_rows, br), max(1, int(sms * RIDER_PROGRAMS_PER_SM))),)",
             "        else:",
             "            p.grid = (triton.cdiv(n_rows, br),)",
             "    elif schedule == 'loop':",
@@ -961,6 +964,8 @@ class RowGen:
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop' or 'split'\")",
             "    p.schedule = schedule",
+            "    if NUM_STAGES is not None and on_gpu:",
+            "        p.kw['num_stages'] = NUM_STAGES",
             "    return p",
             "",
             "",
