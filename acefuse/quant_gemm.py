@@ -74,6 +74,11 @@ from acefuse.lang import LanguageError, Expr, Program
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.gemm import free_of, replace, kreductions, generate, J
 from acefuse.codegen.contraction_launch import TIMING_SRC
+from acefuse.codegen.input_types import FLOAT_OK, FLOAT8_TYPES, INT_TYPES, _type_error
+
+# the input types the GEMM's kernels read (codegen/row.py _widen: float8 decoded exactly,
+# integers converted to float32, exact below 2**24); float64 would be narrowed: refused
+_INPUT_OK = FLOAT_OK + FLOAT8_TYPES + INT_TYPES
 
 FP8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 _TORCH_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -459,6 +464,11 @@ class GemmKernel:
             if name not in inputs:
                 raise GemmError(f"program {s.name!r}: input {name!r} missing (inputs: {sorted(s.tensors)})")
             t = inputs[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input {name!r} of program {s.name!r} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if t.dtype not in _INPUT_OK:
+                raise _type_error(s.name, name, t.dtype, _INPUT_OK)
             if t.dim() != len(axes):
                 raise GemmError(f"program {s.name!r}: input {name!r} has {t.dim()} dims, declared "
                                 f"{' '.join(axes)}")

@@ -6,17 +6,14 @@ from __future__ import annotations
 from acefuse.codegen.row import PREPARE
 
 
-_FLOAT_CHECK = "elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16):"
 _FLOATS = "floats = [inputs[t] for t in TENSORS if t not in INDEX_TENSORS]"
 
 
 def _prepare_src(name):
-    """The shared input check (row.PREPARE), also accepting integer tensors named in INT_OK;
-    the output type comes from the floating inputs."""
+    """The shared input check (row.PREPARE: integer tensors named in INT_OK are accepted
+    there, its _accepted); the output type comes from the floating inputs."""
     src = PREPARE.format(name=name)
-    assert _FLOAT_CHECK in src and _FLOATS in src, "row.PREPARE changed: update contraction._prepare_src"
-    src = src.replace(_FLOAT_CHECK, "elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16) + "
-                      "((torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool) if t in INT_OK else ()):")
+    assert "INT_OK" in src and _FLOATS in src, "row.PREPARE changed: update contraction._prepare_src"
     return src.replace(_FLOATS, "floats = [inputs[t] for t in TENSORS if inputs[t].dtype.is_floating_point]")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from acefuse.rewrite.terms import Term, pretty, A, B, reblock
 from acefuse.codegen.emit import Emitter, CodegenError
+from acefuse.codegen.input_types import SRC as _INPUT_TYPES_SRC
 
 AB = Term("BU", (A, B))
 J = Term("BJ")
@@ -1009,7 +1010,19 @@ class RowGen:
         return "\n".join(lines)
 
 
-PREPARE = '''def _prepare(args, inputs, allow_empty=False):
+# the generated launchers' input check (the contraction and sum-kernel families' too:
+# codegen/contraction_launch.py); its type error lists what the module's kernels read
+PREPARE = _INPUT_TYPES_SRC.replace("{", "{{").replace("}", "}}") + '''
+
+def _accepted(t):
+    """The dtypes input ``t`` (not an index tensor) may have: the float types, the float8
+    types where the family decodes them (FLOAT8_OK) and integer types for the inputs that
+    it reads as integers (INT_OK); the input check's error lists them."""
+    g = globals()
+    return FLOAT_OK + tuple(g.get("FLOAT8_OK", ())) + (INT_TYPES if t in g.get("INT_OK", ()) else ())
+
+
+def _prepare(args, inputs, allow_empty=False):
     """Check the inputs against the program's declared axes and dtypes; return
     (inputs by name, axis sizes, the first float input, device)."""
     inputs = dict(inputs)
@@ -1043,11 +1056,8 @@ PREPARE = '''def _prepare(args, inputs, allow_empty=False):
             if a.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"input {{t!r}} of program {name!r} is used as an index and must be "
                                 f"int32/int64, got {{a.dtype}}")
-        elif a.dtype in globals().get("FLOAT8_OK", ()):
-            pass   # a float8 input of a row-family kernel (decoded exactly in the kernel)
-        elif a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"input {{t!r}} of program {name!r} must be float32, float16 or bfloat16, "
-                            f"got {{a.dtype}}")
+        elif a.dtype not in _accepted(t):
+            raise _type_error({name!r}, t, a.dtype, _accepted(t))
     floats = [inputs[t] for t in TENSORS if t not in INDEX_TENSORS]
     ref = floats[0] if floats else next(iter(inputs.values()))
     dev = ref.device

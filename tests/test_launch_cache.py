@@ -152,7 +152,7 @@ def test_bad_input_raises_the_same_errors_after_a_cached_call(softmax_kernel):
     mod._PLANS.clear()
     fresh = _errors(mod, good)                   # no plan cached
     assert not mod._PLANS
-    assert "must be float32, float16 or bfloat16, got torch.float64" in fresh[0][1]
+    assert "is torch.float64, which its kernel does not read; it accepts float32" in fresh[0][1]
     assert "has 1 dimensions but is declared with axes 'r j'" in fresh[1][1]
     assert "needs inputs ['x']" in fresh[2][1] and "has no input(s) ['z']" in fresh[3][1]
     assert "must be a torch.Tensor" in fresh[4][1] and "an empty axis" in fresh[5][1]

@@ -152,16 +152,63 @@ def test_topk_of_topk_candidates_is_a_short_error():
     assert len(msg) < 300 and "2 candidates over 'k'" in msg and ".sum()" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="the message is written by codegen/row.py PREPARE (the launcher's "
-                                       "input check), which this change does not own: it lists float32, "
-                                       "float16 and bfloat16 and leaves out the float8 types it accepts")
+def _type_message(call):
+    with pytest.raises(TypeError) as err:
+        call()
+    return str(err.value)
+
+
 def test_input_type_error_lists_the_float8_types_it_accepts():
     x = af.tensor("x", "t e")
     k = af.compile(af.program("float8_sum", s=af.sum(x, "e")))
     X = torch.randn(3, 9)
-    got = k(x=X.to(torch.float8_e4m3fn))                     # accepted, decoded exactly
-    np.testing.assert_allclose(got.double().numpy(), X.to(torch.float8_e4m3fn).double().sum(1).numpy(),
-                               rtol=3e-6)
-    with pytest.raises(TypeError) as err:
-        k(x=X.double())
-    assert "float8_e4m3fn" in str(err.value) and "float8_e5m2" in str(err.value), str(err.value)
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):     # accepted, decoded exactly
+        got = k(x=X.to(f8))
+        np.testing.assert_allclose(got.double().numpy(), X.to(f8).double().sum(1).numpy(), rtol=3e-6)
+    for bad in (torch.float64, torch.int32):
+        msg = _type_message(lambda: k(x=X.to(bad)))
+        assert ("input 'x' of program 'float8_sum' is " + str(bad)) in msg, msg
+        assert "accepts float32, float16, bfloat16, float8_e4m3fn or float8_e5m2" in msg, msg
+        assert "x.to(torch.float32)" in msg, msg
+
+
+def test_input_type_error_of_the_contraction_and_sum_kernel_families():
+    """Each family's launcher lists what its kernels read: no float8 (they do not decode it)."""
+    q, k, v = af.tensor("q", "b i d"), af.tensor("k", "b j d"), af.tensor("v", "b j e")
+    s = af.sum(q * k, "d")
+    p = af.exp(s - af.max(s, "j"))
+    att = af.compile(af.program("attn_types", o=af.sum(p * v, "j") / af.sum(p, "j")))
+    go, m = af.tensor("go", "b i e"), af.tensor("m", "b i")
+    dq = af.compile(af.program("dq_types", g=af.sum(af.exp(s - m) * af.sum(go * v, "e") * k, "j")), axis="j")
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2 ** 31))
+    Q, K, V = torch.randn(2, 5, 4, generator=g), torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 3, generator=g)
+    GO, M = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, generator=g).abs() + 4.0
+    S = torch.einsum("bid,bjd->bij", Q.double(), K.double())
+    P = torch.softmax(S, -1)
+    np.testing.assert_allclose(att(q=Q, k=K, v=V).double().numpy(), (P @ V.double()).numpy(), rtol=1e-5, atol=1e-6)
+    want = torch.einsum("bij,bjd->bid", torch.exp(S - M.double()[..., None]) * (GO.double() @ V.double().transpose(1, 2)), K.double())
+    np.testing.assert_allclose(dq(q=Q, k=K, v=V, go=GO, m=M).double().numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    for name, call in (("attn_types", lambda d: att(q=Q, k=K.to(d), v=V)),
+                       ("dq_types", lambda d: dq(q=Q, k=K.to(d), v=V, go=GO, m=M))):
+        for bad in (torch.float64, torch.float8_e4m3fn):
+            msg = _type_message(lambda: call(bad))
+            assert f"input 'k' of program '{name}' is {bad}" in msg, msg
+            assert "accepts float32, float16 or bfloat16:" in msg and "k.to(torch.float32)" in msg, msg
+
+
+def test_gemm_refuses_an_input_type_its_kernels_do_not_read():
+    """af.gemm checked no input type: a float64 activation ran and gave a float64 output."""
+    x, wq, ws = af.tensor("x", "t h"), af.tensor("wq", "n h"), af.tensor("ws", "n")
+    scale = af.cast(af.max(af.abs(x), "h") / 448.0, "float32")
+    gk = af.gemm(af.program("gemm_types", out=af.sum(af.cast(x / scale, "float8_e4m3fn") * wq, "h") * scale * ws))
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2 ** 31))
+    w = torch.randn(5, 16, generator=g)
+    inp = dict(x=torch.randn(3, 16, generator=g), wq=w.to(torch.float8_e4m3fn), ws=torch.rand(5, generator=g) + 0.5)
+    for bad in ("x", "ws"):
+        for form in ("prologue", "scaled_mm"):
+            msg = _type_message(lambda: gk(form=form, **dict(inp, **{bad: inp[bad].double()})))
+            assert f"input {bad!r} of program 'gemm_types' is torch.float64" in msg, msg
+            assert ("accepts float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32, int64, int8, "
+                    "uint8 or bool:") in msg and f"{bad}.to(torch.float32)" in msg, msg
+    with pytest.raises(TypeError, match="input 'ws' of program 'gemm_types' must be a torch.Tensor"):
+        gk(**dict(inp, ws=[1.0] * 5))

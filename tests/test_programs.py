@@ -105,7 +105,7 @@ def test_bad_inputs_give_clear_errors():
         k()
     with pytest.raises(ValueError, match="declared with axes 'r j'"):
         k(x=torch.randn(3))
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="accepts float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"):
         k(x=torch.randn(3, 4).double())
     with pytest.raises(TypeError, match="no input"):
         k(x=torch.randn(3, 4), z=torch.randn(3))
