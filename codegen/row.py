@@ -751,6 +751,8 @@ class RowGen:
         return "\n\n\n".join(parts) + "\n"
 
     def launcher(self, split: bool) -> str:
+        from acefuse.codegen import row_tuning
+        from acefuse.codegen.contraction_launch import TIMING_SRC, _REMEMBERED_SRC
         names = [s.name for s in self.f.passes[0].states] if self.f.passes else []
         tensors = list(self.tensors)
         lines = [
@@ -766,7 +768,6 @@ class RowGen:
             f"STORE_DTYPES = {self.launch_store_dtypes()!r}   # outputs kept in the type they are cast to",
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
-            "",
             "RIDER_PROGRAMS_PER_SM = 2   # programs of the persistent riders schedule, per SM",
             "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "NUM_WARPS = None   # warps per program when the call gives none (None: by the tile's size)",
@@ -838,6 +839,9 @@ class RowGen:
             "    return _TUNED[key]",
             "",
             "",
+            *row_tuning.lines(TIMING_SRC, _REMEMBERED_SRC),
+            "",
+            "",
             "_PLANS = {}   # launch plans by call signature (run, _signature); bounded by MAX_PLANS",
             "MAX_PLANS = 512",
             "",
@@ -891,7 +895,8 @@ class RowGen:
             "    return _launch(plan, inputs)",
             "",
             "",
-            "def _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders):",
+            "def _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders,",
+            "          per_sm=None):",
             "    \"\"\"The launch of checked inputs (_prepare's): everything that depends only on their",
             "    shapes, strides, dtypes and device, and on the launch options.\"\"\"",
             "    p = _Plan()",
@@ -932,7 +937,16 @@ class RowGen:
             "        block_j = block_j or 64",
             "        if schedule is None:",
             "            schedule = 'split' if SPLIT and triton.cdiv(n_rows, block_r) < programs else 'loop'",
-            "    if schedule is None and on_gpu and 16384 < n_j <= MAX_SINGLE and not _TUNING:",
+            "    # a large problem's launch with no option given: timed on the first call (codegen/row_tuning.py)",
+            "    timed = (dev.type in TIMED_DEVICES and not _TUNING and not STACKED and n_rows * n_j >= TUNE_MIN",
+            "             and (schedule, block_j, block_r, nsplit, num_warps, per_sm) == (None,) * 6",
+            "             and not _fused_strided(inputs))",
+            "    if timed:",
+            "        c = _timed_launch(inputs, sizes, ref, dev, n_rows, n_j, out_dtypes, riders, programs)",
+            "        if c:",
+            "            return _plan(inputs, sizes, ref, dev, c.get('schedule'), c.get('block_j'), c.get('block_r'), None,",
+            "                         c.get('num_warps'), out_dtypes, riders, c.get('per_sm'))",
+            "    if schedule is None and on_gpu and 16384 < n_j <= MAX_SINGLE and not _TUNING and not timed:",
             "        schedule = _tuned(n_rows, n_j, ref.dtype, inputs, block_j, block_r, nsplit, num_warps)",
             "    schedule = schedule or choose_schedule(n_rows, n_j, programs)",
             "    if schedule == 'split' and not SPLIT:",
@@ -949,7 +963,7 @@ class RowGen:
             "            # persistent: a few programs per SM, each folding its rows' sums in registers",
             "            schedule = 'riders'",
             "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
-            "            p.grid = (min(triton.cdiv(n_rows, br), max(1, int(sms * RIDER_PROGRAMS_PER_SM))),)",
+            "            p.grid = (min(triton.cdiv(n_rows, br), max(1, int(sms * (per_sm or RIDER_PROGRAMS_PER_SM)))),)",
             "        else:",
             "            p.grid = (triton.cdiv(n_rows, br),)",
             "    elif schedule == 'loop':",
@@ -968,9 +982,9 @@ class RowGen:
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8), **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop' or 'split'\")",
-            "    p.schedule = schedule",
             "    if NUM_STAGES is not None and on_gpu:",
             "        p.kw['num_stages'] = NUM_STAGES",
+            "    p.schedule = schedule",
             "    return p",
             "",
             "",

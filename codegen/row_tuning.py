@@ -1,0 +1,88 @@
+"""The row family's timed launch choice: the generated host code that, on a GPU, times a few
+launch configurations of a large problem's kernel (warps per program, rows per tile, the
+tile length of the loop schedule, programs per SM of the persistent riders schedule) on the
+first call per shape class and keeps the fastest (codegen/row.py's ``_plan`` asks
+``_timed_launch``; explicit launch options skip it).
+
+Why timed, not a formula: on an H200 (benchmarks/row_launch_diag.py, BENCHMARKS.md
+session 10) softmax's single-tile backward at 16384x8192 bf16 moved its 3 passes at
+4.0 TB/s with the size heuristics' 8 warps, while the riders schedule of RMSNorm's and
+layernorm's backward (same tile, two or three column sums kept in registers besides) moved
+theirs at 2.1 and 1.6 TB/s: what is fastest depends on what a kernel keeps in registers,
+which only the compiled kernel shows. The candidates are few (each warp count
+is one compilation) and the heuristics' own launch is always the first: it is the
+reference, and it must run (``required``).
+"""
+from __future__ import annotations
+
+
+def lines(timing_src, remembered_src) -> list:
+    """Source lines of the generated module's ``_launch_cands`` and ``_timed_launch`` (plus
+    the shared timing helpers ``timing_src`` and ``remembered_src``, contraction_launch's)."""
+    return [
+        *timing_src,
+        "",
+        "",
+        *remembered_src,
+        "",
+        "",
+        "TUNE_MIN = 1 << 24   # rows x fused axis below which the size heuristics run untimed (launch-bound)",
+        "TIMED_DEVICES = ('cuda',)   # where launches are timed (tests add 'cpu')",
+        "_CHOSEN = {}   # shape class -> the timed launch options (None: the heuristics')",
+        "",
+        "",
+        "def _launch_cands(n_rows, n_j, ride, programs):",
+        "    \"\"\"Launch options to time, the size heuristics' own (``{}``) first: one tile per row",
+        "    with 4-32 warps (and twice the rows per tile where a tile holds at most 4096",
+        "    elements); with riders, 8-32 warps and 1, 2 or 4 persistent programs per SM; a loop of",
+        "    4096-16384-element tiles where the row is longer than 16384 and the loop would run.\"\"\"",
+        "    cands = [{}]",
+        "    if n_j <= MAX_SINGLE:",
+        "        bj = max(16, _np2(n_j))",
+        "        br0 = max(1, min(_np2(n_rows), 4096 // bj if bj < 4096 else 1))",
+        "        if ride:",
+        "            for nw in (8, 16, 32):",
+        "                for per in (1, 2, 4):",
+        "                    if 32 * nw <= bj * br0:",
+        "                        cands.append(dict(schedule='single', num_warps=nw, per_sm=per))",
+        "        else:",
+        "            for br, warps in ((br0, (4, 8, 16, 32)), (2 * br0, (8, 16))):",
+        "                if br > br0 and (bj * br0 > 4096 or br > _np2(n_rows)):",
+        "                    continue",
+        "                for nw in warps:",
+        "                    if 32 * nw <= bj * br:   # at least one element a thread",
+        "                        cands.append(dict(schedule='single', block_r=br, num_warps=nw))",
+        "    loop = n_j > MAX_SINGLE and choose_schedule(n_rows, n_j, programs) == 'loop'",
+        "    if not ride and (loop or 16384 < n_j <= MAX_SINGLE):",
+        "        for bj in (4096, 8192, 16384):",
+        "            if bj < _np2(n_j):",
+        "                for nw in (8, 16):",
+        "                    cands.append(dict(schedule='loop', block_j=bj, num_warps=nw))",
+        "    return cands",
+        "",
+        "",
+        "def _timed_launch(inputs, sizes, ref, dev, n_rows, n_j, out_dtypes, riders, programs):",
+        "    \"\"\"The fastest of _launch_cands for this call's shape class (rows and fused axis",
+        "    rounded up to powers of two, the inputs' dtypes, riders, output types), timed once",
+        "    (_fastest: GPU or host time, whichever is longer) and kept in this process and the",
+        "    tuning cache (_remembered); None: the size heuristics' launch.\"\"\"",
+        "    ride = bool(riders and RIDERS)",
+        "    key = (_np2(n_rows), _np2(n_j), tuple(str(inputs[t].dtype) for t in TENSORS), ride,",
+        "           tuple(sorted((o, str(d)) for o, d in (out_dtypes or {}).items())))",
+        "    if key not in _CHOSEN:",
+        "        cands = _launch_cands(n_rows, n_j, ride, programs)",
+        "",
+        "        def call(c):",
+        "            return _launch(_plan(inputs, sizes, ref, dev, c.get('schedule'), c.get('block_j'), c.get('block_r'),",
+        "                                 None, c.get('num_warps'), out_dtypes, riders, c.get('per_sm')), inputs)",
+        "",
+        "        def time_them():",
+        "            _TUNING.append(1)",
+        "            try:",
+        "                return _fastest(cands, call, required=(0,))",
+        "            finally:",
+        "                _TUNING.pop()",
+        "        best = _remembered('launch', key, dev, cands, time_them) if len(cands) > 1 else None",
+        "        _CHOSEN[key] = best or None",
+        "    return _CHOSEN[key]",
+    ]

@@ -1,0 +1,146 @@
+"""The row family's timed launch choice (codegen/row_tuning.py): on a GPU, a large problem's
+first call times a few launch configurations (warps, rows per tile, loop tiles, programs per
+SM of the riders schedule) and keeps the fastest. Here the timing is allowed on the CPU
+(TIMED_DEVICES, TUNE_MIN patched) and _fastest replaced by one that runs EVERY candidate,
+checks its outputs against the heuristics' launch, and picks the last: so each candidate
+launch is checked for correctness, and the forward and backward with the picked launches
+against float64 torch autograd of the plain math (written here), fresh random inputs."""
+import pytest
+import torch
+
+import acefuse as af
+
+
+def _layernorm():
+    x = af.tensor("x", "r j")
+    w, b = af.tensor("w", "j"), af.tensor("b", "j")
+    mu = af.mean(x, "j")
+    var = af.mean((x - mu) ** 2, "j")
+    return af.program("ln_tuned", y=(x - mu) * af.rsqrt(var + 1e-5) * w + b)
+
+
+def _ref_layernorm(x, w, b):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) * torch.rsqrt(var + 1e-5) * w + b
+
+
+def _normalized_exp():
+    x = af.tensor("x", "r j")
+    m = af.max(x, "j")
+    return af.program("nexp_tuned", y=af.exp(x - m) / af.sum(af.exp(x - m), "j"))
+
+
+class _Timing:
+    """Patches a generated row module so that its launches are 'timed' on the CPU: every
+    candidate runs, its outputs equal (to float32 rounding) the first's, the last is kept."""
+
+    def __init__(self, monkeypatch, mod, pick=-1):
+        self.mod, self.cands, self.pick = mod, [], pick
+        monkeypatch.setattr(mod, "TIMED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(mod, "TUNE_MIN", 1)
+        monkeypatch.setattr(mod, "_CHOSEN", {})
+        monkeypatch.setattr(mod, "_PLANS", {})
+        monkeypatch.setattr(mod, "_fastest", self.fastest)
+
+    def fastest(self, cands, call, required=()):
+        assert cands[0] == {} and 0 in required   # the heuristics' launch first, and required
+        first = call(cands[0])
+        for c in cands[1:]:
+            got = call(c)
+            for n in (first if isinstance(first, dict) else {"out": first}):
+                a = first[n] if isinstance(first, dict) else first
+                b = got[n] if isinstance(got, dict) else got
+                if n in getattr(self.mod, "RIDERS", ()):   # per-program partials: compare their sum
+                    a, b = a.sum(0), b.sum(0)
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (c, n, (a - b).abs().max())
+        self.cands.append(cands)
+        return cands[self.pick]
+
+
+def _close(got, ref, rtol=2e-5, stol=2e-6):
+    got = got.double()
+    bound = rtol * ref.abs() + stol * ref.abs().max()
+    return bool(((got - ref).abs() <= bound).all()), (got - ref).abs().max().item()
+
+
+def test_timed_launches_of_forward_and_backward_with_riders(monkeypatch):
+    """Layernorm-shaped program: its augmented forward, and the backward's riders schedule
+    (weight and bias gradients summed per persistent program, 1/2/4 programs per SM) timed;
+    the picked launch (the last candidate: 32 warps, 4 programs per SM) is the one planned,
+    and the gradients match float64 autograd."""
+    monkeypatch.setenv("ACEFUSE_TUNING_CACHE", "0")
+    k = af.compile(_layernorm())
+    aug, _ = k._grad_kernels()
+    bk = k._bwd_kernel
+    host = next(iter(bk._riders.values()))
+    mods = {"aug": aug.module, "host": bk.kernels[host].module}
+    timing = {n: _Timing(monkeypatch, m) for n, m in mods.items()}
+    g = torch.Generator().manual_seed(11)
+    R, N = 37, 100
+    leaves = {"x": torch.randn(R, N, generator=g) * 1.5 + 0.3, "w": torch.randn(N, generator=g),
+              "b": torch.randn(N, generator=g)}
+    got = {n: t.clone().requires_grad_() for n, t in leaves.items()}
+    y = k(**got)
+    cot = torch.randn(y.shape, generator=g)
+    y.backward(cot)
+    ref = {n: t.double().requires_grad_() for n, t in leaves.items()}
+    yr = _ref_layernorm(**ref)
+    yr.backward(cot.double())
+    ok, err = _close(y.detach(), yr.detach())
+    assert ok, f"y: {err}"
+    for n in leaves:
+        ok, err = _close(got[n].grad, ref[n].grad)
+        assert ok, f"grad_{n}: {err}"
+    ride = timing["host"].cands
+    assert ride, "the riders launch was not timed"
+    assert {c.get("per_sm") for c in ride[0][1:]} == {1, 2, 4}
+    plans = [p for p in mods["host"]._PLANS.values() if p.schedule == "riders"]
+    br = plans[0].kw["BLOCK_R"]   # 2 "SMs" on the CPU, 4 programs each
+    assert plans and plans[0].kw["num_warps"] == 32 and plans[0].grid == (min(-(-R // br), 2 * 4),)
+    assert timing["aug"].cands, "the forward's launch was not timed"
+    # the same shape class again: no new timing
+    n_timed = len(ride)
+    y = k(**{n: t.clone().requires_grad_() for n, t in leaves.items()})
+    y.backward(cot)
+    assert len(timing["host"].cands) == n_timed
+
+
+@pytest.mark.slow   # ~20 s: eleven launches of a 32768-element tile on the interpreter
+def test_long_rows_time_loop_tiles_and_explicit_options_skip_the_timing(monkeypatch):
+    """Rows of 16K-64K elements: one tile or a loop of 4096-16384-element tiles; the picked
+    loop launch (the last candidate) gives the float64 result; an explicit option is obeyed
+    untimed."""
+    monkeypatch.setenv("ACEFUSE_TUNING_CACHE", "0")
+    k = af.compile(_normalized_exp())
+    mod = k.kernel.module
+    timing = _Timing(monkeypatch, mod)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 16500, generator=g) * 3
+    y = k(x=x)
+    ref = torch.softmax(x.double(), -1)
+    ok, err = _close(y, ref)
+    assert ok, err
+    (cands,) = timing.cands
+    assert {c.get("schedule") for c in cands[1:]} == {"single", "loop"}
+    assert cands[-1] == dict(schedule="loop", block_j=16384, num_warps=16)
+    (plan,) = mod._PLANS.values()
+    assert plan.schedule == "loop" and plan.kw["BLOCK_J"] == 16384 and plan.kw["num_warps"] == 16
+    y2 = k(x=x, schedule="single", num_warps=4)
+    assert len(timing.cands) == 1
+    ok, err = _close(y2, ref)
+    assert ok, err
+
+
+def test_small_problems_and_the_cpu_are_not_timed(monkeypatch):
+    k = af.compile(_normalized_exp())
+    mod = k.kernel.module
+    monkeypatch.setattr(mod, "_CHOSEN", {})
+    monkeypatch.setattr(mod, "_PLANS", {})
+    called = []
+    monkeypatch.setattr(mod, "_fastest", lambda *a, **kw: called.append(1))
+    x = torch.randn(4, 64)
+    k(x=x)                                               # the CPU: never timed
+    monkeypatch.setattr(mod, "TIMED_DEVICES", ("cuda", "cpu"))
+    k(x=torch.randn(5, 64))                              # below TUNE_MIN: untimed
+    assert not called and not mod._CHOSEN
