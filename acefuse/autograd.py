@@ -181,7 +181,8 @@ class BackwardKernel:
         self._finish = getattr(bwd, "finish", {})   # gradient -> (tile output, axes it is summed over)
         parts = {p for p, _ in self._finish.values()}
         self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs or n in parts],
-                         list(st.outputs), {n: st.outputs[n].axes for n in st.outputs})
+                         list(st.outputs), {n: getattr(st, "row_scatters", {}).get(n, (0, 0, st.outputs[n].axes))[2]
+                                            for n in st.outputs})   # (a row scatter: its table's axes)
                         for st, k in zip(bwd.stages, kernels)]
         # per stage: its intermediate outputs, and whether its launcher writes them wide directly
         self._pre = [([n for n in st.outputs if n in self._inter], takes_out_dtypes(k))

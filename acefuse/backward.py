@@ -600,6 +600,33 @@ def _inner_axis(t: Term):
     return inner[0] if len(inner) == 1 else red[0]
 
 
+def _row_scatter(t: Term, tensors: dict):
+    """``(a, summed, n, g, sum_a(X))`` when ``t`` scatters a reduction over ``a`` into a table,
+    ``sum_S(where(index(n) == g, sum_a(X), 0))`` (sums over the axes ``S`` around the where: the
+    adjoint of a lookup ``kc[n = g]`` whose value's gradient reduces over ``a``, paged keys'
+    ``sum_i(dS * q)``), with ``g`` not reading ``a`` and not every tensor of ``X`` ranging over
+    ``a`` (else ``a`` is a batch axis, summed by the grid: T5's ``sum_b(dS)``, a scatter per
+    element, codegen/sums_scatter.py); else None."""
+    summed, body = [], t
+    while body.op == "Sum" and body.args[0].op == "Ax" and not _is_contraction(body):
+        summed.append(body.args[0].args[0])
+        body = body.args[1]
+    if not summed or body.op != "Where" or _val(body.args[2]) != 0 or body.args[0].op != "CmpEq":
+        return None
+    c, x = body.args[0], body.args[1]
+    n, g = next(((i_.args[0], b) for i_, b in ((c.args[0], c.args[1]), (c.args[1], c.args[0])) if i_.op == "Idx"
+                 and not any(u.op == "Idx" and u.args[0] == i_.args[0] for u in b.walk())), (None, None))
+    if g is None or x.op != "Sum" or x.args[0].op != "Ax" or _is_contraction(x):
+        return None
+    a = x.args[0].args[0]
+    if a in summed or n in summed or any(u.op == "Idx" and u.args[0] == a for u in g.walk()):
+        return None
+    reads = {u.args[0] for u in x.walk() if u.op == "In"}
+    if not reads or all(a in tensors.get(r, (a,)) for r in reads):
+        return None
+    return a, summed, n, g, x
+
+
 def _is_contraction(t: Term) -> bool:
     return t.op == "Sum" and not any(s.op in RED for s in t.args[1].walk())
 
@@ -635,6 +662,9 @@ class Stage(Program):
         # a pre-stage's outputs (intermediates later stages read, never gradients) -> why each
         # was hoisted out of the stage that uses it (``_hoist``); empty for other stages
         self.hoisted: dict = {}
+        # gradient -> (table axis n, index g, the gradient's axes): the output is stored row by
+        # row into the entry g names, summed (``_split_row_scatters``; codegen/sums.py)
+        self.row_scatters: dict = {}
 
     def reduced_axes(self) -> list:
         red = super().reduced_axes()
@@ -644,10 +674,13 @@ class Stage(Program):
         """The program's key, plus ``seq_axes`` (they decide the sum kernel's axes, so two
         stages equal as programs but with other ``seq_axes`` must not share a cached kernel)."""
         base = super().key()
-        if not self.seq_axes:
+        rs = getattr(self, "row_scatters", {})
+        if not self.seq_axes and not rs:
             return base
         import hashlib
-        return hashlib.sha256(f"{base} {' '.join(self.seq_axes)}".encode()).hexdigest()[:16]
+        extra = " ".join(f"{k}:{n}:{g.sexpr() if hasattr(g, 'sexpr') else g!r}:{' '.join(ax)}"
+                         for k, (n, g, ax) in sorted(rs.items()))
+        return hashlib.sha256(f"{base} {' '.join(self.seq_axes)}{' | ' + extra if rs else ''}".encode()).hexdigest()[:16]
 
 
 def _carrier_body(t: Term) -> Term:
@@ -688,7 +721,9 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
     (filled in): intermediate name -> (axes, reduction term, why); ``tensor_order`` gets
     the intermediates appended."""
     outputs = dict(outputs)
+    scatters: dict = {}
     if finish is not None:
+        _split_row_scatters(outputs, order, scatters)
         _split_finish(outputs, order, finish, forward)
     for n, e in list(outputs.items()):   # a cascade's axis innermost in a chain of sums (Fubini)
         t = _cascade_inner(e.term)
@@ -735,7 +770,10 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
                     table[k] = _retensor(nt, e.axes, tens)
     pre_stages = _stages(name + "_pre", pres, tensor_order, order, None, forward, hoisted, True) if pres else []
     if not pre:
-        return pre_stages + _build(name, outputs, _group(outputs), tensor_order)
+        built = _build(name, outputs, _group(outputs), tensor_order)
+        for st in built:
+            st.row_scatters = {k: v for k, v in scatters.items() if k in st.outputs}
+        return pre_stages + built
     # pre-stages: the values that reduce over one axis share a kernel per axis (FlashAttention-2's
     # D = sum_e(grad_o * o)); a value nested over several axes gets its own stage, compiled over
     # whichever of its axes compiles (``sum_j(sum_r(X))``: over r, rows j, then a sum over j)
@@ -1014,6 +1052,29 @@ def _split_loop_sum(k, e, outputs: dict, order, finish: dict) -> bool:
         finish[k] = (f"part_{k}", tuple(x for x in paxes if x in rest))
         return True
     return False
+
+
+def _split_row_scatters(outputs: dict, order, scatters: dict) -> None:
+    """A gradient ``sum_S(where(index(n) == g, sum_a(X), 0))`` (``_row_scatter``: the adjoint of a
+    lookup ``kc[n = g]`` whose value's gradient reduces over ``a``) becomes the stage output
+    ``sum_a(X)`` over its own axes (paged keys: dK over (b, h, j, d), the plain dK), which the sum
+    kernel adds row by row into the table entry ``g`` names instead of storing it
+    (``scatters[k] = (n, g, the gradient's axes)``; codegen/sums.py). Exact over the reals: for
+    each table entry, the sum over S of the rows whose ``g`` is that entry (``g`` does not read
+    ``a``, so the where commutes with the sum over ``a``). Only where the summed axes ``S`` are
+    exactly the axes of ``sum_a(X)`` that the gradient lacks, and ``g`` reads no other axis."""
+    for k, e in list(outputs.items()):
+        r = _row_scatter(e.term, e.tensors)
+        if r is None:
+            continue
+        a, summed, n, g, x = r
+        axes_of = _Axes(e.tensors)
+        xa = axes_of(x)
+        if n in xa or set(summed) != xa - set(e.axes) or not axes_of(g) <= xa:
+            continue
+        paxes = tuple(y for y in order if y in xa) if order else tuple(sorted(xa))
+        outputs[k] = _retensor(x, paxes, e.tensors)
+        scatters[k] = (n, g, tuple(e.axes))
 
 
 def _split_finish(outputs: dict, order, finish: dict, forward) -> None:

@@ -91,6 +91,9 @@ class SumGen:
         # scatter outputs (codegen/sums_scatter.py): a lookup table's gradient, added per tile
         from acefuse.codegen.sums_scatter import find_scatters
         self.scatters = find_scatters(self.name, self.F, self.states, enc)
+        # row scatters (sums_scatter.py): state outputs added row by row into a table's entries
+        self.row_scatters = {o: v for o, v in getattr(fusion.program, "row_scatters", {}).items()
+                             if o in enc.outputs}
         for sc in self.scatters.values():
             del self.states[sc.state]
         # two loop axes (class docstring): every state a double sum over F and one other axis
@@ -133,21 +136,33 @@ class SumGen:
         # for the range check); the lookups' index tensors are integers (INDEX_TENSORS)
         bodies = (list(self.states.values()) + [t for o, t in enc.outputs.items() if o not in self.outs
                                                  and o not in self.scatters]
-                  + [u for sc in self.scatters.values() for u in (sc.index, sc.body)])
+                  + [u for sc in self.scatters.values() for u in (sc.index, sc.body)]
+                  + [g for _, g, _ in self.row_scatters.values()])
         cls_axes = {o: ax for o, ax in self.out_axes.items() if o not in self.scatters}   # (a scatter's
         # output is over grid axes and its table axis: it takes no part in choosing the rows)
         takes = [u for b in bodies for u in b.walk() if u.op == "Take"]
+        order0 = list(fusion.program.axes)
         direct = {u.args[0] for b in bodies for u in b.walk() if u.op == "In"}
         self.Lk = [a for a in fusion.program.axes if a in {u.args[2] for u in takes}
                    and not any(a in self.tensors[n] for n in direct) and not any(a in ax for ax in cls_axes.values())]
         self.Lk += [sc.axis for sc in self.scatters.values() if sc.axis not in self.Lk]
         self.index_tensors = sorted({u.args[0] for t in takes for u in t.args[1].walk() if u.op in ("In", "Take")}
                                     | {u.args[0] for sc in self.scatters.values() for u in sc.index.walk()
-                                       if u.op == "In"})
-        ft = [ax for ax in self.tensors.values() if F in ax]
+                                       if u.op == "In"}
+                                    | {u.args[0] for _, g, _ in self.row_scatters.values() for u in g.walk()
+                                       if u.op in ("In", "Take")})
+        # a lookup over the loop axis reads like a tensor over its own axes and its index's
+        # (paged keys ``kc[n = slot(b, j)]`` over (h, d, b, j): h is a grid axis, d a vector axis)
+        ft = [ax for ax in self.tensors.values() if F in ax] + [
+            tuple(a for a in order0 if a in self._axes(u)) for u in takes if F in self._axes(u)]
         if not ft:
             raise CodegenError(f"program {self.name!r}: no tensor ranges over the loop axis {F!r}")
-        common = set(ft[0]).intersection(*[set(a) for a in ft[1:]]) - {F}
+        # grid axes: those the loop-axis tensors carrying a contracted axis all have, when there are
+        # any (a key padding mask over (b, j) broadcasts over the heads: h stays a grid axis)
+        vec = set() if two else {u.args[0].args[0] for b in self.states.values() for u in b.walk()
+                                 if u.op == "Sum" and u.args[0].op == "Ax" and u.args[0].args[0] != F}
+        vft = [ax for ax in ft if set(ax) & vec] or ft
+        common = set(vft[0]).intersection(*[set(a) for a in vft[1:]]) - {F}
         order = fusion.program.axes
         out_ax = [a for ax in cls_axes.values() for a in ax if a != F]
         allax = {a for ax in list(self.tensors.values()) + list(cls_axes.values()) for a in ax} - set(self.Lk)
@@ -179,6 +194,9 @@ class SumGen:
             if o in self.tiles and any(a in self.V for a in ax):
                 raise CodegenError(f"program {self.name!r}: output {o!r} ranges over the loop axis {F!r} and a "
                                    "vector axis (a tile output is over rows and the loop axis only)")
+        if self.row_scatters:   # (after the checks above, which read the state's own axes)
+            from acefuse.codegen.sums_scatter import setup_row_scatters
+            setup_row_scatters(self)
         # riders (codegen/riders.py): {output of another stage: (the body of its sum over this
         # kernel's row axis, the output's axes)}, added per tile into float32 buffers (RIDE)
         self.riders = dict(riders or {})
@@ -588,14 +606,26 @@ class SumGen:
         (codegen/contraction_ctx.py ``take``). ``as_int``: (int64 value, shape, bad)."""
         name, idx, ax = t.args
         rest = [a for a in self.tensors[name] if a != ax]
-        bad_ax = [a for a in rest if a not in self.G + self.R + [self.F] + self.loop2]
+        vs = [a for a in rest if a in self.V]
+        bad_ax = [a for a in rest if a not in self.G + self.R + [self.F] + self.loop2 + vs[:1]]
         if bad_ax:
             raise CodegenError(f"program {self.name!r}: af.take({name}, `{pretty(idx)}`, {ax!r}): {name!r} also "
-                               f"ranges over {bad_ax}; a lookup in a sum kernel reads one value per row and loop "
-                               "element (its other axes must be grid, row or loop axes)")
+                               f"ranges over {bad_ax}; a lookup in a sum kernel reads one value, or one vector "
+                               "along one vector axis, per row and loop element (its other axes must be grid, "
+                               "row or loop axes)")
         ie, si, bad = self.emit_int(idx)
         has_r, has_f = any(a in self.R for a in rest), self.F in rest
-        sh = self.join(si, "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
+        if vs:   # a gathered vector (paged keys ``kc[n = slot(j)]`` over d): a [rows or loop, axis] tile
+            if (has_r and has_f) or si == "rf" or isinstance(si, tuple) or (si == "r" and has_f) or (si == "f" and has_r):
+                raise CodegenError(f"program {self.name!r}: af.take({name}, `{pretty(idx)}`, {ax!r}): a gathered "
+                                   f"vector over {vs[0]!r} is read per row or per loop element, not both")
+            base = "r" if has_r or si == "r" else "f" if has_f or si == "f" else None
+            if base is None:
+                raise CodegenError(f"program {self.name!r}: af.take({name}, `{pretty(idx)}`, {ax!r}): a gathered "
+                                   f"vector over {vs[0]!r} must vary along the rows or the loop axis")
+            sh = (base, vs[0])
+        else:
+            sh = self.join(si, "rf" if has_r and has_f else "r" if has_r else "f" if has_f else "s")
         ptr = f"{name}_ptr + {self.goff(name, self.tensors[name])}"
         if has_r:
             ptr += f" + {self.bcast(f'off_{name}_r', 'r', sh)}"
@@ -604,7 +634,12 @@ class SumGen:
         inr = f"({ie} >= 0) & ({ie} < len_{ax})"
         ok = self._ibind(f"{inr} & ~({bad})" if bad else inr, si, "c")
         ptr += f" + {self.bcast(f'tl.where({ok}, {ie}, 0)', si, sh)} * s_{name}_{ax}"
-        m = "" if not has_f or self.full else f", mask={self.bcast('fmask', 'f', sh)}, other=0"
+        masks = [] if not has_f or self.full else [self.bcast('fmask', 'f', sh)]
+        if vs:
+            c, vm = self.vec(vs[0])
+            ptr += f" + {c}[None, :] * s_{name}_{vs[0]}"
+            masks.append(f"{vm}[None, :]")
+        m = f", mask={' & '.join(masks)}, other=0" if masks else ""
         v = self._ibind(f"tl.load({ptr}{m})", sh, "tk_")
         okb = self.bcast(ok, si, sh)
         if as_int:
@@ -893,6 +928,10 @@ class SumGen:
                 raise CodegenError(f"output {o!r}: the state {q} does not carry the output's vector axis")
             c = self._scale.get(q, 1.0) * self._oscale.get(o, 1.0)
             val = f"({q} * {c!r})" if c != 1.0 else q
+            if o in self.row_scatters:
+                from acefuse.codegen.sums_scatter import row_scatter_store
+                store += row_scatter_store(self, o, val, sh)
+                continue
             store.append(f"    tl.store({ptr}, _out({val}, {o}_ptr), mask={mask})")
         for o, t in self.finals.items():   # sum kernels' finalize: after the loop, per row tile
             self._final, self._memo, self._raw = [], {}, {}

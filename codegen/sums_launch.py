@@ -27,7 +27,8 @@ def launcher(self):
         f"VEC_AXES = {self.V!r}",
         f"LOOP2_AXES = {self.loop2!r}   # a second axis every state sums over, looped over in each program",
         f"LOOKUP_AXES = {self.Lk!r}   # axes read only through lookups (their lengths: the range check)",
-        f"SCATTERS = {list(self.scatters)!r}   # outputs added into per entry (a table's gradient; float32, zeroed)",
+        f"SCATTERS = {list(self.scatters) + list(self.row_scatters)!r}   # outputs added into per entry (a table's "
+        "gradient; float32, zeroed)",
         f"TILE_OUTPUTS = {list(self.tiles)!r}   # written tile by tile"
         + (" (zeroed first: the mask analysis skips tiles)" if self.tiles and self.skips else ""),
         f"ZERO_TILE_OUTPUTS = {bool(self.tiles and self.skips)!r}",

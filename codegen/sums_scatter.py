@@ -125,3 +125,69 @@ def scatter_lines(gen, full: bool) -> list:
                     f"sum over {', '.join(sorted(sc.summed | {gen.F}))} split by the entry read)")
         body.extend("        " + x for x in gen.lines)
     return body
+
+
+# ---- row scatters: a state's rows added into the table entries an index names ----------------------
+# A backward stage's output ``sum_a(X)`` (paged keys' dK over (b, h, j, d)) that the gradient reads
+# only through a scatter, ``grad_kc[h, n, d] = sum_{b, j}(where(n == g(b, j), dK[b, h, j, d], 0))``
+# (acefuse/backward.py ``_split_row_scatters``, ``stage.row_scatters``): after the loop, each row of
+# the state is added into the entry ``g`` names (``tl.atomic_add`` into a zeroed float32 buffer
+# shaped like the table, rounded once to the output type by the launcher), instead of being
+# stored. The same identity as above, over the rows: the sum over the rows splits by the value
+# of ``g``; rows whose index falls outside the table add nothing (a lookup there read NaN,
+# whose adjoint ``where(n == g, ...)`` is 0 for every entry).
+def setup_row_scatters(gen) -> None:
+    """Check the row scatters of ``gen`` (a SumGen) once its axes are classified, and give each
+    its buffer's axes (the table's: ``gen.out_axes``, what the launcher allocates)."""
+    for o, (n, g, axes) in gen.row_scatters.items():
+        if o not in gen.outs:
+            raise CodegenError(f"program {gen.name!r}: output {o!r} is scattered row by row into {n!r}, but it is "
+                               f"not a state of this pass over {gen.F!r}")
+        if gen.F2:
+            raise CodegenError(f"program {gen.name!r}: output {o!r} scatters into {n!r}, and the states loop over "
+                               f"a second axis {gen.F2!r} (not supported together)")
+        if n in gen.G + gen.R + gen.V or n == gen.F:
+            raise CodegenError(f"program {gen.name!r}: output {o!r} scatters into {n!r}, an axis this pass also "
+                               "runs over")
+        if not any(n in ax for ax in gen.tensors.values()):
+            raise CodegenError(f"program {gen.name!r}: output {o!r} scatters into axis {n!r}, which no input has "
+                               "(its length is unknown); pass the table whose gradient it is as an input")
+        vs = [a for a in gen.out_axes[o] if a in gen.V]
+        bad = [a for a in axes if a != n and a not in gen.G + gen.R + vs]
+        if bad:
+            raise CodegenError(f"program {gen.name!r}: output {o!r} scatters into {n!r}, and its table also ranges "
+                               f"over {bad}, which this pass does not run over")
+        if n not in gen.Lk:
+            gen.Lk.append(n)
+        gen.out_axes[o] = tuple(axes)
+
+
+def row_scatter_store(gen, o: str, val: str, sh) -> list:
+    """The lines after the loop that add the state ``val`` (shape ``sh``: rows, or rows x a
+    vector axis) of output ``o`` into the entries its index names, masked to the rows and to
+    indices inside the table."""
+    from acefuse.codegen.sums import _over_f
+    n, g, _ = gen.row_scatters[o]
+    gen._final, gen._memo, gen._raw = [], {}, {}
+    gen._wide = {k: v for k, v in gen._wide.items() if not _over_f(v[1])}
+    try:
+        gi, gs, bad = gen.emit_int(g)
+        lines = gen._final
+    finally:
+        gen._final = None
+    if gs not in ("r", "s"):
+        raise CodegenError(f"program {gen.name!r}: output {o!r}: the entry `{pretty(g)}` it scatters into is not "
+                           f"one per row of this pass")
+    if gs == "s":
+        gi = f"(({gi}) + tl.zeros([BLOCK_I], tl.int64))"
+    ok = f"rmask & ({gi} >= 0) & ({gi} < len_{n})" + (f" & ~({bad})" if bad else "")
+    lines.append(f"    sk_{o} = {ok}")
+    rows = [a for a in gen.out_axes[o] if a in gen.R]
+    ptr = f"{o}_ptr + off_{o}_g" + (f" + off_{o}_r" if rows else "") + f" + tl.where(sk_{o}, {gi}, 0) * s_{o}_{n}"
+    mask = f"sk_{o}"
+    if isinstance(sh, tuple):
+        c, m = gen.vec(sh[1])
+        ptr = f"({ptr})[:, None] + {c}[None, :] * s_{o}_{sh[1]}"
+        mask = f"sk_{o}[:, None] & {m}[None, :]"
+    return ([f"    # {o}[{n} = {pretty(g)}] += this row's sum (a scatter: the sum over the rows split by the "
+             "entry each one names)"] + lines + [f"    tl.atomic_add({ptr}, {val}, mask={mask})"])

@@ -144,7 +144,10 @@ def encode(prog, axis: str) -> Encoding:
             # inside a reduction body the axis length is the whole axis's (a per-program
             # constant); in a value built from reductions (a mean) it is the block's count
             return leaf(t, "Par") if allow_ref else Term("Cnt", (A,))
-        if not has_red(t):
+        if not (has_true_red(t) if allow_ref else has_red(t)):
+            # free of reductions over the axis (inside a reduction body size(axis) is the
+            # whole axis's, a constant): one leaf, whatever reads it (a lookup at an index
+            # built from the axis and its size, rel[r=j - i + size(i) - 1])
             if axis in axes_of(t):
                 return leaf(t, "Elm")
             if t.op == "Num" and math.isfinite(t.args[0]):

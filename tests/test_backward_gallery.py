@@ -1,7 +1,8 @@
 """Issue 11: the backward of the mask gallery's variants (examples/masks.py) is derived into
 kernels, with no torch fallback: masks from integer index arithmetic (``%``, ``//``: dilated
 windows, blocks, NATTEN), lookups (``doc[n=i]``), and contractions without a softmax
-(sigmoid/ReLU attention). Each variant's gradients, in float32 and bfloat16, against float64
+(sigmoid/ReLU attention), lookups whose index reads the reduced axis (a relative-position
+bias, paged keys and values). Each variant's gradients, in float32 and bfloat16, against float64
 torch autograd of the gallery's own reference on fresh random inputs (odd sizes, a grid of
 6 x 8 for NATTEN).
 
@@ -119,6 +120,54 @@ def test_lookup_table_gradient_is_a_scatter(dtype):
     added per (query, key) element into the entry it read (a scatter in dQ's pass), not summed
     once per entry; the table's gradient is checked with the others."""
     check("t5_buckets", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["relative_bias", "paged_kv"])
+def test_lookups_at_the_reduced_axis_backward_is_kernels(name, dtype):
+    """Lookups whose index reads the stage's loop axis: ``rel[r = j - i + size(i) - 1]`` (size(i)
+    inside the dK/dV stage's sums over i is the whole axis's, one leaf of the encoding; the
+    table's gradient a scatter in dQ's pass) and paged keys ``kc[n = pages[j // 8] * 8 + j % 8]``
+    (gathered vectors over d per key; the pool's gradient dK added row by row into the slots the
+    page table names). Both fell back to torch before."""
+    check(name, dtype)
+
+
+def test_paged_kv_pool_gradient_is_a_row_scatter_with_shared_pages():
+    """The pool's gradient is dK/dV (rows: keys) added into the slots the page table names,
+    atomically: two sequences sharing a page (a common prefix) add into the same rows of the
+    pool, and pool rows no page names get 0. Checked on such a page table against float64
+    autograd of the gallery's reference; the dK/dV stage stores nothing over (b, h, j)."""
+    from acefuse.autograd import compile_backward
+    gal = gallery()
+    var = gal["GALLERY"]["paged_kv"]
+    bk = compile_backward(af.backward(var.program))
+    st = [(s, k) for s, k in zip(bk.program.stages, bk.kernels) if s.row_scatters]
+    assert [sorted(s.row_scatters) for s, _ in st] == [["grad_kc", "grad_vc"]]
+    assert st[0][1].source.count("tl.atomic_add(grad_") == 2
+    made = gal["make_inputs"]("paged_kv", B=2, H=2, N=13, seed=4)
+    made["pages"] = torch.tensor([[3, 0], [3, 5]], dtype=torch.int32)   # page 3 shared by both sequences
+    made["kvalid"] = torch.ones_like(made["kvalid"])
+    ins = {t: x for t, x in made.items() if t in var.program.tensors}
+    extra = {t: x for t, x in made.items() if t not in var.program.tensors}
+    if "paged_kv" not in _K:
+        _K["paged_kv"] = af.compile(var.program)
+    leaves = {t: (x.clone().requires_grad_() if x.dtype.is_floating_point else x) for t, x in ins.items()}
+    wrt = [t for t, x in leaves.items() if x.dtype.is_floating_point]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFallbackWarning)
+        o = _K["paged_kv"](**leaves)
+        o = o if isinstance(o, torch.Tensor) else o["o"]
+        cot = torch.randn(o.shape, generator=torch.Generator().manual_seed(9))
+        got = dict(zip(wrt, torch.autograd.grad(o, [leaves[t] for t in wrt], cot)))
+    lv = {t: (x.double().requires_grad_() if x.dtype.is_floating_point else x) for t, x in ins.items()}
+    r = var.reference(**lv, **{t: (x.double() if x.dtype.is_floating_point else x) for t, x in extra.items()})
+    want = dict(zip(wrt, torch.autograd.grad(r, [lv[t] for t in wrt], cot.double())))
+    shared = slice(3 * 8, 4 * 8)
+    assert want["kc"][:, shared].abs().max() > 1e-2     # the shared page gets both sequences' parts
+    for t, w in want.items():
+        err = (got[t].double() - w).abs()
+        assert (err <= 1e-4 * w.abs() + 2e-5 * w.abs().max()).all(), f"grad {t} off by {err.max().item():.3g}"
 
 
 def _inside_grads(dtype, seed=2):

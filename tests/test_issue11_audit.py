@@ -14,10 +14,10 @@ three schedules), alibi (float32), grouped-query attention (float32). Added here
   entropy), moe.py (Switch gate, router z-loss, softmax top-2, DeepSeek top-2: top-k
   gradients, one backward not fusible); Hypothesis draws type, schedule, sizes and inputs.
 - examples/masks.py: every gallery variant's gradients (slow), and whether they come from
-  derived kernels: the variants whose backward is torch's (a ``GradientFallbackWarning``)
-  are strict xfails naming the reason, so a fix shows up as an XPASS.
-- ``af.fuse(af.backward(relative_bias))`` raises an internal "bug in acefuse" FuseError
-  (strict xfail).
+  derived kernels: a variant whose backward is torch's (a ``GradientFallbackWarning``)
+  would be a strict xfail naming the reason, so a fix shows up as an XPASS (none left).
+- ``af.fuse(af.backward(relative_bias))`` fuses and is certified (it raised an internal
+  "bug in acefuse" FuseError).
 
 Tolerances: per gradient, ``|got - ref| <= RTOL |ref| + STOL max|ref|`` (the kernels compute in
 float32 and round once to the input type; Triton's interpreter truncates to bfloat16, one
@@ -400,11 +400,7 @@ def test_checker_fails_on_a_wrong_gradient(monkeypatch):
 # ---- examples/masks.py: every gallery variant -------------------------------------------------------
 # variants whose backward acefuse does not derive into kernels (their gradients are torch autograd
 # of the program, with a GradientFallbackWarning); measured at HEAD b70ebc2 on the CPU
-NO_BACKWARD_KERNELS = {
-    "relative_bias": "rel.at(r=j-i+size(i)-1): over 'i' (the dK/dV stage) rewrite/encode.py splits the lookup "
-                     "at size(i) and no state forms (FuseError, reported as a bug)",
-    "paged_kv": "lookups kc.at(n=slot), vc.at(n=slot): grad_q does not range over every row axis",
-}
+NO_BACKWARD_KERNELS: dict = {}   # (relative_bias and paged_kv were here until their backward was derived)
 GALLERY_NAMES = ["causal", "prefix_lm", "sliding_window", "dilated_sliding_window", "block_diagonal",
                  "block_causal", "natten_2d", "document_mask", "relative_bias", "t5_buckets", "additive_mask",
                  "boolean_mask", "alibi", "softcap", "sigmoid_attention", "relu_attention", "mla_split_scores",
@@ -448,9 +444,11 @@ def test_mask_gallery_backward_is_derived_kernels(name):
     gallery_check(name, allow_fallback=False)
 
 
-@pytest.mark.xfail(strict=True, raises=af.FuseError,
-                   reason="af.fuse(af.backward(relative_bias)): 'no state of pass 1 could be formed over i' "
-                          "(reported as a bug in acefuse) instead of a fusion or a refusal with a reason")
 def test_relative_bias_backward_fuses_or_says_why():
+    """rel[r = j - i + size(i) - 1] inside the dK/dV stage's sums over i: size(i) there is the
+    whole axis's (a constant), so the lookup is one leaf of the encoding and every stage fuses in
+    one certified pass (it raised 'no state of pass 1 could be formed over i' before)."""
     f = af.fuse(af.backward(ns("masks")["GALLERY"]["relative_bias"].program))
-    assert f.fusible or f.reason
+    assert f.fusible, f.reason
+    for s in f.stages:
+        assert s.certificate.ok, s.certificate.summary()
