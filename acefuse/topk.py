@@ -10,7 +10,12 @@ written, for the reference evaluator and the unfused kernel, as a cascade of pla
 over ``axis``: the distinct values in decreasing order (``u_0 = max(y)``, ``u_s = max(where(y <
 u_{s-1}, y, -inf))``, y being x with NaN read as +inf), the count of each, and the positions of
 each value's first occurrences (g the index, negative for a NaN so NaNs come first); candidate
-t is picked from them by the counts.
+t's index is picked from them by the counts, and its value is x at that index (``max(where(
+index == idx_t, x, -inf))``, NaN where the candidate is a NaN), as torch.topk's values are
+``x.gather(idx)``. So ``af.backward`` differentiates a gather: the adjoint goes to the chosen
+position (torch.topk's gradient; equal values do not share it), and the augmented forward
+saves candidates and the reductions the one pass carries (top-k of softmax probabilities trains
+with its one-pass forward fusion), not the cascade's levels and counts, which need more passes.
 
 The fusion does not derive anything from that cascade. Each candidate term is registered
 (``CANDIDATES``, and ``af.gather`` at a candidate's index in ``PAYLOADS``) with its selection
@@ -24,8 +29,8 @@ and a few hundred MB (it took 153 s and 17 GB through the cascade). Design choic
 kind recognised from the construct, not rules over the cascade, because the cascade's terms
 grow with k while the k-candidate merge is proved once per k by a decision procedure. A
 program outside what topk_fuse covers (an output elementwise over the axis, a reduction that
-reads a candidate) goes to the general engine, which fuses the cascade into about k + 1
-passes as before. Top-k of a strictly increasing function of a score (softmax probabilities
+reads a candidate) goes to the general engine, which fuses the cascade into about k + 2
+passes (the values read the indices). Top-k of a strictly increasing function of a score (softmax probabilities
 ``exp(x - m) / l``) is selected on the score, one pass (proofs/monotone.py proves it).
 
 Conventions (torch.topk leaves the order of equal values unspecified; these are fixed):
@@ -216,19 +221,20 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
         before.append(c if len(before) == 1 else before[-1] + c)
     vals, idxs = [], []
     for t in range(k):   # candidate t: level s with C_s <= t < C_{s+1}, occurrence t - C_s (<= t - s)
-        v = i = None
+        i = None
         for lv in reversed(range(t + 1)):
             pick = occ[lv][t - lv] if lv else occ[0][t]
             for r in reversed(range(t - lv if lv else 0)):
                 pick = lang.where((t - before[lv]).eq(r), occ[lv][r], pick)
-            if v is None:
-                v, i = levels[lv], pick
-            else:
-                on = before[lv + 1] > t
-                v, i = lang.where(on, levels[lv], v), lang.where(on, pick, i)
-        vals.append(lang.where(i < 0, math.nan, v))
+            i = pick if i is None else lang.where(before[lv + 1] > t, pick, i)
         idxs.append(lang.cast(lang.where(i < 0, i + lang.size(axis), i), "index"))
-        CANDIDATES[id(v.term)] = (v.term, spec, t, "v")   # by identity (the term is kept alive)
+        # the value: the operand at the candidate's position (torch.topk's values: x.gather(idx)),
+        # which is its level wherever i >= 0. Written so, the derivative is the adjoint scattered
+        # to that position (torch.topk's; ties do not share it) and a backward saves the
+        # candidates, which the fused pass carries, not the cascade's levels and counts
+        at = lang.max(lang.where(j.eq(idxs[-1]), x, -inf), axis)
+        vals.append(lang.where(i < 0, math.nan, at))
+        CANDIDATES[id(at.term)] = (at.term, spec, t, "v")   # by identity (the term is kept alive)
         CANDIDATES[id(i.term)] = (i.term, spec, t, "i")
         POSITIONS[id(idxs[-1].term)] = (idxs[-1].term, spec, t)
     origin = f"topk(`{_short(x)}`, {k}, {axis!r})"
