@@ -464,8 +464,10 @@ def _augmented(dk, aug, bwd, inputs, run_kw, odts):
         kw["out_dtypes"] = {**odts, **{n: wide for n in values}}
     out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
     saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
-    if values:                       # the caller's type
-        out = {k: (_to(v, odts.get(k, odt)) if k in values else v) for k, v in out.items()}
+    if values:                       # the caller's type (the program's outputs only: a saved value
+        # that is no output is dropped, its conversion would be a wasted launch per call)
+        out = {k: (_to(v, odts.get(k, odt)) if k in values else v) for k, v in out.items()
+               if k in dk.prog.outputs or k not in values}
     return out, saved
 
 

@@ -146,3 +146,45 @@ def test_small_problems_and_the_cpu_are_not_timed(monkeypatch):
     monkeypatch.setattr(mod, "TIMED_DEVICES", ("cuda", "cpu"))
     k(x=torch.randn(5, 64))                              # below TUNE_MIN: untimed
     assert not called and not mod._CHOSEN
+
+
+def test_training_forward_converts_no_saved_value():
+    """The differentiable forward's only torch work besides its kernel is for the outputs:
+    the saved values (float32 row statistics, no outputs) are not converted to the input's
+    type and dropped (three wasted launches per call for this program before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import triton.runtime.interpreter as interp
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.inside = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.inside and func.__name__ not in ("empty.memory_format", "detach.default"):
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    k = af.compile(_layernorm())
+    x, w, b = (torch.randn(6, 40).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16),
+               torch.randn(40).to(torch.bfloat16))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    k(x=leaves[0], w=leaves[1], b=leaves[2])   # compiled, first call
+    mode = Ops()
+    run = interp.InterpretedFunction.run
+
+    def counted(self, *a, **kw):   # the kernel's own (interpreter) work is not counted
+        mode.inside += 1
+        try:
+            return run(self, *a, **kw)
+        finally:
+            mode.inside -= 1
+    interp.InterpretedFunction.run = counted
+    try:
+        with mode:
+            y = k(x=leaves[0], w=leaves[1], b=leaves[2])
+    finally:
+        interp.InterpretedFunction.run = run
+    assert "_to_copy.default" not in mode.ops, mode.ops
+    ref = _ref_layernorm(x.double(), w.double(), b.double())
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2)
