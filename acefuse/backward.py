@@ -604,9 +604,8 @@ def _row_scatter(t: Term, tensors: dict):
     """``(a, summed, n, g, sum_a(X))`` when ``t`` scatters a reduction over ``a`` into a table,
     ``sum_S(where(index(n) == g, sum_a(X), 0))`` (sums over the axes ``S`` around the where: the
     adjoint of a lookup ``kc[n = g]`` whose value's gradient reduces over ``a``, paged keys'
-    ``sum_i(dS * q)``), with ``g`` not reading ``a`` and not every tensor of ``X`` ranging over
-    ``a`` (else ``a`` is a batch axis, summed by the grid: T5's ``sum_b(dS)``, a scatter per
-    element, codegen/sums_scatter.py); else None."""
+    ``sum_i(dS * q)``), with ``g`` not reading ``a`` and ``a`` no batch axis (T5's ``sum_b(dS)``
+    is summed by the grid: a scatter per element, codegen/sums_scatter.py); else None."""
     summed, body = [], t
     while body.op == "Sum" and body.args[0].op == "Ax" and not _is_contraction(body):
         summed.append(body.args[0].args[0])
@@ -621,8 +620,13 @@ def _row_scatter(t: Term, tensors: dict):
     a = x.args[0].args[0]
     if a in summed or n in summed or any(u.op == "Idx" and u.args[0] == a for u in g.walk()):
         return None
-    reads = {u.args[0] for u in x.walk() if u.op == "In"}
-    if not reads or all(a in tensors.get(r, (a,)) for r in reads):
+    # ``a`` is no batch axis: not every tensor (or lookup) carrying an axis contracted inside ``X``
+    # ranges over it (attention's q, k, v all carry b; paged keys kc[n = slot(b, j)] lack i)
+    axes_of = _Axes(tensors)
+    con = {u.args[0].args[0] for u in x.args[1].walk() if _is_contraction(u) and u.args[0].op == "Ax"}
+    carry = [axes_of(u) for u in x.walk() if u.op == "Take" or (u.op == "In" and u.args[0] in tensors)]
+    carry = [ax for ax in carry if ax & con]
+    if not carry or all(a in ax for ax in carry):
         return None
     return a, summed, n, g, x
 

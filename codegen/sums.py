@@ -644,7 +644,12 @@ class SumGen:
         okb = self.bcast(ok, si, sh)
         if as_int:
             return self._ibind(f"({v}).to(tl.int64)", sh, "tk_"), sh, f"~{okb}"
-        return self.bind(f"tl.where({okb}, ({v}).to(tl.float32), float('nan'))", sh, "tk_")
+        val = f"tl.where({okb}, ({v}).to(tl.float32), float('nan'))"
+        if vs and (sh[0] == "r" or not self.full):
+            # a gathered vector is a dot operand: past the rows or the loop axis's end it is 0, not
+            # NaN (an index computed there may fall outside the table, and 0 * NaN is NaN)
+            val = f"tl.where({'rmask' if sh[0] == 'r' else 'fmask'}[:, None], {val}, 0.0)"
+        return self.bind(val, sh, "tk_")
 
     def contract(self, t: Term):
         ax = t.args[0].args[0]

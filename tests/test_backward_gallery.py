@@ -65,8 +65,8 @@ def grads(name, dtype, seed, n=11):
     return got, want, theirs
 
 
-def check(name, dtype, seed=3):
-    got, want, theirs = grads(name, dtype, seed)
+def check(name, dtype, seed=3, n=11):
+    got, want, theirs = grads(name, dtype, seed, n)
     rtol, stol = TOL[dtype]
     assert any(w.abs().max() > 1e-3 for w in want.values()), f"{name}: every reference gradient ~ 0"
     for t, w in want.items():
@@ -131,6 +131,15 @@ def test_lookups_at_the_reduced_axis_backward_is_kernels(name, dtype):
     (gathered vectors over d per key; the pool's gradient dK added row by row into the slots the
     page table names). Both fell back to torch before."""
     check(name, dtype)
+
+
+def test_paged_kv_stages_apart_past_the_last_page(monkeypatch):
+    """Each stage run by its own kernel (on the CPU dQ's stage otherwise rides the dK/dV pass),
+    N = 17: the last loop tile's columns past N index a page past the page table's end, and the
+    gathered keys there (a dot operand) are 0, not NaN (0 * NaN poisoned every dQ row before)."""
+    from acefuse.autograd import BackwardKernel
+    monkeypatch.setattr(BackwardKernel, "_ride", lambda self, *a, **kw: False)
+    check("paged_kv", torch.float32, seed=5, n=17)
 
 
 def test_paged_kv_pool_gradient_is_a_row_scatter_with_shared_pages():
