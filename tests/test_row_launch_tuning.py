@@ -188,3 +188,49 @@ def test_training_forward_converts_no_saved_value():
     assert "_to_copy.default" not in mode.ops, mode.ops
     ref = _ref_layernorm(x.double(), w.double(), b.double())
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+class _FakeEvent:
+    """torch.cuda.Event on the CPU: the time it was recorded."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_real_timing_path_and_the_tuning_store(monkeypatch, tmp_path):
+    """The timing the GPU runs (_fastest, _time_calls, _remembered and codegen/tuning.py's
+    store), here with CPU stand-ins for CUDA events: a choice among the candidates is made,
+    recorded on disk, and read back by a fresh module state without timing again."""
+    monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ACEFUSE_TUNING_CACHE", "1")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda n: None)
+    k = af.compile(_normalized_exp())
+    mod = k.kernel.module
+    monkeypatch.setattr(mod, "TIMED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(mod, "TUNE_MIN", 1)
+    monkeypatch.setattr(mod, "_CHOSEN", {})
+    monkeypatch.setattr(mod, "_PLANS", {})
+    timed = []
+    real = mod._fastest
+    monkeypatch.setattr(mod, "_fastest", lambda *a, **kw: timed.append(1) or real(*a, **kw))
+    x = torch.randn(2, 40)   # small: two candidates, each run 16 times on the interpreter
+    y = k(x=x)
+    assert timed == [1] and len(mod._CHOSEN) == 1
+    ok, err = _close(y, torch.softmax(x.double(), -1))
+    assert ok, err
+    assert list((tmp_path / "tuning").glob("*.json")), "the choice was not stored"
+    monkeypatch.setattr(mod, "_CHOSEN", {})
+    monkeypatch.setattr(mod, "_PLANS", {})
+    y = k(x=torch.randn(2, 37))   # the same shape class, a fresh process's state: read back
+    assert timed == [1] and len(mod._CHOSEN) == 1
