@@ -631,20 +631,22 @@ class Program:
 
     def reduced_axes(self) -> list:
         """Axes some reduction of the program runs over, in order of appearance."""
+        from acefuse.rewrite.dag import nodes   # each shared subterm once (rewrite/dag.py)
         out: list = []
-        for e in self.outputs.values():
-            for t in e.term.walk():
-                if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
-                    a = t.args[0].args[0]
-                    if a not in out:
-                        out.append(a)
+        for t in nodes(*(e.term for e in self.outputs.values())):
+            if t.op in ("Sum", "RMax", "RMin") and t.args[0].op == "Ax":
+                a = t.args[0].args[0]
+                if a not in out:
+                    out.append(a)
         return out
 
     def key(self) -> str:
         """A stable hash of the program (names, axes, terms)."""
         import hashlib
+        from acefuse.rewrite.dag import sexpr   # Term.sexpr's text, each shared subterm once
+        memo: dict = {}
         text = repr((self.name, sorted(self.tensors.items()),
-                     sorted((k, v.term.sexpr(), v.axes) for k, v in self.outputs.items())))
+                     sorted((k, sexpr(v.term, memo), v.axes) for k, v in self.outputs.items())))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self):

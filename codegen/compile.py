@@ -372,22 +372,36 @@ def stage(prog, axis):
     from acefuse.lang import Program, Expr
     from acefuse.rewrite.encode import _Axes, RED_OPS
     from acefuse.rewrite.terms import Term
+    from acefuse.rewrite.dag import nodes
     axes_of = _Axes(prog.tensors)
+    # both walks are memoized by identity: programs share subterms (af.topk's candidates:
+    # examples/moe.py's grouped top-8 is 801 objects, a tree of 4,974,236 nodes; rewrite/dag.py)
+    has_red: dict = {}
 
     def fused_red(t):
-        return any(s.op in RED_OPS and s.args[0].op == "Ax" and s.args[0].args[0] == axis for s in t.walk())
+        r = has_red.get(id(t))
+        if r is None:
+            r = ((t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] == axis)
+                 or any(fused_red(c) for c in t.children))
+            has_red[id(t)] = r
+        return r
 
     hidden: dict = {}
+    done: dict = {}
 
     def outer(t):
+        if id(t) in done:
+            return done[id(t)]
         if t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] != axis and fused_red(t.args[1]):
             body = t.args[1]
             if body not in hidden:
                 hidden[body] = f"stage_{len(hidden) + 1}"
-            return Term(t.op, (t.args[0], Term("In", (hidden[body],))))
-        if not t.children:
-            return t
-        return Term(t.op, tuple(outer(a) if isinstance(a, Term) else a for a in t.args))
+            r = Term(t.op, (t.args[0], Term("In", (hidden[body],))))
+        else:
+            args = tuple(outer(a) if isinstance(a, Term) else a for a in t.args)
+            r = t if all(a is b for a, b in zip(args, t.args)) else Term(t.op, args)   # unchanged: t itself
+        done[id(t)] = r
+        return r
 
     new = {k: outer(e.term) for k, e in prog.outputs.items()}
     if not hidden:
@@ -402,7 +416,7 @@ def stage(prog, axis):
     for k, t in new.items():
         if t == prog.outputs[k].term:
             continue
-        used = {s.args[0] for s in t.walk() if s.op == "In"}
+        used = {s.args[0] for s in nodes(t) if s.op == "In"}
         tens = {n: (tensors2[n] if n in tensors2 else prog.tensors[n]) for n in used}
         s2_out[k] = Expr(t, prog.outputs[k].axes, tens)
     stage2 = Program(prog.name + "_stage2", s2_out)

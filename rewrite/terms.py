@@ -186,6 +186,19 @@ class Term:
     def __neg__(self):
         return Term("Neg", (self,))
 
+    # -- hashing: computed once per object ----------------------------------------
+    # (the dataclass hash recurses over the tree on every call: programs share subterms,
+    # and examples/moe.py's grouped top-8 routing is 801 objects, a tree of 4,974,236 nodes)
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.op, self.args))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self):   # pickled without the cached hash (str hashes differ per process)
+        return {"op": self.op, "args": self.args}
+
     # -- inspection -----------------------------------------------------------
     @property
     def children(self):
