@@ -194,6 +194,22 @@ def acefuse_impl(af, prog, kernels, run_kw=None):
     return acefuse_fn
 
 
+def launch_choices(dk):
+    """{generated program: its timed launch options by shape class} of an af.compile kernel's
+    forward, augmented forward, unit-gradient and backward kernels (codegen/row_tuning.py;
+    an empty dict: the size heuristics' launch). For the JSON: which launch was timed fastest."""
+    kernels = [getattr(dk, "kernel", None), getattr(dk, "_aug", None), getattr(dk, "_unit", None)]
+    kernels += list(getattr(getattr(dk, "_bwd_kernel", None), "kernels", None) or [])
+    out = {}
+    for k in kernels:
+        for part in (k, getattr(k, "stage1", None)):
+            mod = getattr(part, "module", None)
+            chosen = getattr(mod, "_CHOSEN", None)
+            if chosen:
+                out[mod.PROGRAM] = {repr(key): val for key, val in chosen.items()}
+    return out
+
+
 def report_case(head, label, impls, rate, unit):
     """One line per case: ``head``, acefuse's status and errors, each timed implementation as
     ms and ``rate(ms)`` in ``unit``; then what went wrong (``report_errors`` under ``label``)."""
@@ -365,6 +381,8 @@ def row_case(name, rows, cols, smoke, rep, kernels, run_kw=None, label=""):
     nbytes = passes * rows * cols * torch.finfo(dtype).bits // 8
     res = dict(workload=name, shape=[rows, cols], label=label, run_kw=run_kw, bytes=nbytes, passes=passes,
                impls=run_impls(impls, args, wrt, cot, ref, TOL_CPU if smoke else TOL_GPU, rep))
+    if prog.name in kernels:
+        res["launch_choices"] = launch_choices(kernels[prog.name])
     report_case(f"{name:14s} {rows}x{cols} {label:8s}", f"{name} {rows}x{cols} {label}", res["impls"],
                 lambda ms: nbytes / (ms * 1e-3) / 1e9, "GB/s")
     return res
