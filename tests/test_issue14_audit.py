@@ -265,10 +265,9 @@ def test_topk_over_a_leading_axis_a_3d_operand_and_narrow_inputs():
             assert torch.equal(out["values"].double(), sv[:, :3]), (dtype, sched)
 
 
-@pytest.mark.slow
 def test_deepseek_top8_of_256_experts_every_schedule():
     """DeepSeek-V3's configuration (k = 8 of 256 experts, scale 2.5), not run elsewhere: one
-    pass, every schedule, a fully masked token. About 40 s to derive on 2 loaded cores."""
+    pass, every schedule, a fully masked token (about 4 s with an empty cache since 4b5a688)."""
     kern = af.compile(MOE["deepseek"](8, scale=2.5))
     assert kern.fusion.certificate.ok and len(kern.fusion.passes) == 1
     X, B = _route_inputs(6, 256, torch.float32, "randn", "a row", 8)
