@@ -12,6 +12,8 @@
                                       #   axis (what af.fuse/af.compile run)
     bwd.finish                        # {grad: (stage output, axes)}: a gradient that is a stage's
                                       #   tile output summed over broadcast axes (a bias over fewer heads)
+    stage.row_scatters                # {grad: (n, g, axes)}: a gradient the stage's kernel adds row by
+                                      #   row into the table entry g names (paged KV; backward_scatter.py)
     bwd.intermediates                 # {"pre1": ("b", "h", "i")}: reductions a stage's rows do not
                                       #   depend on (attention's D_i), computed once by a pre-stage
                                       #   (``stage.hoisted`` says why) and read by later stages
@@ -600,37 +602,6 @@ def _inner_axis(t: Term):
     return inner[0] if len(inner) == 1 else red[0]
 
 
-def _row_scatter(t: Term, tensors: dict):
-    """``(a, summed, n, g, sum_a(X))`` when ``t`` scatters a reduction over ``a`` into a table,
-    ``sum_S(where(index(n) == g, sum_a(X), 0))`` (sums over the axes ``S`` around the where: the
-    adjoint of a lookup ``kc[n = g]`` whose value's gradient reduces over ``a``, paged keys'
-    ``sum_i(dS * q)``), with ``g`` not reading ``a`` and ``a`` no batch axis (T5's ``sum_b(dS)``
-    is summed by the grid: a scatter per element, codegen/sums_scatter.py); else None."""
-    summed, body = [], t
-    while body.op == "Sum" and body.args[0].op == "Ax" and not _is_contraction(body):
-        summed.append(body.args[0].args[0])
-        body = body.args[1]
-    if not summed or body.op != "Where" or _val(body.args[2]) != 0 or body.args[0].op != "CmpEq":
-        return None
-    c, x = body.args[0], body.args[1]
-    n, g = next(((i_.args[0], b) for i_, b in ((c.args[0], c.args[1]), (c.args[1], c.args[0])) if i_.op == "Idx"
-                 and not any(u.op == "Idx" and u.args[0] == i_.args[0] for u in b.walk())), (None, None))
-    if g is None or x.op != "Sum" or x.args[0].op != "Ax" or _is_contraction(x):
-        return None
-    a = x.args[0].args[0]
-    if a in summed or n in summed or any(u.op == "Idx" and u.args[0] == a for u in g.walk()):
-        return None
-    # ``a`` is no batch axis: not every tensor (or lookup) carrying an axis contracted inside ``X``
-    # ranges over it (attention's q, k, v all carry b; paged keys kc[n = slot(b, j)] lack i)
-    axes_of = _Axes(tensors)
-    con = {u.args[0].args[0] for u in x.args[1].walk() if _is_contraction(u) and u.args[0].op == "Ax"}
-    carry = [axes_of(u) for u in x.walk() if u.op == "Take" or (u.op == "In" and u.args[0] in tensors)]
-    carry = [ax for ax in carry if ax & con]
-    if not carry or all(a in ax for ax in carry):
-        return None
-    return a, summed, n, g, x
-
-
 def _is_contraction(t: Term) -> bool:
     return t.op == "Sum" and not any(s.op in RED for s in t.args[1].walk())
 
@@ -727,7 +698,8 @@ def _stages(name, outputs: dict, tensor_order, order=(), finish=None, forward=No
     outputs = dict(outputs)
     scatters: dict = {}
     if finish is not None:
-        _split_row_scatters(outputs, order, scatters)
+        from acefuse.backward_scatter import split_row_scatters
+        split_row_scatters(outputs, order, scatters)
         _split_finish(outputs, order, finish, forward)
     for n, e in list(outputs.items()):   # a cascade's axis innermost in a chain of sums (Fubini)
         t = _cascade_inner(e.term)
@@ -1056,29 +1028,6 @@ def _split_loop_sum(k, e, outputs: dict, order, finish: dict) -> bool:
         finish[k] = (f"part_{k}", tuple(x for x in paxes if x in rest))
         return True
     return False
-
-
-def _split_row_scatters(outputs: dict, order, scatters: dict) -> None:
-    """A gradient ``sum_S(where(index(n) == g, sum_a(X), 0))`` (``_row_scatter``: the adjoint of a
-    lookup ``kc[n = g]`` whose value's gradient reduces over ``a``) becomes the stage output
-    ``sum_a(X)`` over its own axes (paged keys: dK over (b, h, j, d), the plain dK), which the sum
-    kernel adds row by row into the table entry ``g`` names instead of storing it
-    (``scatters[k] = (n, g, the gradient's axes)``; codegen/sums.py). Exact over the reals: for
-    each table entry, the sum over S of the rows whose ``g`` is that entry (``g`` does not read
-    ``a``, so the where commutes with the sum over ``a``). Only where the summed axes ``S`` are
-    exactly the axes of ``sum_a(X)`` that the gradient lacks, and ``g`` reads no other axis."""
-    for k, e in list(outputs.items()):
-        r = _row_scatter(e.term, e.tensors)
-        if r is None:
-            continue
-        a, summed, n, g, x = r
-        axes_of = _Axes(e.tensors)
-        xa = axes_of(x)
-        if n in xa or set(summed) != xa - set(e.axes) or not axes_of(g) <= xa:
-            continue
-        paxes = tuple(y for y in order if y in xa) if order else tuple(sorted(xa))
-        outputs[k] = _retensor(x, paxes, e.tensors)
-        scatters[k] = (n, g, tuple(e.axes))
 
 
 def _split_finish(outputs: dict, order, finish: dict, forward) -> None:
