@@ -45,6 +45,20 @@ class Limits:
     # Each iteration then runs in a push scope that is left open: only for an e-graph
     # saturated once and discarded (not one whose caller scopes equations by push/pop)
     rollback: bool = False
+    # a rule with more matches than this in one iteration is skipped in that iteration
+    # (egglog's back-off scheduler, a fresh one per iteration: every iteration counts all of
+    # a rule's matches). Without it one iteration is unbounded: when an e-class holds
+    # thousands of products (every product with a zero factor joins the zero class), a rule
+    # over a product of products matches quadratically often (a gradient's normal form:
+    # 3.8 million matches of mul-assoc on 5,211 e-nodes, 3.2 million e-nodes after 23 s,
+    # before any limit was checked). Skipping only loses equalities, never adds a wrong one;
+    # RunStats.skipped names the rules skipped, and a phase held up only by skipped rules
+    # stops with "match limit" rather than "saturated". None: egglog's plain run.
+    match_limit: int | None = 20_000
+    # ... applied from this many e-nodes on: a scheduler costs a few ms per iteration (its
+    # rules are compiled again), and below it egglog's plain run gives the same e-graph
+    # (nothing is skipped) sooner; an iteration of a smaller e-graph stays small
+    match_limit_from: int = 400
 
 
 @dataclass
@@ -58,6 +72,8 @@ class RunStats:
     matches: dict = field(default_factory=dict)          # rule name -> total matches
     first_iteration: dict = field(default_factory=dict)  # rule name -> first iteration it matched
     phases: list = field(default_factory=list)           # (phase, why it stopped, iterations, e-nodes)
+    skipped: dict = field(default_factory=dict)          # rule name -> iterations it was skipped (match limit)
+    largest: int = 0                                     # the most e-nodes after any iteration (rolled back or not)
 
     def __str__(self):
         # no timing here: this line is part of generated kernel source, which must be
@@ -141,9 +157,10 @@ class EGraph:
                 stats.stop_reason = f"{reason} in phase {phase.name!r}"
                 break
         else:
-            capped = [p for p, why, _, _ in stats.phases if why != "saturated"]
-            stats.stop_reason = ("saturated" if not capped else
-                                 "phase iteration cap in " + ", ".join(repr(p) for p in capped))
+            capped = [(p, why) for p, why, _, _ in stats.phases if why != "saturated"]
+            stats.stop_reason = ("saturated" if not capped else "; ".join(
+                ("phase iteration cap" if why.startswith("phase iteration cap") else why) + f" in {p!r}"
+                for p, why in capped))
         stats.seconds = time.perf_counter() - t0
         stats.nodes = self.size()
         return stats
@@ -158,38 +175,55 @@ class EGraph:
         self._run(f"(unstable-combined-ruleset {combined} {' '.join(present)})")
         pre = " ".join(f"(saturate (run {a}))" for a in analysis)
         start = stats.iterations
+        plain = f"(run {combined})"
+        # scoped to its run-schedule command: a fresh scheduler per iteration
+        guarded = (None if limits.match_limit is None else
+                   f"(let-scheduler _bo (back-off :match-limit {int(limits.match_limit)})) (run-with _bo {combined})")
+        rules = {r.name for t in phase.theories if _rs(t) in self.rulesets for r in self.rulesets[_rs(t)]}
         reason = ""
         for _ in range(phase.max_iterations):
             if limits.rollback:
                 self.push()
-            out = self._run(f"(run-schedule {pre} (run {combined}))")
+            sched = guarded is not None and self.size() >= limits.match_limit_from
+            out = self._run(f"(run-schedule {pre} {guarded if sched else plain})")
             stats.iterations += 1
-            changed = False
+            changed, held, applied = False, False, set()
             for rep in out:
                 if not hasattr(rep, "report"):
                     continue
-                for it in rep.report.iterations:
-                    for name, rr in it.rule_set_report.rule_reports.items():
-                        n = sum(x.num_matches for x in rr)
-                        if n:
-                            stats.matches[name] = stats.matches.get(name, 0) + n
-                            stats.first_iteration.setdefault(name, stats.iterations)
-                    changed = changed or it.rule_set_report.changed
+                # the matches applied (with a scheduler, its query's own report counts every
+                # match found, those of skipped rules too)
+                for name, n in rep.report.num_matches_per_rule.items():
+                    if n:
+                        applied.add(name)
+                        stats.matches[name] = stats.matches.get(name, 0) + n
+                        stats.first_iteration.setdefault(name, stats.iterations)
+                changed = changed or any(it.rule_set_report.changed for it in rep.report.iterations)
+                # the scheduler reports the run as updated while it holds a rule back
+                held = held or (sched and rep.report.updated)
+            # a fresh scheduler finds every match again, and a rule's matches only grow with the
+            # e-graph: one that matched before and applied nothing now was skipped (one skipped
+            # at its first match is covered by ``held``)
+            for name in (rules & set(stats.matches) - applied) if sched else ():
+                stats.skipped[name] = stats.skipped.get(name, 0) + 1
             if not changed:
-                reason = "saturated"
+                reason = "saturated" if not held else (
+                    f"match limit ({limits.match_limit} matches of one rule in one iteration; skipped: "
+                    + (", ".join(sorted(rules & set(stats.skipped))) or "rules not yet matched") + ")")
+                break
+            n = self.size()
+            stats.largest = max(stats.largest, n)
+            if n > limits.nodes:   # before the time limit: an iteration past it is rolled back
+                reason = f"node limit ({n} > {limits.nodes} e-nodes)"
+                if limits.rollback:
+                    self.pop()
+                    reason += ", its last iteration rolled back"
                 break
             if stats.iterations >= limits.iterations:
                 reason = f"iteration limit ({limits.iterations})"
                 break
             if time.perf_counter() - t0 > limits.seconds:
                 reason = f"time limit ({limits.seconds} s)"
-                break
-            n = self.size()
-            if n > limits.nodes:
-                reason = f"node limit ({n} > {limits.nodes} e-nodes)"
-                if limits.rollback:
-                    self.pop()
-                    reason += ", its last iteration rolled back"
                 break
         else:
             reason = f"phase iteration cap ({phase.max_iterations})"
@@ -199,7 +233,7 @@ class EGraph:
         stats.phases.append((phase.name, reason, stats.iterations - start, self.size()))
         # a phase that stops at its own cap hands a partial e-graph to the next phase;
         # that is reported, but only a schedule-wide limit ends the run
-        return "" if reason in ("saturated",) or reason.startswith("phase iteration cap") else reason
+        return "" if reason in ("saturated",) or reason.startswith(("phase iteration cap", "match limit")) else reason
 
     # -- export ----------------------------------------------------------------------
     def serialized(self) -> dict:

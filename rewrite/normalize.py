@@ -29,8 +29,12 @@ def work(t: Term, axis: str, inside: bool = False) -> float:
     return w
 
 
-def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
-    """(program in normal form, notes) — the program itself when nothing is cheaper."""
+def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False, report: list | None = None):
+    """(program in normal form, notes) — the program itself when nothing is cheaper.
+    ``report``: a list the saturation's RunStats is appended to. A search stopped by a limit
+    (an iteration past the node limit is rolled back; a rule matching more than the match
+    limit in one iteration is skipped, rewrite/egraph.py) adds a note saying so: the form
+    kept is the cheapest in the e-graph reached, each of its steps proved all the same."""
     from acefuse.rewrite.egraph import EGraph
     from acefuse.rewrite import schedules
     from acefuse.extract.extractor import Extractor, Reach
@@ -82,7 +86,13 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
     eg = EGraph(rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
     for k, t in encoded.items():
         eg.union(Term("Out", (k,)), t)
-    eg.saturate(schedules.NORMALIZE, dataclasses.replace(schedules.NORMALIZE.limits, rollback=True))
+    stats = eg.saturate(schedules.NORMALIZE, dataclasses.replace(schedules.NORMALIZE.limits, rollback=True))
+    if report is not None:
+        report.append(stats)
+    limited = [] if not (stats.skipped or any(w in stats.stop_reason for w in ("node limit", "time limit"))) else [
+        f"normal form: the search stopped early ({stats.stop_reason}"
+        + (f"; rules skipped where they matched too often: {', '.join(sorted(stats.skipped))}" if stats.skipped
+           else "") + "); the form kept is the cheapest in the e-graph reached"]
     ex = Extractor(eg.serialized())
     new_outputs, notes = {}, []
     for k, e in prog.outputs.items():
@@ -96,5 +106,5 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False):
         else:
             new_outputs[k] = e
     if not notes:
-        return prog, []
-    return Program(prog.name, new_outputs), notes
+        return prog, limited
+    return Program(prog.name, new_outputs), notes + limited
