@@ -13,9 +13,9 @@ to torch.
 
 Tolerance per gradient element: ``u |ref| + 64 * 2^-24 * T``, u the unit roundoff of the
 gradient's type (the kernel rounds its float32 result once; 0 for float32) and T the largest
-term the gradient is a sum of (``2 k max|cot|``: ``grad x_j = sum_r a_r p_r (delta_j,i_r - p_j)``
-with ``a_r p_r = (cot_r - sum_s cot_s w_s) p_r / sum_s v_s``, and ``p_r <= sum_s v_s``). A gradient scaled by ``1 + 8u`` (1.001 in
-float32) fails it (test_the_checker_fails_on_a_scaled_gradient).
+term the gradient is a sum of, ``2 k max|cot|``: ``grad x_j = sum_r a_r p_r (delta_j,i_r - p_j)``
+with ``a_r p_r = (cot_r - sum_s cot_s w_s) p_r / sum_s v_s`` and ``p_r <= sum_s v_s``. A
+gradient scaled by ``1 + 8u`` (1.001 in float32) fails it (test_the_checker_fails_on_a_scaled_gradient).
 """
 import runpy
 import warnings
@@ -111,6 +111,7 @@ def test_the_augmented_forward_of_top_k_of_softmax_is_one_pass():
     bwd = af.backward(prog)
     f = af.fuse(bwd.augmented)
     assert f.fusible and len(f.passes) == 1, f.reason
+    assert f.certificate.ok, f.certificate.summary()
     assert af.fuse(prog).fusible
     assert set(bwd.saved_kind.values()) <= {"max", "sum", "value"}
 
@@ -141,10 +142,10 @@ def test_top_k_of_logits_gradients():
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 8])
 def test_top_k_of_softmax_gradients_sweep(k):
-    for seed in range(6):
+    for seed, e in enumerate([k, k + 1, 67]):
         for dtype in UNIT:
             for sched in SCHED:
-                check(k, 7, [k, k + 1, 17, 64, 129, 33][seed], dtype, sched, 100 * k + seed)
+                check(k, 7, e, dtype, sched, 100 * k + seed)
 
 
 def test_the_checker_fails_on_a_scaled_gradient():
