@@ -32,20 +32,25 @@ def row_scatter(t: Term, tensors: dict):
     c, x = body.args[0], body.args[1]
     n, g = next(((i_.args[0], b) for i_, b in ((c.args[0], c.args[1]), (c.args[1], c.args[0])) if i_.op == "Idx"
                  and not any(u.op == "Idx" and u.args[0] == i_.args[0] for u in b.walk())), (None, None))
-    if g is None or x.op != "Sum" or x.args[0].op != "Ax" or _is_contraction(x):
+    chain, body = [], x   # the sums inside the where (sum_i(sum_b(dS)): a bias over key positions)
+    while body.op == "Sum" and body.args[0].op == "Ax" and not _is_contraction(body):
+        chain.append(body.args[0].args[0])
+        body = body.args[1]
+    if g is None or not chain or n in summed or set(chain) & set(summed) or len(set(chain)) < len(chain):
         return None
-    a = x.args[0].args[0]
-    if a in summed or n in summed or any(u.op == "Idx" and u.args[0] == a for u in g.walk()):
-        return None
-    # ``a`` is no batch axis: not every tensor (or lookup) carrying an axis contracted inside ``X``
-    # ranges over it (attention's q, k, v all carry b; paged keys kc[n = slot(b, j)] lack i)
+    # ``a`` is the one axis of the chain that is no batch axis: not every tensor (or lookup)
+    # carrying an axis contracted inside ``X`` ranges over it (attention's q, k, v all carry b;
+    # paged keys kc[n = slot(b, j)] lack i); the batch axes' sums move out of the where (``g``
+    # is constant along them, and sums over different axes commute), summed by the grid
     axes_of = _Axes(tensors)
-    con = {u.args[0].args[0] for u in x.args[1].walk() if _is_contraction(u) and u.args[0].op == "Ax"}
-    carry = [axes_of(u) for u in x.walk() if u.op == "Take" or (u.op == "In" and u.args[0] in tensors)]
+    con = {u.args[0].args[0] for u in body.walk() if _is_contraction(u) and u.args[0].op == "Ax"}
+    carry = [axes_of(u) for u in body.walk() if u.op == "Take" or (u.op == "In" and u.args[0] in tensors)]
     carry = [ax for ax in carry if ax & con]
-    if not carry or all(a in ax for ax in carry):
+    loop = [c for c in chain if carry and not all(c in ax for ax in carry)]
+    if len(loop) != 1 or any(u.op == "Idx" and u.args[0] in chain for u in g.walk()):
         return None
-    return a, summed, n, g, x
+    a = loop[0]
+    return a, summed + [c for c in chain if c != a], n, g, Term("Sum", (Term("Ax", (a,)), body))
 
 
 def split_row_scatters(outputs: dict, order, scatters: dict) -> None:
