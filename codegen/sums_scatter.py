@@ -190,4 +190,4 @@ def row_scatter_store(gen, o: str, val: str, sh) -> list:
         ptr = f"({ptr})[:, None] + {c}[None, :] * s_{o}_{sh[1]}"
         mask = f"sk_{o}[:, None] & {m}[None, :]"
     return ([f"    # {o}[{n} = {pretty(g)}] += this row's sum (a scatter: the sum over the rows split by the "
-             "entry each one names)"] + lines + [f"    tl.atomic_add({ptr}, {val}, mask={mask})"])
+             "entry each one names)"] + lines + [f"    tl.atomic_add({ptr}, ({val}).to({o}_ptr.dtype.element_ty), mask={mask})"])
