@@ -224,7 +224,7 @@ def test_real_timing_path_and_the_tuning_store(monkeypatch, tmp_path):
     timed = []
     real = mod._fastest
     monkeypatch.setattr(mod, "_fastest", lambda *a, **kw: timed.append(1) or real(*a, **kw))
-    x = torch.randn(2, 40)   # small: two candidates, each run 16 times on the interpreter
+    x = torch.randn(2, 200)   # small: three candidates, each run 16 times on the interpreter
     y = k(x=x)
     assert timed == [1] and len(mod._CHOSEN) == 1
     ok, err = _close(y, torch.softmax(x.double(), -1))
@@ -232,5 +232,5 @@ def test_real_timing_path_and_the_tuning_store(monkeypatch, tmp_path):
     assert list((tmp_path / "tuning").glob("*.json")), "the choice was not stored"
     monkeypatch.setattr(mod, "_CHOSEN", {})
     monkeypatch.setattr(mod, "_PLANS", {})
-    y = k(x=torch.randn(2, 37))   # the same shape class, a fresh process's state: read back
+    y = k(x=torch.randn(2, 170))   # the same shape class, a fresh process's state: read back
     assert timed == [1] and len(mod._CHOSEN) == 1
