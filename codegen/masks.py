@@ -13,6 +13,20 @@ construction: each interval encloses every value of its expression over the box
 (integer indices; ``//`` and ``%`` by a positive constant are monotone / periodic), and
 tests/test_masks.py checks it exhaustively at small sizes.
 
+Exact on every device: every bound of an arithmetic node is computed *exactly* or widened
+to (-inf, inf). The bounds are float32 values; an arithmetic node keeps its bounds only
+where they and its operands' bounds are integers of magnitude below 2**24 (then each
+float32 operation that produced them was exact), and a product only by an integer
+constant. ``//`` and ``%`` divide in int64 (floor division, as emit.py's per-element
+``emit_int``), never with Triton's float ``/`` (approximate on a GPU: ``6 / 3`` may come
+out just below 2, and its floor, 1, bounds a box it does not enclose). Exact bounds
+enclose the per-element values however the kernel rounds them (fused multiply-adds
+included): each is a rounding of a real value the exact bounds enclose, and rounding is
+monotone and keeps representable values. A leaf compared directly (``j <= i``) is the
+float32 value of an index in the kernel too (its rounding is monotone).
+tests/test_mask_bounds.py checks this against brute force at exact multiples, with the
+float division of the interpreter made adversarial (two ulps either way).
+
 A skip is used only when the derived updates are checked (numerically, here) to leave
 every state unchanged on a tile whose masked leaves are all -inf.
 """
@@ -31,6 +45,38 @@ _ARITH = frozenset(("Num", "Idx", "Size", "Neg", "Add", "Sub", "Mul", "Abs", "Fl
 _CMPS = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe")
 # an unknown truth value as a block (a 0-d boolean next to a block fails in Triton's interpreter)
 UNKNOWN = "(start < 0)"
+# float32 holds every integer of magnitude up to 2**24 exactly (bounds are kept below it)
+_EXACT = "16777216.0"
+_WIDE = ("float('-inf')", "float('inf')")
+
+
+def _int_const(t: Term) -> bool:
+    return t.op == "Num" and not isinstance(t.args[0], Term) and math.isfinite(float(t.args[0])) \
+        and float(t.args[0]).is_integer() and abs(float(t.args[0])) < 2 ** 24
+
+
+def _exact(L: list, lo: str, hi: str, operands=()):
+    """(lo, hi) where they and every operand bound are integers of magnitude below 2**24 (so
+    every float32 operation that computed them was exact), else (-inf, inf); per tile. Each
+    value is made a block over the tiles (``+ start * 0.0``, exact): Triton's interpreter
+    cannot ``&`` a 0-d boolean with a block."""
+    n = len(L)
+    L.append(f"iv{n}l = {lo} + start * 0.0")
+    L.append(f"iv{n}h = {hi} + start * 0.0")
+    vals = [f"iv{n}l", f"iv{n}h"]
+    for k, v in enumerate(x for pair in operands for x in pair):
+        L.append(f"iv{n}o{k} = {v} + start * 0.0")
+        vals.append(f"iv{n}o{k}")
+    L.append(f"iv{n}ok = " + " & ".join(f"(tl.abs({v}) < {_EXACT}) & ({v} == tl.floor({v}))" for v in vals))
+    return f"tl.where(iv{n}ok, iv{n}l, {_WIDE[0]})", f"tl.where(iv{n}ok, iv{n}h, {_WIDE[1]})"
+
+
+def _floor_div(L: list, name: str, a: str, c: int) -> str:
+    """int64 floor division by a positive constant (Triton's ``//`` truncates toward zero on a
+    GPU; the interpreter floors, where the correction is a no-op)."""
+    L.append(f"{name}t = {a} // {c}")
+    L.append(f"{name} = tl.where({a} - {name}t * {c} < 0, {name}t - 1, {name}t)")
+    return name
 
 
 def _pos_const(t: Term) -> bool:
@@ -203,8 +249,8 @@ class MaskAnalysis:
         return True
 
     def interval(self, t: Term, L: list):
-        """(lo, hi) expressions of an index expression over the tile's index box (exact for
-        integer values below 2**24, computed in float32)."""
+        """(lo, hi) float32 expressions of an index expression over the tile's index box:
+        exact, or (-inf, inf) where exactness is not proved (the module docstring)."""
         op = t.op
         if op == "Num":
             v = repr(float(t.args[0]))
@@ -219,43 +265,52 @@ class MaskAnalysis:
         if op == "Size":
             v = "nj_f" if t.args[0] == self.axis else f"(len_{t.args[0]} * 1.0)"
             return v, v
+        if op in ("Neg", "Add", "Sub", "Max2", "Min2", "Mul", "Abs") and any(
+                a.op == "Num" and not _int_const(a) for a in t.args):
+            return _WIDE   # a non-integer (or huge) constant: float32 bounds may be rounded
         if op == "Neg":
             lo, hi = self.interval(t.args[0], L)
-            return f"(-{hi})", f"(-{lo})"
+            return _exact(L, f"(-{hi})", f"(-{lo})", [(lo, hi)])
         if op in ("Add", "Sub"):
-            (al, ah), (bl, bh) = self.interval(t.args[0], L), self.interval(t.args[1], L)
+            (al, ah), (bl, bh) = ops = self.interval(t.args[0], L), self.interval(t.args[1], L)
             if op == "Add":
-                return f"({al} + {bl})", f"({ah} + {bh})"
-            return f"({al} - {bh})", f"({ah} - {bl})"
+                return _exact(L, f"({al} + {bl})", f"({ah} + {bh})", ops)
+            return _exact(L, f"({al} - {bh})", f"({ah} - {bl})", ops)
         if op in ("Max2", "Min2"):   # monotone in both arguments
-            (al, ah), (bl, bh) = self.interval(t.args[0], L), self.interval(t.args[1], L)
+            (al, ah), (bl, bh) = ops = self.interval(t.args[0], L), self.interval(t.args[1], L)
             fn = "tl.maximum" if op == "Max2" else "tl.minimum"
-            return f"{fn}({al}, {bl})", f"{fn}({ah}, {bh})"
+            return _exact(L, f"{fn}({al}, {bl})", f"{fn}({ah}, {bh})", ops)
         if op == "Mul":
-            (al, ah), (bl, bh) = self.interval(t.args[0], L), self.interval(t.args[1], L)
+            (al, ah), (bl, bh) = ops = self.interval(t.args[0], L), self.interval(t.args[1], L)
             n = len(L)
             L.append(f"iv{n}a = {al} * {bl}")
             L.append(f"iv{n}b = {al} * {bh}")
             L.append(f"iv{n}c = {ah} * {bl}")
             L.append(f"iv{n}d = {ah} * {bh}")
-            return (f"tl.minimum(tl.minimum(iv{n}a, iv{n}b), tl.minimum(iv{n}c, iv{n}d))",
-                    f"tl.maximum(tl.maximum(iv{n}a, iv{n}b), tl.maximum(iv{n}c, iv{n}d))")
+            return _exact(L, f"tl.minimum(tl.minimum(iv{n}a, iv{n}b), tl.minimum(iv{n}c, iv{n}d))",
+                          f"tl.maximum(tl.maximum(iv{n}a, iv{n}b), tl.maximum(iv{n}c, iv{n}d))", ops)
         if op == "Abs":
             lo, hi = self.interval(t.args[0], L)
-            return (f"tl.where({lo} >= 0, {lo}, tl.where({hi} <= 0, -{hi}, 0.0))",
-                    f"tl.maximum(tl.abs({lo}), tl.abs({hi}))")
-        if op == "FloorDiv":   # by a positive constant: monotone (exact for indices below 2**24)
+            return _exact(L, f"tl.where({lo} >= 0, {lo}, tl.where({hi} <= 0, -{hi}, 0.0))",
+                          f"tl.maximum(tl.abs({lo}), tl.abs({hi}))", [(lo, hi)])
+        if op in ("FloorDiv", "Mod"):
+            # by a positive constant c, in int64 from exact operand bounds: // is monotone;
+            # % is [lo % c, hi % c] within one period (lo // c == hi // c), else [0, c - 1]
             lo, hi = self.interval(t.args[0], L)
-            c = repr(float(t.args[1].args[0]))
-            return f"tl.floor({lo} / {c})", f"tl.floor({hi} / {c})"
-        if op == "Mod":        # by a positive constant c: [lo % c, hi % c] within one period, else [0, c - 1]
-            lo, hi = self.interval(t.args[0], L)
-            c = repr(float(t.args[1].args[0]))
+            c = int(float(t.args[1].args[0]))
+            lo, hi = _exact(L, lo, hi)   # exact integers, or infinite (then the result is too)
             n = len(L)
-            L.append(f"iv{n}q = tl.floor({lo} / {c})")
-            L.append(f"iv{n}s = iv{n}q == tl.floor({hi} / {c})")
-            return (f"tl.where(iv{n}s, {lo} - iv{n}q * {c}, 0.0)",
-                    f"tl.where(iv{n}s, {hi} - iv{n}q * {c}, {c} - 1.0)")
+            L.append(f"iv{n}ok = {lo} > {_WIDE[0]}")
+            L.append(f"iv{n}a = tl.where(iv{n}ok, {lo}, 0.0).to(tl.int64)")
+            L.append(f"iv{n}b = tl.where(iv{n}ok, {hi}, 0.0).to(tl.int64)")
+            qa, qb = _floor_div(L, f"iv{n}qa", f"iv{n}a", c), _floor_div(L, f"iv{n}qb", f"iv{n}b", c)
+            if op == "FloorDiv":
+                rl, rh = f"{qa}.to(tl.float32)", f"{qb}.to(tl.float32)"
+            else:
+                L.append(f"iv{n}s = {qa} == {qb}")
+                rl = f"tl.where(iv{n}s, iv{n}a - {qa} * {c}, 0).to(tl.float32)"
+                rh = f"tl.where(iv{n}s, iv{n}b - {qa} * {c}, {c - 1}).to(tl.float32)"
+            return _exact(L, f"tl.where(iv{n}ok, {rl}, {_WIDE[0]})", f"tl.where(iv{n}ok, {rh}, {_WIDE[1]})")
         if op == "Take":
             return self._lookup_interval(t, L)
         raise CodegenError(f"interval of {op}")
@@ -327,9 +382,13 @@ class _Arr(np.ndarray):
 class _NumpyTL:
     """The ``tl`` functions interval()/truth() emit, on numpy arrays. Pointers are offsets:
     tensor number ``k`` starts at ``k * _SPAN`` (``tile_truth``'s ``data``)."""
-    minimum, maximum, where, floor, abs = np.minimum, np.maximum, np.where, np.floor, np.abs
-    float32, int32 = np.float32, np.int32
+    minimum, maximum, floor, abs = np.minimum, np.maximum, np.floor, np.abs
+    float32, int32, int64 = np.float32, np.int32, np.int64
     data: list = []
+
+    @staticmethod
+    def where(c, a, b):
+        return np.asarray(np.where(c, a, b)).view(_Arr)
 
     @staticmethod
     def arange(a, b):
