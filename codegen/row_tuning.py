@@ -7,10 +7,10 @@ first call per shape class and keeps the fastest (codegen/row.py's ``_plan`` ask
 Why timed, not a formula: on an H200 (benchmarks/row_launch_diag.py, BENCHMARKS.md
 session 10) softmax's single-tile backward at 16384x8192 bf16 moved its 3 passes at
 4.0 TB/s with the size heuristics' 8 warps, while the riders schedule of RMSNorm's and
-layernorm's backward (same tile, two or three column sums kept in registers besides) moved
-theirs at 2.1 and 1.6 TB/s: what is fastest depends on what a kernel keeps in registers,
-which only the compiled kernel shows. The candidates are few (each warp count
-is one compilation) and the heuristics' own launch is always the first: it is the
+layernorm's backward (same tile, one or two weight-gradient sums of the row's length kept in
+registers besides) moved theirs at 2.1 and 1.6 TB/s: what is fastest depends on what a kernel
+keeps in registers, which only the compiled kernel shows. The candidates are few (each warp
+count is one compilation) and the heuristics' own launch is always the first: it is the
 reference, and it must run (``required``).
 """
 from __future__ import annotations
@@ -33,9 +33,10 @@ def lines(timing_src, remembered_src) -> list:
         "",
         "def _launch_cands(n_rows, n_j, ride, programs):",
         "    \"\"\"Launch options to time, the size heuristics' own (``{}``) first: one tile per row",
-        "    with 4-32 warps, 2-64 elements a thread (and twice the rows per tile where a tile holds at most 4096",
-        "    elements); with riders, 8-32 warps and 1, 2 or 4 persistent programs per SM (with and",
-        "    without software pipelining of the loop over rows); a loop of 4096-32768-element",
+        "    with 4-32 warps, 2-64 elements a thread (and twice the rows per tile where a tile",
+        "    holds at most 4096 elements); with riders, 8-32 warps and 1, 2 or 4 persistent programs",
+        "    per SM (with and without software pipelining of the loop over rows); a loop of",
+        "    4096-32768-element",
         "    tiles where the row is longer than 16384 and the loop would run.\"\"\"",
         "    cands = [{}]",
         "    if n_j <= MAX_SINGLE:",
