@@ -10,12 +10,14 @@ written, for the reference evaluator and the unfused kernel, as a cascade of pla
 over ``axis``: the distinct values in decreasing order (``u_0 = max(y)``, ``u_s = max(where(y <
 u_{s-1}, y, -inf))``, y being x with NaN read as +inf), the count of each, and the positions of
 each value's first occurrences (g the index, negative for a NaN so NaNs come first); candidate
-t's index is picked from them by the counts, and its value is x at that index (``max(where(
-index == idx_t, x, -inf))``, NaN where the candidate is a NaN), as torch.topk's values are
-``x.gather(idx)``. So ``af.backward`` differentiates a gather: the adjoint goes to the chosen
-position (torch.topk's gradient; equal values do not share it), and the augmented forward
-saves candidates and the reductions the one pass carries (top-k of softmax probabilities trains
-with its one-pass forward fusion), not the cascade's levels and counts, which need more passes.
+t's index is picked from them by the counts, and its value is x at that index, as torch.topk's
+values are ``x.gather(idx)``: ``sum(where(index == idx_t, x, 0))`` (a one-hot sum: exact, but
+-0.0 reads +0.0 where the cascade is evaluated; the fused kernels carry the element itself),
+NaN where the candidate is a NaN. So ``af.backward`` differentiates a one-hot sum: the adjoint
+goes to the chosen position (torch.topk's gradient; equal values do not share it; no
+recomputed value has to match a saved one), and the augmented forward saves candidates and the
+reductions the one pass carries (top-k of softmax probabilities trains with its one-pass
+forward fusion), not the cascade's levels and counts, which need more passes.
 
 The fusion does not derive anything from that cascade. Each candidate term is registered
 (``CANDIDATES``, and ``af.gather`` at a candidate's index in ``PAYLOADS``) with its selection
@@ -229,10 +231,10 @@ def topk(x, k: int, axis: str, kaxis: str = "k"):
             i = pick if i is None else lang.where(before[lv + 1] > t, pick, i)
         idxs.append(lang.cast(lang.where(i < 0, i + lang.size(axis), i), "index"))
         # the value: the operand at the candidate's position (torch.topk's values: x.gather(idx)),
-        # which is its level wherever i >= 0. Written so, the derivative is the adjoint scattered
-        # to that position (torch.topk's; ties do not share it) and a backward saves the
-        # candidates, which the fused pass carries, not the cascade's levels and counts
-        at = lang.max(lang.where(j.eq(idxs[-1]), x, -inf), axis)
+        # its level wherever i >= 0, as a one-hot sum. Written so, the derivative is the adjoint
+        # scattered to that position (torch.topk's; ties do not share it) and a backward saves
+        # the candidates, which the fused pass carries, not the cascade's levels and counts
+        at = lang.sum(lang.where(j.eq(idxs[-1]), x, 0.0), axis)
         vals.append(lang.where(i < 0, math.nan, at))
         CANDIDATES[id(at.term)] = (at.term, spec, t, "v")   # by identity (the term is kept alive)
         CANDIDATES[id(i.term)] = (i.term, spec, t, "i")

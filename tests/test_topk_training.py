@@ -41,7 +41,8 @@ def kernel(k, select="probs"):
 
 def logits(t, e, seed, dtype):
     """Fresh random router logits with adversarial rows: exact ties (integers), a tied top
-    value, a near-tie whose float32 probabilities are equal, a large offset."""
+    value, a near-tie whose float32 probabilities are equal, a large offset, one finite expert
+    (the others masked with -inf: chosen with probability 0, gradient 0)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, e, generator=g, dtype=torch.float64) * 2
     x[0] = torch.randint(0, 3, (e,), generator=g).double()        # many exact ties
@@ -51,6 +52,8 @@ def logits(t, e, seed, dtype):
     if t > 3 and e > 2:
         x[3] = -3.0
         x[3, 0], x[3, e - 1] = 0.5, 0.5 + 2.0 ** -22                  # equal float32 probabilities
+    if t > 4:
+        x[4, 1:] = -float("inf")                                     # masked experts: chosen with p = 0
     return x.to(dtype)
 
 
@@ -114,6 +117,10 @@ def test_the_augmented_forward_of_top_k_of_softmax_is_one_pass():
     assert f.certificate.ok, f.certificate.summary()
     assert af.fuse(prog).fusible
     assert set(bwd.saved_kind.values()) <= {"max", "sum", "value"}
+    # the backward: the softmax's sum_e(scattered adjoint * p), then the elementwise gradient
+    # (with the values as a max over a one-hot, its hit counts took one more pass: not fusible)
+    fb = af.fuse(bwd)
+    assert fb.fusible, fb.reason
 
 
 @pytest.mark.parametrize("sched", SCHED, ids=lambda s: s["schedule"])
