@@ -237,10 +237,7 @@ class Emitter:
             return self.bind(f, s, "i")
         if op == "Pow":
             a, sa = self.emit(t.args[0])
-            p = float(t.args[1])
-            if p.is_integer() and 0 < p <= 4:
-                return self.bind(" * ".join([a] * int(p)), sa)
-            return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
+            return self.bind(pow_expr(a, t.args[1]), sa)
         if op in ("Max2", "Min2"):
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
@@ -481,6 +478,16 @@ def _or(a, b):
     if b is None:
         return a
     return f"({a}) | ({b})"
+
+
+def pow_expr(a: str, p) -> str:
+    """Triton expression of ``a ** p`` for a constant exponent ``p`` (every kernel family's
+    Pow): a product of ``a`` with itself for a positive integer power up to 4, else
+    ``exp(p * log(a))``."""
+    p = float(p)
+    if p.is_integer() and 0 < p <= 4:
+        return " * ".join([a] * int(p))
+    return f"tl.exp({p!r} * tl.log({a}))"
 
 
 def _literal(t: Term):

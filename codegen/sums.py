@@ -8,7 +8,7 @@ import math
 import re
 
 from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN
-from acefuse.codegen.emit import CodegenError, _scale_log2e
+from acefuse.codegen.emit import CodegenError, _scale_log2e, pow_expr
 from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
 from acefuse.codegen.sums_loops import two_loop_axes, compile_two_loops, double_sum_axis  # noqa: F401 (re-exported)
@@ -432,12 +432,9 @@ class SumGen:
             return self.bind(f"tl.exp2({a})", sa)
         if op in _FUNCS:
             return self._function(t)
-        if op == "Pow":
+        if op == "Pow":   # as every family lowers it (emit.pow_expr)
             a, sa = self.emit(t.args[0])
-            p = float(t.args[1])
-            if p.is_integer() and 0 < p <= 4:
-                return self.bind(" * ".join([a] * int(p)), sa)
-            return self.bind(f"tl.exp({p!r} * tl.log({a}))", sa)
+            return self.bind(pow_expr(a, t.args[1]), sa)
         if op == "Where" and self.alltrue and t.args[0] in self._conds:
             return self.emit(t.args[1])
         args = [self.emit(c) for c in t.children]
