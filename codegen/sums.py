@@ -33,7 +33,8 @@ class SumGen:
     with F = j, or dK = sum_i(dS * q), dV = sum_i(P * dO) with F = i).
 
     Axes, classified, not named: ``F`` the loop axis (tiles of BLOCK_J); grid axes ``G``
-    (every tensor over F has them: batch, heads): one program each; row axes ``R`` (output
+    (every tensor over F that carries a contracted axis has them: batch, heads; a lookup over F,
+    ``kc[n = slot(b, j)]``, counts as a tensor over its own and its index's axes): one program each; row axes ``R`` (output
     axes no F-tensor has): flattened into tiles of BLOCK_I; vector axes: any other axis a
     tensor or output carries (head dims), one per value, a [BLOCK, BLOCK_<axis>] tile.
     Values are scalars, rows [I], loop columns [J], tiles [I, J], row vectors [I, a] or
