@@ -12,8 +12,9 @@ three schedules), alibi (float32), grouped-query attention (float32). Added here
   alibi in float16/bfloat16; norms.py: layernorm_onepass, softmax_lse and cross_entropy_mean in
   every type and schedule; not_fusible.py (mean absolute deviation), user_rule.py (Renyi-2
   entropy), moe.py (Switch gate, router z-loss, softmax top-2, DeepSeek top-2: top-k
-  gradients, one backward not fusible); Hypothesis draws type, schedule, sizes and inputs.
-- examples/masks.py: every gallery variant's gradients (slow), and whether they come from
+  gradients; each backward fusible); Hypothesis draws type, schedule, sizes and inputs.
+- examples/masks.py: every gallery variant's gradients (slow; float32, and float16/bfloat16 with
+  a bound of two unit roundoffs, ``gallery_check_low``), and whether they come from
   derived kernels: a variant whose backward is torch's (a ``GradientFallbackWarning``)
   would be a strict xfail naming the reason, so a fix shows up as an XPASS (none left).
 - ``af.fuse(af.backward(relative_bias))`` fuses and is certified (it raised an internal
