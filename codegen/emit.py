@@ -482,11 +482,18 @@ def _or(a, b):
 
 def pow_expr(a: str, p) -> str:
     """Triton expression of ``a ** p`` for a constant exponent ``p`` (every kernel family's
-    Pow): a product of ``a`` with itself for a positive integer power up to 4, else
-    ``exp(p * log(a))``."""
+    Pow), with torch's values: a product of ``a`` with itself for a positive integer power up
+    to 4; 1 for ``p = 0``; for any other integer ``p``, ``exp(p * log|a|)`` with the sign of
+    ``a`` for an odd one (a negative base has a finite power); else ``exp(p * log(a))`` (NaN
+    for a negative base, as torch)."""
     p = float(p)
     if p.is_integer() and 0 < p <= 4:
         return " * ".join([a] * int(p))
+    if p == 0:
+        return f"tl.where({a} != 0.0, 1.0, 1.0)"   # 1 of a's shape, for NaN and inf too
+    if p.is_integer():
+        m = f"tl.exp({p!r} * tl.log(tl.abs({a})))"
+        return f"tl.where({a} < 0, -{m}, {m})" if int(p) % 2 else m
     return f"tl.exp({p!r} * tl.log({a}))"
 
 
