@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import acefuse as af
 from acefuse.autograd import GradientFallbackWarning
@@ -46,7 +48,8 @@ def logits(t, e, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, e, generator=g, dtype=torch.float64) * 2
     x[0] = torch.randint(0, 3, (e,), generator=g).double()        # many exact ties
-    x[1, : e // 2] = x[1].max()                                      # the top value e // 2 times
+    if t > 1:
+        x[1, : e // 2] = x[1].max()                                  # the top value e // 2 times
     if t > 2:
         x[2] += 40.0                                                 # softmax's shift
     if t > 3 and e > 2:
@@ -153,6 +156,18 @@ def test_top_k_of_softmax_gradients_sweep(k):
         for dtype in UNIT:
             for sched in SCHED:
                 check(k, 7, e, dtype, sched, 100 * k + seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_top_k_of_softmax_gradients_hypothesis(data):
+    """k, expert count, rows, type, schedule, logits (with their adversarial rows) drawn."""
+    draw = data.draw
+    k = draw(st.integers(2, 4))
+    check(k, draw(st.integers(1, 7)), draw(st.integers(k, 70)), draw(st.sampled_from(list(UNIT))),
+          draw(st.sampled_from(SCHED)), draw(st.integers(0, 2**31 - 1)),
+          select=draw(st.sampled_from(["probs", "logits"])))
 
 
 def test_the_checker_fails_on_a_scaled_gradient():
