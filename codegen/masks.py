@@ -5,12 +5,13 @@ A leaf ``where(cond, s, -inf)`` is a *mask site*. ``truth(cond)`` gives two scal
 booleans per key tile (vectorised over ``SCAN`` tiles at once): *always true* and
 *always false* over the tile's index box (the row tile's query indices times the key
 tile's indices), by interval arithmetic on index expressions. A comparison whose sides
-interval arithmetic cannot bound (a lookup ``doc[i] == doc[j]``, a tensor) is *unknown*:
+interval arithmetic cannot bound (a lookup ``doc[i] == doc[j]``, a tensor over an axis) is *unknown*:
 neither always true nor always false, so ``A & unknown`` is still always false where
 ``A`` is, and ``A | unknown`` always true where ``A`` is; the condition itself is always
 evaluated per element on tiles that are not proven fully visible. Sound by
 construction: each interval encloses every value of its expression over the box
-(integer indices; ``//`` and ``%`` by a positive constant are monotone / periodic), and
+(integer indices; a 0-d input tensor, such as a shard's global offset, is one value per
+launch: a point interval, loaded as the kernel loads it; ``//`` and ``%`` by a positive constant are monotone / periodic), and
 tests/test_masks.py checks it exhaustively at small sizes.
 
 Exact on every device: every bound of an arithmetic node is computed *exactly* or widened
@@ -117,6 +118,8 @@ def _interval_ok(g, t: Term) -> bool:
     for u in t.walk():
         if u.op == "Take" and _lookup_ok(g, u):
             continue
+        if u.op == "In" and g.tensors.get(u.args[0]) == ():
+            continue   # a scalar input (a shard's global offset): one value per launch, a point interval
         if u.op not in _ARITH:
             return False
         if u.op == "Mul" and not any(x.op == "Num" for x in u.args):
@@ -313,6 +316,9 @@ class MaskAnalysis:
             return _exact(L, f"tl.where(iv{n}ok, {rl}, {_WIDE[0]})", f"tl.where(iv{n}ok, {rh}, {_WIDE[1]})")
         if op == "Take":
             return self._lookup_interval(t, L)
+        if op == "In":   # a scalar input (_interval_ok): loaded as the kernel loads it
+            v = f"tl.load({t.args[0]}_ptr).to(tl.float32)"
+            return v, v
         raise CodegenError(f"interval of {op}")
 
     def _lookup_interval(self, t: Term, L: list):
@@ -403,7 +409,7 @@ class _NumpyTL:
         return np.max(x, axis=axis).view(_Arr)
 
     @classmethod
-    def load(cls, off, mask, other):
+    def load(cls, off, mask=True, other=0.0):
         off = np.asarray(off)
         k = int(off.flat[0]) // _SPAN
         arr = cls.data[k]

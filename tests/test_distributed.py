@@ -270,6 +270,63 @@ def test_context_parallel_zigzag_layout():
                 torch.testing.assert_close(out[o].double(), want, **TOL_F64)
 
 
+def _zigzag_ring_counting(rank, world, n, ins):
+    """The zig-zag ring on this rank, counting the kernels the sharded flow generates by role."""
+    from acefuse.distributed import kernels as dk
+    counts: dict = {}
+    load = dk._load
+
+    def counting(lf, src, role, extra):
+        counts[role] = counts.get(role, 0) + 1
+        return load(lf, src, role, extra)
+    dk._load = counting
+    try:
+        C = n // 2
+        idx = torch.cat([torch.arange(rank * C, rank * C + C),
+                         torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)])
+        loc = {t_: ins[t_][:, :, idx].contiguous() for t_ in ("q", "k", "v")}
+        out = kernel(CAUSAL)(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring",
+                             zigzag=("i",), shard_sizes=[n] * world)
+        again = kernel(CAUSAL)(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring",
+                               zigzag=("i",), shard_sizes=[n] * world)
+    finally:
+        dk._load = load
+    sk = next(v for key, v in kernel(CAUSAL).__dict__["_acefuse_sharded"].items() if key[2] == "ring")
+    src = open(next(k for key, k in sk._kernels.items() if key[0] == "partial").path).read()
+    return {"out": out, "again": again, "counts": counts, "src": src}
+
+
+def test_zigzag_ring_compiles_each_kernel_once():
+    """A zig-zag ring over 3 ranks visits 2 x 6 (query chunk, key chunk) blocks per rank at 5
+    distinct pairs of global offsets; the offsets are runtime inputs of one partial kernel
+    (compiled once per rank, not once per pair), whose source still skips the key tiles the
+    causal mask excludes (the offsets are point intervals to the mask analysis). Outputs match
+    the one-process kernel and float64."""
+    world, n = 3, 10
+    N = world * n
+    gen = torch.Generator().manual_seed(SEED + 7)
+    ins = {"q": torch.randn(1, 2, N, 16, generator=gen), "k": torch.randn(1, 2, N, 16, generator=gen),
+           "v": torch.randn(1, 2, N, 16, generator=gen)}
+    full = kernel(CAUSAL)(**ins)
+    ref = evaluate(CAUSAL, ins)
+    outs = run_ranks(_zigzag_ring_counting, world, n, ins)
+    C = n // 2
+    for rank, (res, _) in enumerate(outs):
+        assert res["counts"] == {"partial": 1}, (rank, res["counts"])
+        src = res["src"]
+        assert "gpos_j_ptr" in src and "gpos_i_ptr" in src
+        assert "tiles the mask excludes entirely (skipped)" in src
+        assert "(j_lo + tl.load(gpos_j_ptr).to(tl.float32))" in src, "the offset is not a point interval"
+        idx = torch.cat([torch.arange(rank * C, rank * C + C),
+                         torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)])
+        for got in (res["out"], res["again"]):
+            for o in CAUSAL.outputs:
+                torch.testing.assert_close(got[o], full[o][:, :, idx], **TOL_KERNEL,
+                                           msg=lambda m: f"zig-zag ring {o} rank {rank} (seed {SEED}): {m}")
+                want = torch.as_tensor(np.array(ref[o], dtype=np.float64))[:, :, idx]
+                torch.testing.assert_close(got[o].double(), want, **TOL_F64)
+
+
 # ---- the merge: associativity on random partial states ------------------------------------
 def _partials(prog, inputs, axis, bounds, axes_p):
     """Partial states of every block [b0, b1) of the fused axis, computed by the sharded

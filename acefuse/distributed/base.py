@@ -22,12 +22,33 @@ class DistributedFallbackWarning(UserWarning):
 
 
 # ---- the term-level instantiation of global positions -----------------------------------
-def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None) -> Term:
+def gpos(axis: str) -> str:
+    """The name of the 0-d input tensor that holds the global position of a shard's first
+    element along ``axis`` (a runtime argument of the per-shard kernels, see ``instantiate``)."""
+    return f"gpos_{axis}"
+
+
+def gpos_inputs(offsets: dict, device=None) -> dict:
+    """{gpos(a): 0-d float32 tensor holding offsets[a]}: the values a kernel instantiated with
+    ``runtime=True`` reads. Exact: the mask analysis keeps integer bounds below 2**24 only."""
+    import torch
+    return {gpos(a): torch.tensor(float(int(v)), dtype=torch.float32, device=device) for a, v in offsets.items()}
+
+
+def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None, runtime=False) -> Term:
     """``t`` with ``index(a)`` -> ``index(a) + offsets[a]``, ``size(a)`` -> ``sizes[a]`` and,
     when ``count_j`` is given, the whole axis's count ``Cnt(J)`` -> that number. The result is
     the same expression with its free leaves (positions, lengths) fixed: every derivation step
-    proved over generic leaves still holds."""
-    if t.op == "Idx" and offsets.get(t.args[0]):
+    proved over generic leaves still holds.
+
+    ``runtime=True``: ``index(a)`` -> ``index(a) + gpos_a`` for every axis in ``offsets`` (its
+    value unused), ``gpos_a`` a 0-d input tensor (``gpos``, ``gpos_inputs``): one kernel serves
+    every offset (a ring visits W of them per rank, a zig-zag layout 2W), and the offset, one
+    value per launch, is a point interval to the mask analysis (codegen/masks.py), so tiles a
+    causal mask excludes are still skipped."""
+    if t.op == "Idx" and t.args[0] in offsets and (runtime or offsets[t.args[0]]):
+        if runtime:
+            return Term("Add", (t, Term("In", (gpos(t.args[0]),))))
         return Term("Add", (t, num(int(offsets[t.args[0]]))))
     if t.op == "Size" and t.args[0] in sizes:
         return num(int(sizes[t.args[0]]))
@@ -35,7 +56,7 @@ def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None) -> Term:
         return num(int(count_j))
     if not t.children:
         return t
-    return Term(t.op, tuple(instantiate(a, offsets, sizes, count_j) if isinstance(a, Term) else a
+    return Term(t.op, tuple(instantiate(a, offsets, sizes, count_j, runtime) if isinstance(a, Term) else a
                             for a in t.args))
 
 

@@ -27,7 +27,7 @@ The plan is read off the backward program's terms, nothing names a workload:
 from __future__ import annotations
 
 from acefuse.rewrite.terms import Term, pretty
-from acefuse.distributed.base import DistributedError, instantiate, ring_peers, ring_shift
+from acefuse.distributed.base import DistributedError, instantiate, ring_peers, ring_shift, gpos, gpos_inputs
 
 _LIN = ("Add", "Sub", "Neg")
 
@@ -279,9 +279,10 @@ class ShardedBackward:
         terms = [t for t, _, _ in p.outputs.values()]
         used_i = {u.args[0] for t in terms for u in t.walk() if u.op == "Idx"}
         used_s = {u.args[0] for t in terms for u in t.walk() if u.op == "Size"}
-        offs = {a: int(v) for a, v in offsets.items() if a in used_i and v}
+        offs = {a: int(v) for a, v in offsets.items() if a in used_i}
         gs = {a: int(v) for a, v in gsizes.items() if a in used_s}
-        key = (id(p), tuple(sorted(offs.items())), tuple(sorted(gs.items())))
+        # the offsets are runtime inputs (gpos_a): one kernel per program for every block offset
+        key = (id(p), tuple(sorted(offs)), tuple(sorted(gs.items())))
         k = self._kernels.get(key)
         if k is None:
             from acefuse.autograd import compile_stage
@@ -290,13 +291,17 @@ class ShardedBackward:
                 base = self._kernels[(id(p), (), ())] = compile_stage(p.program, **self.kw)
             if not offs and not gs:
                 return base
-            # the program with its global positions fixed, derived again (a template's own
+            # the program with index(a) + gpos_a (a 0-d input: the block's global offset, given
+            # per launch) and its global lengths fixed, derived again (a template's own
             # instantiation of the fused forms does not reach every place the mask is read)
             from acefuse.lang import Program, Expr
-            prog = Program(p.program.name, {o: Expr(instantiate(e.term, offs, gs), e.axes, e.tensors)
-                                            for o, e in p.program.outputs.items()})
+
+            def expr(e):
+                t = instantiate(e.term, offs, gs, runtime=True)
+                read = {u.args[0] for u in t.walk() if u.op == "In"}
+                return Expr(t, e.axes, {**e.tensors, **{gpos(a): () for a in sorted(offs) if gpos(a) in read}})
+            prog = Program(p.program.name, {o: expr(e) for o, e in p.program.outputs.items()})
             k = compile_stage(prog, **self.kw)
-            _share_tuning(base, k)
             self._kernels[key] = k
         return k
 
@@ -306,6 +311,7 @@ class ShardedBackward:
         k = self._kernel(p, offsets, gsizes)
         names = getattr(getattr(k, "fusion", None), "encoding", None)
         names = list(names.tensors) if names is not None else list(p.tensors)
+        env = {**env, **gpos_inputs(offsets, next((v.device for v in env.values() if hasattr(v, "device")), None))}
         ins = {n: env[n] for n in names}
         run_kw = {o: v for o, v in opts.items() if o in ("num_warps", "num_stages", "block_i", "block_j", "block_r")}
         try:
@@ -592,19 +598,6 @@ class ShardedBackward:
 # ---- the differentiable sharded call -----------------------------------------------------
 _AUG: dict = {}        # id(differentiable kernel) -> (it, backward program, augmented forward kernel)
 _RUNNERS: dict = {}    # (id(backward program), J, D) -> ShardedBackward
-
-
-def _share_tuning(base, k) -> None:
-    """A program instantiated at another block offset is the same kernel but for constants: its
-    launch configuration is timed once for all offsets (the GPU's first call times each sum
-    kernel's configurations for 13-24 s; a ring visits every block offset) by sharing the
-    generated launcher's table of timed choices (keyed by sizes and dtypes)."""
-    mb, mk = getattr(base, "module", None), getattr(k, "module", None)
-    if mb is None or mk is None or not isinstance(getattr(mb, "_TUNED", None), dict) or not hasattr(mk, "_TUNED"):
-        return
-    same = all(getattr(mb, a, None) == getattr(mk, a, None) for a in ("AXIS", "TENSORS", "OUTPUTS"))
-    if same and type(base) is type(k):
-        mk._TUNED = mb._TUNED
 
 
 def _grad_parts(dk, axis):

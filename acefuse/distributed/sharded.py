@@ -6,9 +6,13 @@ import warnings
 from acefuse.rewrite.terms import Term, reblock, pretty
 from acefuse.codegen.compile import bind_inputs
 from acefuse.distributed.base import (J, A_, B_, EXCHANGES, RUN_KW, DistributedError, DistributedFallbackWarning,
-                                      _uses, instantiate, ring_peers, ring_shift)
+                                      _uses, instantiate, ring_peers, ring_shift, gpos_inputs)
 from acefuse.distributed.merge import (StateEval, MERGE_OPS, OUTPUT_OPS, _ARITH, _merge2, merge_tree)
 from acefuse.distributed.kernels import (state_axes, _axes_fn, partial_kernel, full_kernel, final_kernel)
+
+
+def _device(inputs):
+    return next((v.device for v in inputs.values() if hasattr(v, "device")), None)
 
 
 # ---- the sharded kernel -----------------------------------------------------------------
@@ -229,17 +233,21 @@ class ShardedKernel:
         from acefuse.codegen.compile import Kernel
         kern = self._specialised(offsets, gsizes)
         if isinstance(kern, Kernel):   # generated here: it takes only the tensors it reads
+            inputs = {**inputs, **gpos_inputs(offsets, _device(inputs))}
             inputs = {t: v for t, v in inputs.items() if t in kern.fusion.encoding.tensors}
         return kern(**inputs, **opts)
 
     def _specialised(self, offsets, gsizes):
         """The kernel with ``index(a)`` / ``size(a)`` of the given axes instantiated (cached per
-        instantiation): the fusion's own forms with those leaves fixed when it has one pass,
-        else the instantiated program compiled anew."""
+        instantiation): the fusion's own forms with those leaves fixed when it has one pass (the
+        offsets runtime inputs: one kernel for all of them), else the instantiated program
+        compiled anew (offsets as constants)."""
         import acefuse as af
         from acefuse.lang import Program, Expr
-        key = ("prog", tuple(sorted(offsets.items())), tuple(sorted(gsizes.items())))
-        if key not in self._kernels and len(self.fusion.passes) == 1 and self.staged is None:
+        one = len(self.fusion.passes) == 1 and self.staged is None
+        key = ("prog", tuple(sorted(offsets)) if one else tuple(sorted(offsets.items())),
+               tuple(sorted(gsizes.items())))
+        if key not in self._kernels and one:
             self._kernels[key] = full_kernel(self.fusion, offsets, gsizes)
         if key not in self._kernels:
             prog = self.program
@@ -315,7 +323,7 @@ class ShardedKernel:
             [t for d in (f.passes[0].init, f.passes[0].rolling) for t in d.values()]
         offs = {a: v for a, v in offsets.items() if _uses(terms, lambda u, a=a: u.op == "Idx" and u.args[0] == a)}
         gs = {a: v for a, v in gsizes.items() if _uses(terms, lambda u, a=a: u.op == "Size" and u.args[0] == a)}
-        key = ("partial", tuple(sorted(offs.items())), tuple(sorted(gs.items())))
+        key = ("partial", tuple(sorted(offs)), tuple(sorted(gs.items())))   # offsets: runtime inputs
         if key not in self._kernels:
             self._kernels[key] = partial_kernel(f, offs, gs, {s.name: n for s, n in
                                                               zip(enc.states, self._state_names().values())})
@@ -328,7 +336,8 @@ class ShardedKernel:
         k = self._partial(offsets, gsizes)
         names = self._state_names()
         p = f.passes[0]
-        own = {t: v for t, v in inputs.items() if t in k.fusion.encoding.tensors}
+        own = {**inputs, **gpos_inputs(offsets, _device(inputs))}
+        own = {t: v for t, v in own.items() if t in k.fusion.encoding.tensors}
         out = k(**own, **opts, out_dtypes={names[s.name]: torch.float32 for s in p.states})
         outs = out if isinstance(out, dict) else {names[p.states[0].name]: out}
         return {s.name: outs[names[s.name]] for s in p.states}
@@ -438,7 +447,7 @@ class ShardedKernel:
         # row family: a row kernel writes the outputs (the epilogue on the local shard)
         given = {q: names[q] for q in [s.name for s in p.states] + [r.name for r in p.refs]}
         tnames = {tk: f"take_{i}" for i, tk in enumerate(takes)}
-        key = ("final", tuple(sorted(offsets.items())), tuple(sorted(gs.items())), len(takes))
+        key = ("final", tuple(sorted(offsets)), tuple(sorted(gs.items())), len(takes))   # offsets: runtime
         if key not in self._kernels:
             self._kernels[key] = final_kernel(f, {a: v for a, v in offsets.items()},
                                               {a: v for a, v in gs.items()}, given, tnames, gs[self.axis])
@@ -455,7 +464,8 @@ class ShardedKernel:
             v = take_env[tk][0]
             extra[t] = v.expand([sizes_loc[a] if a in tax else 1 for a in P]).reshape(
                 [sizes_loc[a] for a in tax]).contiguous()
-        own = {t: v for t, v in inputs.items() if t in k.fusion.encoding.tensors}
+        own = {**inputs, **gpos_inputs(offsets, _device(inputs))}
+        own = {t: v for t, v in own.items() if t in k.fusion.encoding.tensors}
         # no pass of its own: the loop kernel is the outputs (and the epilogue over the shard)
         fopts = {o: v for o, v in opts.items() if o in ("block_j", "block_r", "num_warps")}
         if self.keep_wide:
@@ -572,7 +582,9 @@ class ShardedKernel:
                 rows = [a for a in k.fusion.program.axes if a != self.axis and a in sizes
                         and any(a in self.program.tensors[t] for t in inputs if self.axis not in self.program.tensors[t])]
                 if len(rows) >= 1:
-                    st = tile_stats(k.fusion, sizes, block_i=max(sizes[a] for a in rows), block_j=sizes[self.axis])
+                    import numpy as np
+                    st = tile_stats(k.fusion, sizes, block_i=max(sizes[a] for a in rows), block_j=sizes[self.axis],
+                                    data={n: np.array([v.item()]) for n, v in gpos_inputs(offsets).items()})
                     masked = st["skipped"] == 1.0
             except Exception:  # noqa: BLE001 - no proof: run the block
                 masked = False
