@@ -5,9 +5,8 @@
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_distributed.py --part cp --cp-lens 131072
     python benchmarks/bench_distributed.py --cpu-smoke        # 2 gloo ranks, tiny sizes, Triton's interpreter
 
-First calls compile: the sharded kernels bake each rank's global offsets in as constants,
-so the ring compiles one partial kernel per (rank, visiting shard) (four per pair with the
-zig-zag layout), each tried with the launcher's tile candidates. Split long runs by
+First calls compile: the sharded kernels take the global offsets as runtime inputs, so
+each is compiled (and its launch timed) once, whatever rank or visiting shard. Split long runs by
 ``--part`` and ``--cp-lens`` (the kernel caches persist between runs on one machine).
 
 Parts (``--part ce|cp|decode|all``):
@@ -654,7 +653,7 @@ def main():
     ap.add_argument("--cp-lens", type=int, nargs="+", default=list(CP_LENS))
     ap.add_argument("--cp-impls", default="gather,ring,gather-zigzag,ring-zigzag,torch",
                     help="context-parallel implementations to run (comma-separated; each acefuse one compiles "
-                         "a kernel per rank and global offset on its first call)")
+                         "its kernels on its first call)")
     ap.add_argument("--pg-timeout", type=int, default=300, help="seconds before a stuck collective aborts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true",

@@ -5,14 +5,15 @@ A leaf ``where(cond, s, -inf)`` is a *mask site*. ``truth(cond)`` gives two scal
 booleans per key tile (vectorised over ``SCAN`` tiles at once): *always true* and
 *always false* over the tile's index box (the row tile's query indices times the key
 tile's indices), by interval arithmetic on index expressions. A comparison whose sides
-interval arithmetic cannot bound (a lookup ``doc[i] == doc[j]``, a tensor over an axis) is *unknown*:
+interval arithmetic cannot bound (a lookup ``doc[i] == doc[j]``, a tensor over axes) is *unknown*:
 neither always true nor always false, so ``A & unknown`` is still always false where
 ``A`` is, and ``A | unknown`` always true where ``A`` is; the condition itself is always
 evaluated per element on tiles that are not proven fully visible. Sound by
 construction: each interval encloses every value of its expression over the box
 (integer indices; a 0-d input tensor, such as a shard's global offset, is one value per
-launch: a point interval, loaded as the kernel loads it; ``//`` and ``%`` by a positive constant are monotone / periodic), and
-tests/test_masks.py checks it exhaustively at small sizes.
+launch: a point interval, loaded as the kernel loads it; ``//`` and ``%`` by a positive
+constant are monotone / periodic), and tests/test_masks.py checks it exhaustively at small
+sizes.
 
 Exact on every device: every bound of an arithmetic node is computed *exactly* or widened
 to (-inf, inf). The bounds are float32 values; an arithmetic node keeps its bounds only

@@ -625,9 +625,10 @@ def prepare(kernel, sharded_axis, wrt=None, distributed_axes=(), offsets=(), siz
     """Compile on this process what a differentiable sharded call of ``kernel`` (from
     ``af.compile``) needs: its backward program, the augmented forward and the kernels of the
     sharded backward's programs, for inputs ``wrt`` requiring grad (default: every float input)
-    and the distributed axes (``axis_offsets``/``zigzag`` axes), and the kernels with the
-    global offsets ``offsets`` (dicts axis -> offset: the blocks the ranks will run) and global
-    lengths ``sizes`` fixed. Calls do this themselves on first use; ranks forked from this
+    and the distributed axes (``axis_offsets``/``zigzag`` axes), and the kernels for the
+    global offsets ``offsets`` (dicts axis -> offset: the blocks the ranks will run; one kernel
+    per program serves all of them, the offsets being runtime inputs) and global lengths
+    ``sizes`` fixed. Calls do this themselves on first use; ranks forked from this
     process inherit the result (a derivation after a fork of a process that derived before can
     hang in egglog's threads: the tests prepare on the parent)."""
     floats = frozenset(n for n, ax in kernel.prog.tensors.items() if n not in _index_names(kernel.prog))
