@@ -32,7 +32,16 @@ def gpos_inputs(offsets: dict, device=None) -> dict:
     """{gpos(a): 0-d float32 tensor holding offsets[a]}: the values a kernel instantiated with
     ``runtime=True`` reads. Exact: the mask analysis keeps integer bounds below 2**24 only."""
     import torch
-    return {gpos(a): torch.tensor(float(int(v)), dtype=torch.float32, device=device) for a, v in offsets.items()}
+    out = {}
+    for a, v in offsets.items():
+        key = (int(v), str(device))
+        if key not in _GPOS:   # made once per value and device (on a GPU each is a copy from the host)
+            _GPOS[key] = torch.tensor(float(int(v)), dtype=torch.float32, device=device)
+        out[gpos(a)] = _GPOS[key]
+    return out
+
+
+_GPOS: dict = {}   # (offset, device) -> its 0-d float32 tensor (read-only: kernels only load it)
 
 
 def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None, runtime=False) -> Term:
