@@ -234,3 +234,23 @@ def test_block_offsets_share_one_kernel():
                 shifted += 1
                 assert "gpos_j" in runner._kernels[key].fusion.encoding.tensors, key
     assert shifted >= 1, "no backward program reads index(j)"
+
+
+def test_offset_kernels_keep_the_mask_analysis():
+    """A backward program whose kernel would skip fewer masked tiles with the offsets as
+    runtime inputs (the sum kernel's mask analysis takes no 0-d input yet) keeps constant
+    offsets: every block's kernel holds as many mask analyses as the unshifted program's.
+    The others take the offsets as inputs: one kernel for every block."""
+    from acefuse.distributed.grad import prepare, _RUNNERS, _mask_marks
+    offsets = [{"i": 10, "j": 0}, {"i": 0, "j": 10}, {"i": 5, "j": 5}]
+    plan = prepare(kernel(CAUSAL), "j", distributed_axes=("i",), offsets=offsets, sizes={"i": 20, "j": 20})
+    runner = next(r for r in _RUNNERS.values() if r.plan is plan)
+    shared = 0
+    for p in plan.progs:
+        base = runner._kernels[(id(p), (), ())]
+        ks = [runner._kernel(p, o, {"i": 20, "j": 20}) for o in offsets]
+        for o, k in zip(offsets, ks):
+            assert _mask_marks(k) >= _mask_marks(base), (p.program.name, o)
+        shared += len({id(k) for k in ks}) == 1
+    assert any(_mask_marks(runner._kernels[(id(p), (), ())]) for p in plan.progs), "no mask analysis to keep"
+    assert shared >= 1, "no backward program takes the offsets as inputs"

@@ -26,6 +26,8 @@ The plan is read off the backward program's terms, nothing names a workload:
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.distributed.base import DistributedError, instantiate, ring_peers, ring_shift, gpos, gpos_inputs
 
@@ -281,29 +283,48 @@ class ShardedBackward:
         used_s = {u.args[0] for t in terms for u in t.walk() if u.op == "Size"}
         offs = {a: int(v) for a, v in offsets.items() if a in used_i}
         gs = {a: int(v) for a, v in gsizes.items() if a in used_s}
-        # the offsets are runtime inputs (gpos_a): one kernel per program for every block offset
+        # the offsets are runtime inputs (gpos_a): one kernel per program for every block offset,
+        # unless that kernel's mask analysis skips fewer tiles than with the offsets as constants
         key = (id(p), tuple(sorted(offs)), tuple(sorted(gs.items())))
         k = self._kernels.get(key)
         if k is None:
-            from acefuse.autograd import compile_stage
             base = self._kernels.get((id(p), (), ()))
             if base is None:
-                base = self._kernels[(id(p), (), ())] = compile_stage(p.program, **self.kw)
+                base = self._kernels[(id(p), (), ())] = self._compile(p, {}, {}, False)
             if not offs and not gs:
                 return base
-            # the program with index(a) + gpos_a (a 0-d input: the block's global offset, given
-            # per launch) and its global lengths fixed, derived again (a template's own
-            # instantiation of the fused forms does not reach every place the mask is read)
-            from acefuse.lang import Program, Expr
-
-            def expr(e):
-                t = instantiate(e.term, offs, gs, runtime=True)
-                read = {u.args[0] for u in t.walk() if u.op == "In"}
-                return Expr(t, e.axes, {**e.tensors, **{gpos(a): () for a in sorted(offs) if gpos(a) in read}})
-            prog = Program(p.program.name, {o: expr(e) for o, e in p.program.outputs.items()})
-            k = compile_stage(prog, **self.kw)
+            k = self._compile(p, offs, gs, True)
+            # (a constant offset keeps the plain program's mask analysis: the base counts)
+            if offs and _mask_marks(k) < _mask_marks(base):
+                k = _CONSTANTS
             self._kernels[key] = k
+        if k is _CONSTANTS:
+            return self._const(p, offs, gs)
         return k
+
+    def _compile(self, p, offs, gs, runtime):
+        """``p``'s program with index(a) -> index(a) + gpos_a (``runtime``: a 0-d input, the
+        block's global offset given per launch; else the offset's value) and its global lengths
+        fixed, derived again (a template's own instantiation of the fused forms does not reach
+        every place the mask is read)."""
+        from acefuse.autograd import compile_stage
+        if not offs and not gs:
+            return compile_stage(p.program, **self.kw)
+        from acefuse.lang import Program, Expr
+
+        def expr(e):
+            t = instantiate(e.term, offs, gs, runtime=runtime)
+            read = {u.args[0] for u in t.walk() if u.op == "In"}
+            return Expr(t, e.axes, {**e.tensors, **{gpos(a): () for a in sorted(offs) if gpos(a) in read}})
+        return compile_stage(Program(p.program.name, {o: expr(e) for o, e in p.program.outputs.items()}), **self.kw)
+
+    def _const(self, p, offs, gs):
+        """The kernel of ``p`` with these offsets as constants (one per offset: the fallback
+        when the runtime-offset kernel loses mask analysis)."""
+        key = (id(p), "constants", tuple(sorted(offs.items())), tuple(sorted(gs.items())))
+        if key not in self._kernels:
+            self._kernels[key] = self._compile(p, offs, gs, False)
+        return self._kernels[key]
 
     def _run(self, p, env, offsets, gsizes, opts):
         """{output: float32 tensor laid out over its declared axes} of ``p`` on one block."""
@@ -593,6 +614,21 @@ class ShardedBackward:
 
     def _skip(self, run, ins, offs, gs, kinds) -> bool:
         return False
+
+
+_CONSTANTS = object()   # a program whose kernels take the offsets as constants (_kernel)
+
+
+def _mask_marks(k) -> int:
+    """How many mask analyses (tile skipping) a generated kernel's source holds (0 for a
+    kernel without source). The sum kernel's analysis (codegen/sums.py) takes no 0-d input as
+    a point interval yet (codegen/masks.py does), so a backward stage masked by a shifted index
+    would skip no tile with runtime offsets: such a stage keeps constant offsets."""
+    import re
+    src = getattr(k, "source", None)
+    if src is None and getattr(k, "path", None) is not None:
+        src = Path(k.path).read_text()
+    return len(re.findall(r"# mask analysis|tiles the mask excludes entirely", src or ""))
 
 
 # ---- the differentiable sharded call -----------------------------------------------------
