@@ -327,6 +327,35 @@ def test_zigzag_ring_compiles_each_kernel_once():
                 torch.testing.assert_close(got[o].double(), want, **TOL_F64)
 
 
+@pytest.mark.parametrize("n_i,n_j,bi,bj", [(13, 17, 4, 5), (8, 24, 8, 3)])
+def test_runtime_offsets_are_exact_point_intervals(n_i, n_j, bi, bj):
+    """The mask analysis of the partial kernel with runtime offsets (gpos_i, gpos_j: 0-d inputs)
+    classifies every (query tile, key tile) exactly as brute force over the causal mask
+    j + gpos_j <= i + gpos_i does, at offsets on both sides of the diagonal: skipped where no
+    pair is visible, run without the mask where every pair is."""
+    from acefuse.codegen.masks import tile_stats
+    from acefuse.distributed import partial_kernel
+    f = kernel(CAUSAL).fusion
+    names = {s_.name: f"state_{s_.name}" for s_ in f.encoding.states}
+    pk = partial_kernel(f, {"i": 0, "j": 0}, {}, names)
+    rng = np.random.default_rng(SEED)
+    for oi, oj in [(0, 0), (30, 0), (0, 30), (7, 3)] + [tuple(int(v) for v in rng.integers(0, 40, 2)) for _ in range(4)]:
+        st = tile_stats(pk.fusion, {"i": n_i, "j": n_j, "b": 1, "h": 1, "d": 16, "e": 16}, block_i=bi, block_j=bj,
+                        data={"gpos_i": np.array([float(oi)]), "gpos_j": np.array([float(oj)])})
+        skipped = full = total = 0
+        for i0 in range(0, n_i, bi):
+            ii = np.arange(i0, min(i0 + bi, n_i))[:, None] + oi
+            for j0 in range(0, n_j, bj):
+                jj = np.arange(j0, min(j0 + bj, n_j))[None, :] + oj
+                vis = jj <= ii
+                total += 1
+                skipped += int(not vis.any())
+                full += int(vis.all())
+        assert st["tiles"] == total
+        assert st["skipped"] == skipped / total, (oi, oj, st, skipped / total)
+        assert st["full"] == full / total, (oi, oj, st, full / total)
+
+
 # ---- the merge: associativity on random partial states ------------------------------------
 def _partials(prog, inputs, axis, bounds, axes_p):
     """Partial states of every block [b0, b1) of the fused axis, computed by the sharded
