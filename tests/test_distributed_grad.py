@@ -254,3 +254,23 @@ def test_offset_kernels_keep_the_mask_analysis():
         shared += len({id(k) for k in ks}) == 1
     assert any(_mask_marks(runner._kernels[(id(p), (), ())]) for p in plan.progs), "no mask analysis to keep"
     assert shared >= 1, "no backward program takes the offsets as inputs"
+
+
+def test_constant_offset_kernels_share_one_timing():
+    """Where a backward program keeps constant offsets (test_offset_kernels_keep_the_mask_analysis),
+    its per-offset kernels read and write the plain kernel's table of timed launch choices (a GPU
+    times a sum kernel's configurations for 13-24 s), while the kernels themselves differ."""
+    from acefuse.distributed.grad import prepare, _RUNNERS
+    offsets = [{"i": 10, "j": 0}, {"i": 0, "j": 10}]
+    plan = prepare(kernel(CAUSAL), "j", distributed_axes=("i",), offsets=offsets, sizes={"i": 20, "j": 20})
+    runner = next(r for r in _RUNNERS.values() if r.plan is plan)
+    shared = 0
+    for p in plan.progs:
+        ks = [k for key, k in runner._kernels.items() if key[0] == id(p) and key[1] == "constants"]
+        if not ks:
+            continue
+        mods = [runner._kernels[(id(p), (), ())].module] + [k.module for k in ks]
+        assert len({id(m) for m in mods}) == len(mods)
+        assert len({id(m._TUNED) for m in mods}) == 1, p.program.name
+        shared += 1
+    assert shared >= 1, "no program keeps constant offsets (then this test is moot: remove it)"
