@@ -11,6 +11,8 @@ from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN
 from acefuse.codegen.emit import CodegenError, _scale_log2e, pow_expr
 from acefuse.codegen.row import HEADER
 from acefuse.codegen.contraction import ContractionGen, _flat_mul
+from acefuse.codegen.masks import _pos_const
+from acefuse.rewrite.dag import nodes
 from acefuse.codegen.sums_loops import two_loop_axes, compile_two_loops, double_sum_axis  # noqa: F401 (re-exported)
 
 LOAD_HELPER = """@triton.jit
@@ -700,12 +702,15 @@ class SumGen:
     def _index_only(self, c: Term) -> bool:
         ok = ("Idx", "Num", "Size", "Add", "Sub", "Neg", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod", "CmpLt",
               "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe", "LAnd", "LOr", "LNot")
-        # // and % by a power of two only: their interval bounds divide in float32 with Triton's `/`,
-        # exact for a power of two (a GPU's approximate division could floor k * c / c to k - 1)
-        return (any(s.op == "Idx" for s in c.walk()) and all(s.op in ok for s in c.walk())
-                and all(s.args[0] in [self.F] + self.R + self.G for s in c.walk() if s.op == "Idx")
-                and not any(s.op == "Mul" and not any(x.op == "Num" for x in s.args) for s in c.walk())
-                and all(_pow2(s.args[1]) for s in c.walk() if s.op in ("FloorDiv", "Mod")))
+        # a 0-d input (a shard's global offset, acefuse/distributed) is one value per launch: a point
+        # interval (masks.py). // and % by a positive integer: masks.py's bounds are exact integer
+        # floor divisions (2b40fa4), no longer Triton's float `/`
+        walk = list(nodes(c))
+        return (any(s.op == "Idx" for s in walk)
+                and all(s.op in ok or (s.op == "In" and self.tensors.get(s.args[0]) == ()) for s in walk)
+                and all(s.args[0] in [self.F] + self.R + self.G for s in walk if s.op == "Idx")
+                and not any(s.op == "Mul" and not any(x.op == "Num" for x in s.args) for s in walk)
+                and all(_pos_const(s.args[1]) for s in walk if s.op in ("FloorDiv", "Mod")))
 
     def _zero_if_false(self, t: Term, conds) -> bool:
         """``t`` is 0 wherever every condition in ``conds`` is false. Inputs are taken to be
@@ -752,7 +757,7 @@ class SumGen:
         if op == "Size":
             v = "nf_f" if t.args[0] == self.F else f"(len_{t.args[0]} * 1.0)"
             return v, v
-        if op in ("Neg", "Add", "Sub", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod"):
+        if op in ("Neg", "Add", "Sub", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod", "In"):
             return ContractionGen.interval(self, t, L)
         raise CodegenError(f"program {self.name!r}: no interval arithmetic for {op!r} in a mask condition")
 
@@ -1179,7 +1184,3 @@ def _int_literal(t: Term):
     return int(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
 
 
-def _pow2(t: Term) -> bool:
-    """A positive integer constant that is a power of two."""
-    v = _int_literal(t)
-    return v is not None and v > 0 and float(t.args[0]) == v and v & (v - 1) == 0
