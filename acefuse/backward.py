@@ -517,7 +517,7 @@ def backward(prog, wrt=None) -> BackwardProgram:
         if name in used:
             aug_out[name] = Expr(t, d.tensors[name], dict(prog.tensors))
             saved_kind[name] = d.saved_kind[name]
-    augmented = Program(prog.name + "_fwd", aug_out) if saved_kind else prog
+    augmented = Program(prog.name + "_fwd", aug_out, order=prog.axes) if saved_kind else prog
     saved = {name: d.tensors[name] for name in saved_kind}
     for k, axes in d.saved_outputs.items():   # forward outputs read back (written anyway)
         if k in used:
@@ -1093,7 +1093,9 @@ def _build(name, outputs: dict, groups: dict, tensor_order) -> list:
         outs = {k: outputs[k] for k in ks}
         if a is None:   # no reduction at all: a carrier reduction makes it a kernel the row family runs
             k0 = ks[0]
-            ax = outputs[k0].axes[-1]
+            # (a gradient over no axis, grad_y / size(b r j) of a 0-d mean: the carrier sums over an
+            # axis of a tensor it reads, which it is expanded along)
+            ax = (outputs[k0].axes or next(v for v in outputs[k0].tensors.values() if v))[-1]
             carrier = Term("Sum", (Term("Ax", (ax,)), Term("Mul", (_carrier_body(outputs[k0].term), ZERO))))
             outs["carrier_"] = Expr(carrier, tuple(x for x in outputs[k0].axes if x != ax), outputs[k0].tensors)
         p = Stage(f"{name}_{a}" if a else name, outs, a)

@@ -265,12 +265,14 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
     from acefuse.rewrite.normalize import normalize
     from acefuse.codegen.compile import stage
     staged = stage(prog, axis)
-    stage_notes = []
-    if staged is not None:   # outputs that reduce, over another axis, what this axis computes
+    stage_notes, stage_why = [], []
+    while staged is not None:   # outputs that reduce, over another axis, what this axis computes
         s1, s2, hidden = staged
-        stage_notes = [f"stage 2 (a separate program over {', '.join(hidden)}): "
-                       + "; ".join(f"{k} = {v}" for k, v in s2.outputs.items())]
+        notes2, why = _second_stage(s2, hidden, rules, allow_unproved, check_proofs)
+        stage_notes[:0] = notes2   # (in the order they run)
+        stage_why += [why] if why else []
         prog = s1
+        staged = stage(prog, axis)   # stage 1 staged again: mean_b(mean_r(mean_j(x))) over j
     normal, notes = normalize(prog, axis, all_rules, check_proofs=check_proofs, allow_unproved=allow_unproved)
     notes = stage_notes + notes
     enc = encode(normal, axis)
@@ -376,12 +378,30 @@ def fuse(prog, axis: str | None = None, rules=(), schedule=None, allow_unproved:
         passes.append(p)
         known |= done | {r.name for r in p.refs}
         remaining = [s for s in remaining if s.name not in known]
-    fusible = len(passes) <= 1
-    reason = "; ".join(r for _, r in blocked)
+    fusible = len(passes) <= 1 and not stage_why
+    reason = "; ".join([r for _, r in blocked] + stage_why)
     f = Fusion(prog, axis, enc, passes, fusible, reason, blocked, all_rules,
                seconds=time.perf_counter() - t0, schedule=schedule, normal_form=notes)
     f.normal_program = normal   # the certificate checks the normal form against ``prog``
     return f
+
+
+def _second_stage(s2, hidden, rules, allow_unproved, check_proofs):
+    """(notes for explain(), why the program is not fusible or None) for the second stage of a
+    staged program: fused here, with the axis its kernel is compiled over (codegen/compile.py
+    compiles it as ``af.compile(s2)`` would), so that fuse's report and the kernels agree; the
+    notes of its own stages follow its note."""
+    head = (f"stage 2 (program {s2.name!r}, a separate program over {', '.join(hidden)}): "
+            + "; ".join(f"{k} = {v}" for k, v in s2.outputs.items()))
+    try:
+        f2 = fuse(s2, rules=rules, allow_unproved=allow_unproved, check_proofs=check_proofs)
+    except FuseError as exc:
+        return [head + "; it does not compile"], f"stage 2 (program {s2.name!r}) does not compile: {exc}"
+    own = [n for n in f2.normal_form if n.startswith("stage 2 (program")]
+    if not f2.fusible:
+        return ([head + f"; fused over {f2.axis!r}: NOT fully fusible"] + own,
+                f"stage 2 (program {s2.name!r}, fused over {f2.axis!r}): {f2.reason}")
+    return [head + f"; fused over {f2.axis!r}: fusible"] + own, None
 
 
 def _extract_rolling(enc, ex, p, remaining, carried_names, known, unsafe):
@@ -509,6 +529,33 @@ def _cascades(prog, axis) -> bool:
     return False
 
 
+def _row_axis_possible(prog, axis) -> bool:
+    """Some output axis other than ``axis`` is missing from some input over ``axis``: a kernel
+    fused over ``axis`` can have rows (codegen/sums.py takes its row axes among such axes; an
+    output axis that every tensor over ``axis`` carries varies along the loop, no row)."""
+    over = [ax for ax in prog.tensors.values() if axis in ax]
+    if not over:
+        return True
+    return any(a != axis and any(a not in ax for ax in over) for e in prog.outputs.values() for a in e.axes)
+
+
+def _leaf_reduced_axes(prog) -> list:
+    """The axes of the reductions of the outputs that contain no other reduction."""
+    from acefuse.rewrite.dag import nodes
+    red = ("Sum", "RMax", "RMin")
+    has_red: dict = {}   # id -> the term contains a reduction (shared subterms visited once)
+
+    def contains(t):
+        if id(t) not in has_red:
+            has_red[id(t)] = t.op in red or any(contains(c) for c in t.children)
+        return has_red[id(t)]
+    out = []
+    for t in nodes(*(e.term for e in prog.outputs.values())):
+        if t.op in red and t.args[0].op == "Ax" and not contains(t.args[1]) and t.args[0].args[0] not in out:
+            out.append(t.args[0].args[0])
+    return out
+
+
 def _outer_reduced_axes(prog) -> list:
     """The axes of the outermost reductions of the outputs (not those nested inside them)."""
     out = []
@@ -537,8 +584,17 @@ def _pick_axis(prog, axis):
         if len(cascaded) == 1:
             return cascaded[0]
         outer = _outer_reduced_axes(prog)
-        if not cascaded and len(outer) == 1:   # sum_j(f(sum_e(q * k)) * v): the outer axis
-            return outer[0]
+        if not cascaded:
+            if len(outer) == 1 and _row_axis_possible(prog, outer[0]):   # sum_j(f(sum_e(q * k)) * v)
+                return outer[0]
+            # fused over the outer axis no kernel has rows (a 0-d output, sum_r(sum_j(x * x)), or
+            # one whose axes every tensor over it carries), or outputs reduce outermost over
+            # several axes (a training forward also saving max_j(x) and max_r(max_j(x))): the
+            # innermost reduced axis, the reductions around it second stages over its per-row
+            # values (codegen/compile.py ``stage``)
+            leaf = _leaf_reduced_axes(prog)
+            if len(leaf) == 1:
+                return leaf[0]
         raise FuseError(f"program {prog.name!r} reduces over several axes {red}; "
                         f"pick the one to fuse with axis=...")
     if axis not in prog.axes:

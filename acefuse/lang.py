@@ -579,7 +579,10 @@ def take(t: Expr, idx, axis: str) -> Expr:
 class Program:
     """A named set of outputs over shared inputs."""
 
-    def __init__(self, name: str, outputs: dict):
+    def __init__(self, name: str, outputs: dict, order=None):
+        """``order``: the axis order of the program this one is derived from (a backward's
+        augmented forward, a stage of a staged program), so that both lay out an output alike
+        whatever was declared in between (``axis_order`` follows the latest declarations)."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise LanguageError(f"program name {name!r} must be an identifier")
         if not outputs:
@@ -619,6 +622,9 @@ class Program:
                                 "and an output; kernels take inputs and outputs as arguments of one "
                                 f"function, so rename the output (e.g. {clash[0] + '_out'}=...)")
         self.axes = axis_order(self.tensors)
+        if order is not None:
+            rank = {a: i for i, a in enumerate(order)}
+            self.axes = tuple(sorted(self.axes, key=lambda a: (rank.get(a, len(rank)), self.axes.index(a))))
         # outputs list their axes in the program's axis order (b h i e), not in the order
         # operands or outputs happened to be combined
         order = {a: i for i, a in enumerate(self.axes)}

@@ -329,12 +329,16 @@ class StagedKernel:
     def fusible(self):
         return self.stage1.fusible
 
+    def input_names(self) -> list:
+        """The inputs the stages read (not the values stage 1 hands on), stage 1's first."""
+        names = list(_inputs_of(self.stage1))
+        return names + [t for t in _inputs_of(self.stage2) if t not in names and t not in self.hidden]
+
     def __call__(self, *args, **inputs):
         if "process_group" in inputs or "sharded_axis" in inputs:   # sharded across ranks: acefuse/distributed.py
             from acefuse.distributed import call_sharded
             return call_sharded(self, args, inputs)
-        names = list(self.stage1.program.tensors)
-        names += [t for t in self.stage2.program.tensors if t not in names and t not in self.hidden]
+        names = self.input_names()
         unknown = [k for k, v in inputs.items() if k not in names and not isinstance(v, (int, str, type(None)))]
         if unknown:
             raise TypeError(f"program {self.program.name!r} has no input(s) {unknown}; its inputs are {names}")
@@ -349,21 +353,31 @@ class StagedKernel:
         # launch options (schedule, block_j, ...) are stage 1's: the fused kernel; stage 2 (a
         # reduction over another axis of its per-row values) picks its own
         opts = {k: v for k, v in inputs.items() if k not in names}
-        first = self.stage1(**{k: v for k, v in inputs.items() if k in self.stage1.program.tensors}, **opts)
+        first = self.stage1(**{k: v for k, v in inputs.items() if k in _inputs_of(self.stage1)}, **opts)
         return self.finish(first, inputs)
 
     def finish(self, first, inputs):
         """Stage 2 run on stage 1's result ``first`` (a tensor or {output: tensor}) and the
         call's ``inputs``: the program's outputs (one tensor, or {output: tensor})."""
-        first = first if isinstance(first, dict) else {next(iter(self.stage1.program.outputs)): first}
-        second_in = {k: v for k, v in inputs.items() if k in self.stage2.program.tensors}
+        first = first if isinstance(first, dict) else {_outputs_of(self.stage1)[0]: first}
+        second_in = {k: v for k, v in inputs.items() if k in _inputs_of(self.stage2)}
         second_in.update({h: first[h] for h in self.hidden})
         second = self.stage2(**second_in)
-        second = second if isinstance(second, dict) else {next(iter(self.stage2.program.outputs)): second}
+        second = second if isinstance(second, dict) else {_outputs_of(self.stage2)[0]: second}
         out = {k: first[k] for k in first if k not in self.hidden}
         out.update(second)
         out = {k: out[k] for k in self.output_names}
         return out[self.output_names[0]] if len(out) == 1 else out
+
+
+def _inputs_of(k) -> list:
+    """The inputs of a kernel, a staged one (whose stages may be staged again) included."""
+    return k.input_names() if isinstance(k, StagedKernel) else list(k.program.tensors)
+
+
+def _outputs_of(k) -> list:
+    """The outputs of a kernel in order (a staged kernel's ``program`` is its first stage's)."""
+    return list(k.output_names) if isinstance(k, StagedKernel) else list(k.program.outputs)
 
 
 def stage(prog, axis):
@@ -388,15 +402,42 @@ def stage(prog, axis):
 
     hidden: dict = {}
     done: dict = {}
+    # names of the values stage 1 hands on: none an input or output of ``prog`` (a stage of a
+    # stage, ``mean_b(mean_r(mean_j(x)))`` fused over j, is staged again; its names must differ)
+    taken = set(prog.tensors) | set(prog.outputs)
+
+    def hide(body):
+        if body not in hidden:
+            k = len(hidden) + 1
+            while f"stage_{k}" in taken:
+                k += 1
+            hidden[body] = f"stage_{k}"
+            taken.add(hidden[body])
+        return Term("In", (hidden[body],))
+
+    def over_axis(t):
+        return t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] == axis
+
+    def staged_red(t):   # a reduction over another axis of values computed over ``axis``
+        return t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] != axis and fused_red(t.args[1])
+
+    nested: dict = {}
+
+    def has_staged(t):
+        r = nested.get(id(t))
+        if r is None:
+            r = nested[id(t)] = staged_red(t) or any(has_staged(c) for c in t.children)
+        return r
 
     def outer(t):
         if id(t) in done:
             return done[id(t)]
-        if t.op in RED_OPS and t.args[0].op == "Ax" and t.args[0].args[0] != axis and fused_red(t.args[1]):
+        if staged_red(t):
+            # the body handed on is the innermost one: max_b(max_r(max_j(x))) over j hands on
+            # max_j(x), and stage 2 is max_b(max_r(stage_1)) (staged again over r), so that a
+            # stage-2 output max_r(max_j(x)) beside it reads the same value
             body = t.args[1]
-            if body not in hidden:
-                hidden[body] = f"stage_{len(hidden) + 1}"
-            r = Term(t.op, (t.args[0], Term("In", (hidden[body],))))
+            r = Term(t.op, (t.args[0], outer(body) if has_staged(body) else hide(body)))
         else:
             args = tuple(outer(a) if isinstance(a, Term) else a for a in t.args)
             r = t if all(a is b for a, b in zip(args, t.args)) else Term(t.op, args)   # unchanged: t itself
@@ -406,11 +447,29 @@ def stage(prog, axis):
     new = {k: outer(e.term) for k, e in prog.outputs.items()}
     if not hidden:
         return None
+    # a reduction over ``axis`` left in a stage-2 output (outside the hidden bodies: fp8_linear's
+    # gradient reads sum_n(grad_out * wq * ws) beside sum_h(stage_1)) is one more output of stage 1,
+    # which passes over ``axis`` anyway: stage 2 then reduces over the other axes only (it would
+    # otherwise reduce over ``axis`` and another axis independently, and compile over neither)
+    done.clear()
+
+    def inner(t):
+        if id(t) in done:
+            return done[id(t)]
+        if over_axis(t):
+            r = hide(t)
+        else:
+            args = tuple(inner(a) if isinstance(a, Term) else a for a in t.args)
+            r = t if all(a is b for a, b in zip(args, t.args)) else Term(t.op, args)
+        done[id(t)] = r
+        return r
+
+    new = {k: (t if t == prog.outputs[k].term else inner(t)) for k, t in new.items()}
     s1_out = {k: e for k, e in prog.outputs.items() if new[k] == e.term}
     order = {a: i for i, a in enumerate(prog.axes)}
     for body, name in hidden.items():
         s1_out[name] = Expr(body, tuple(sorted(axes_of(body), key=order.get)), dict(prog.tensors))
-    stage1 = Program(prog.name + "_stage1", s1_out)
+    stage1 = Program(prog.name + "_stage1", s1_out, order=prog.axes)
     tensors2 = {name: tuple(sorted(axes_of(body), key=order.get)) for body, name in hidden.items()}
     s2_out = {}
     for k, t in new.items():
@@ -419,5 +478,5 @@ def stage(prog, axis):
         used = {s.args[0] for s in nodes(t) if s.op == "In"}
         tens = {n: (tensors2[n] if n in tensors2 else prog.tensors[n]) for n in used}
         s2_out[k] = Expr(t, prog.outputs[k].axes, tens)
-    stage2 = Program(prog.name + "_stage2", s2_out)
+    stage2 = Program(prog.name + "_stage2", s2_out, order=prog.axes)
     return stage1, stage2, list(hidden.values())

@@ -107,4 +107,4 @@ def normalize(prog, axis: str, rules, check_proofs=True, allow_unproved=False, r
             new_outputs[k] = e
     if not notes:
         return prog, limited
-    return Program(prog.name, new_outputs), notes + limited
+    return Program(prog.name, new_outputs, order=prog.axes), notes + limited

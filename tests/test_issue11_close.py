@@ -266,8 +266,6 @@ def check_mine(name, dtype, sched, r, n, scale, seed, nontrivial=True):
 BWD_NOT_FUSED = {
     "max_centered": "af.fuse(af.backward(max_j(x - mean_j x))): sum_j(where(hit, grad_y / sum_j(hit), 0)) needs "
                     "another pass over j (the forward fuses in one)",
-    "zero_d_max": "af.fuse(af.backward(max_r(max_j x))): the backward recomputes max_j(x) and counts its ties "
-                  "inside the stage (3 passes); the forward fuses",
 }
 FAST = ["rowmax", "rowmin", "rowmean", "center", "max_minus_min", "softmax_cast16", "softmax_of_cast",
         "masked_softmax_tensor", "sqrt_norm", "rsqrt_log", "int_index", "two_outputs", "rows_reduction_output",
@@ -305,8 +303,6 @@ def test_own_programs_gradients_hypothesis(name, data):
                nontrivial=False)   # (int_index over two columns: j // 2 = 0, gradient 0 is right)
 
 
-@pytest.mark.xfail(strict=True, reason="af.compile(prog) of a 0-d output reduced over two axes picks no axis: "
-                   "CodegenError 'no row axis (every output axis is carried by a tensor over r)' (axis='j' works)")
 def test_zero_d_output_compiles_without_an_axis():
     k = af.compile(MINE["zero_d_sum"])
     xv = torch.randn(4, 9, requires_grad=True)
@@ -432,9 +428,6 @@ def test_fp8_linear_gradient_matches_float64():
     check(k, _fp8_linear_ref, _fp8_linear_inputs(3), torch.float32, {}, "fp8_linear", allow_fallback=True)
 
 
-@pytest.mark.xfail(strict=True, reason="fp8_linear's backward stage fp8_linear_bwd_n_stage2 reduces over ['n', 'h'] "
-                   "and does not compile (FuseError 'pick the one to fuse with axis=...'), so its gradient is torch "
-                   "autograd (GradientFallbackWarning), though af.fuse(af.backward(fp8_linear)) says fusible")
 def test_fp8_linear_backward_is_derived_kernels():
     k = _K.setdefault("fp8_linear", af.compile(ns("quant")["fp8_linear"]))
     assert not check(k, _fp8_linear_ref, _fp8_linear_inputs(4), torch.float32, {}, "fp8_linear")
