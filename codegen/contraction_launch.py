@@ -296,6 +296,7 @@ def launcher(self, split):
         "                 'nsplit', 'fill', 'ws', 'combine_kw')",
         "",
         "",
+        "@_on_input_device",
         "def run(*args, schedule=None, block_i=None, block_j=None, nsplit=None, num_warps=None, num_stages=None,",
         "        out_dtypes=None, path=None, ws=False, **inputs):",
         "    \"\"\"Launch the kernel(s); returns the output (a dict when there are several). On the GPU,",

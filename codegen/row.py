@@ -53,6 +53,23 @@ def _native():
                 and torch.version.cuda and torch.cuda.get_device_capability() >= (9, 0))
 
 
+def _on_input_device(fn):
+    # a launcher called with CUDA tensors of a device that is not the current one launches there
+    # (Triton launches on the current device, where another device's pointer is invalid)
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        for t in (*args, *kw.values()):
+            if isinstance(t, torch.Tensor):
+                if t.is_cuda and t.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(t.device):
+                        return fn(*args, **kw)
+                break
+        return fn(*args, **kw)
+    return call
+
+
 NATIVE = tl.constexpr(_native())   # the `if NATIVE:` branches of the helpers below
 INTERPRETED = tl.constexpr(_interpreted())   # _out's rounding of a bfloat16 output
 
@@ -869,6 +886,7 @@ class RowGen:
             "                 'ns', 'chunk', 'convert', 'as_dict')",
             "",
             "",
+            "@_on_input_device",
             "def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, num_warps=None, out_dtypes=None,",
             "        riders=False, **inputs):",
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",

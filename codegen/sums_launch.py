@@ -156,6 +156,7 @@ def launcher(self):
         "    return _tuned(inputs, sizes, ref, dev, ride)",
         "",
         "",
+        "@_on_input_device",
         "def run(*args, schedule=None, block_i=None, block_j=None, block_r=None, nsplit=None, num_warps=None,",
         "        num_stages=None, reverse=None, riders=False, **inputs):",
         "    \"\"\"Launch the kernel; returns the output (a dict when there are several). On a GPU, with no",
