@@ -215,7 +215,32 @@ class _Normal:
             if x is not None and x in f and a in f and f[a] > f[x] >= 1:
                 f[a] -= f[x]
                 del f[x]
+            elif x is not None and x in f and a in f and f[a] == f[x] >= 1 and self.shifted_sum(x):
+                del f[a], f[x]
         return self.mono(f)
+
+    def forward_of(self, t: Term) -> Term:
+        """The forward term a saved input of the backward stands for (else ``t``)."""
+        if t.op == "In":
+            for ft, name in self.d.saved.items():
+                if name == t.args[0]:
+                    return ft
+        return t
+
+    def shifted_sum(self, x: Term) -> bool:
+        """``x`` is ``sum_a(exp(b - max_a(b)))``: at least 1 wherever the max is finite (the
+        element that attains it contributes ``exp(0) = 1``, every other one ``exp(.) >= 0``), so
+        ``r(x) * x = 1`` there. It is 0 only in a fully masked row (``max = -inf``), where the
+        backward's convention is gradient 0: the law's ``1`` drops an adjoint that reaches the
+        inputs only through such rows."""
+        t = self.forward_of(x)
+        if t.op != "Sum" or t.args[0].op != "Ax" or t.args[1].op != "Exp":
+            return False
+        e = t.args[1].args[0]
+        if e.op != "Sub":
+            return False
+        mx = self.forward_of(e.args[1])
+        return mx.op == "RMax" and mx.args[0] == t.args[0] and self.forward_of(mx.args[1]) == self.forward_of(e.args[0])
 
     def atom(self, t: Term) -> dict:
         return {self.mono({t: 1}): 1.0}

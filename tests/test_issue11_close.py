@@ -515,13 +515,10 @@ def _counts_ties(bwd):
                for e in bwd.outputs.values() for s in e.term.walk())
 
 
-@pytest.mark.xfail(strict=True, reason="the adjoint of the max in lse = m + log(sum_j exp(x - m)) is "
-                   "g * (1 - l * r(l)), r the safe reciprocal: 0 wherever it is reached (l >= 1 when m is finite; a "
-                   "fully masked row has no hit), but _Normal keeps l * r(l) (exact only for l != 0), so the backward "
-                   "of logsumexp, log_softmax and cross_entropy keeps where(x == saved_m, ... / sum_j(x == saved_m)) "
-                   "(a tie count per row) where softmax's and attention's drop it")
 @pytest.mark.parametrize("fname,name", [("softmax", "lse"), ("norms", "log_softmax"), ("norms", "cross_entropy")])
 def test_lse_shaped_backward_drops_the_max_adjoint(fname, name):
+    """The adjoint of the max in lse = m + log(l), l = sum_j exp(x - m), is g * (1 - l * r(l)); _Normal
+    proves l * r(l) = 1 (l >= 1 wherever m is finite), so no tie count is kept."""
     assert not _counts_ties(af.backward(ns(fname)[name]))
 
 
@@ -532,12 +529,9 @@ def test_softmax_and_attention_backward_drop_the_max_adjoint():
     assert _counts_ties(af.backward(MINE["rowmax"]))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: cross-entropy's backward 'fused with the forward when the loss is "
-                   "the only output': the unit-cotangent program (loss + gradient, autograd.unit_cotangent_program, what "
-                   "DifferentiableKernel runs in the forward for a 0-d loss) is not fusible, 3 passes over the logits "
-                   "(max/sum, the tie count against the final max, the epilogue) instead of 2, because of the max "
-                   "adjoint above; af.compile runs it as a StagedKernel")
 def test_cross_entropy_gradient_in_forward_is_one_fusion():
+    """Issue 11: cross-entropy's loss + gradient (the unit-cotangent program DifferentiableKernel runs in
+    the forward for a 0-d loss) is one fusion, no tie-count pass."""
     from acefuse.autograd import unit_cotangent_program
     prog, why = unit_cotangent_program(af.backward(ns("norms")["cross_entropy_mean"]))
     assert prog is not None, why
@@ -558,3 +552,40 @@ def test_cross_entropy_mean_gradient_in_forward_matches_float64():
         F.cross_entropy(x64, tv).backward(torch.tensor(cot, dtype=torch.float64))
         assert k._grad_in_forward()
         torch.testing.assert_close(xl.grad.double(), x64.grad, rtol=1e-4, atol=2e-5 * x64.grad.abs().max().item())
+
+
+def test_max_adjoint_kept_where_the_output_depends_on_the_max():
+    """The control of the shift-invariance law: m + 2 log(l) and max_j(x - mean_j x) depend on the max, so
+    their backward keeps its adjoint; the gradient at exact ties matches float64 autograd."""
+    x = af.tensor("x", "r j")
+    m = af.max(x, "j")
+    lse2 = af.program("lse2", out=m + af.log(af.sum(af.exp(x - m), "j")) * 2.0)
+    assert _counts_ties(af.backward(lse2))
+    maxc = af.backward(af.program("maxc", out=af.max(x - af.mean(x, "j"), "j")))   # a hit within a slack
+    assert any(s.op == "CmpGe" and any(u.op == "In" and u.args[0].startswith("saved_m") for u in s.walk())
+               for e in maxc.outputs.values() for s in e.term.walk())
+    g = torch.Generator().manual_seed(23)
+    xv = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    xv[:, 3] = xv[:, 5] = xv.max(1).values + 0.5   # a tie at the max in every row
+    cot = torch.randn(4, generator=g, dtype=torch.float64)
+    xl = xv.float().requires_grad_()
+    _K.setdefault("lse2", af.compile(lse2))(x=xl).backward(cot.float())
+    x64 = xv.float().double().requires_grad_()
+    (2 * torch.logsumexp(x64, 1) - x64.amax(1)).backward(cot)
+    torch.testing.assert_close(xl.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_lse_fully_masked_row_gets_zero_gradient():
+    """A fully masked row (all -inf) of logsumexp: gradient 0 (the backward's convention), other rows vs
+    float64 autograd."""
+    k = _K.setdefault("lse", af.compile(ns("softmax")["lse"]))
+    g = torch.Generator().manual_seed(31)
+    xv = torch.randn(4, 19, generator=g, dtype=torch.float64) * 2
+    xv[2] = -math.inf
+    cot = torch.randn(4, generator=g, dtype=torch.float64)
+    xl = xv.float().requires_grad_()
+    k(x=xl).backward(cot.float())
+    assert (xl.grad[2] == 0).all()
+    x64 = xv.float().double()[[0, 1, 3]].requires_grad_()
+    torch.logsumexp(x64, 1).backward(cot[[0, 1, 3]])
+    torch.testing.assert_close(xl.grad[[0, 1, 3]].double(), x64.grad, rtol=1e-5, atol=1e-6)
