@@ -165,6 +165,9 @@ class _Normal:
       recomputation of a saved forward reduction is that saved input;
     - the safe reciprocal ``r(x) = where(x == 0, 0, 1 / x)``: ``r(x)^a * x^b = r(x)^(a-b)``
       for ``a > b >= 1`` (both sides are 0 where ``x`` is 0);
+    - shift invariance: ``r(l)^a * l^a = 1`` when ``l = sum_a(exp(b - max_a b))`` (``l >= 1``
+      wherever the max is finite; see ``shifted_sum``): the adjoint of the max in
+      ``m + log(l)`` (logsumexp, log-softmax, cross-entropy) is ``g * (1 - l * r(l)) = 0``;
 
     Forward outputs are recognised in contractions by the rewrite system (``read_saved``).
     """
