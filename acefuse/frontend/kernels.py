@@ -328,7 +328,10 @@ def narrowed(bwd, grad_dtypes: dict):
         return bwd
     stages = []
     for st in bwd.stages:
-        hit = {g: dt for g, dt in want.items() if g in st.outputs and getattr(st, "axis", None) in st.outputs[g].axes}
+        # the stage computes the gradient whole: fused over one of its axes, or a stage with no
+        # reduction at all (axis None: a loss whose backward reads only saved per-row values)
+        hit = {g: dt for g, dt in want.items()
+               if g in st.outputs and getattr(st, "axis", None) in (None, *st.outputs[g].axes)}
         if hit:
             st = copy.copy(st)
             st.name = "_".join([st.name, *sorted(set(hit.values()))])
