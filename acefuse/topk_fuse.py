@@ -50,6 +50,7 @@ import time
 
 from acefuse.rewrite.terms import Term, A, B, U, pretty, substitute, reblock
 from acefuse.rewrite.encode import Encoding, StateDef, RED_OPS
+from acefuse.rewrite.dag import nodes
 
 J = Term("BJ")
 AB = U(A, B)
@@ -480,16 +481,7 @@ def group_forms(grp):
     return init, rolling, merge
 
 
-def _walk_once(t):
-    """Every distinct node of a term (by identity), once."""
-    seen, todo = set(), [t]
-    while todo:
-        u = todo.pop()
-        if id(u) in seen:
-            continue
-        seen.add(id(u))
-        yield u
-        todo.extend(u.children)
+_walk_once = nodes   # every distinct node of a term (by identity), once (rewrite/dag.py)
 
 
 def _cascade_depth(prog, axis):
