@@ -405,3 +405,40 @@ def test_decode_launches_the_kernel_its_timing_chose():
     ref = torch.einsum("bgrij,bgjd->bgrid", torch.softmax(s, -1), ins["v"].double())
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 2e-2, err
+
+
+class _OnDevice1(torch.Tensor):
+    """A CPU tensor that reports itself on cuda:1 (the device guard's view of an input)."""
+    is_cuda = property(lambda self: True)
+    device = property(lambda self: torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("family", ["row", "contraction"])
+def test_launcher_enters_the_inputs_device(softmax_kernel, decode_kernel, monkeypatch, family):
+    """The generated run() is wrapped by _on_input_device (45c612f): inputs on a CUDA device other
+    than the current one launch inside torch.cuda.device(theirs) (Triton launches on the current
+    device: 'Pointer argument cannot be accessed'); inputs on the current device or the CPU enter
+    nothing. The GPU test above checks it on two devices; this one checks the guard on the CPU."""
+    mod = (softmax_kernel if family == "row" else decode_kernel).module
+    assert getattr(mod.run, "__wrapped__", None) is not None, "run() has no device guard"
+    entered = []
+
+    class Rec:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            entered.append(torch.device(self.d))
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Rec)
+    seen = []
+    guarded = mod._on_input_device(lambda *a, **k: seen.append((a, k)) or "ran")
+    x = torch.randn(3, 5)
+    assert guarded(x=x) == "ran" and entered == []
+    fake = x.as_subclass(_OnDevice1)
+    assert guarded(x=fake) == "ran" and entered == [torch.device("cuda", 1)]
+    assert guarded(fake, schedule="loop") == "ran" and len(entered) == 2 and len(seen) == 3
