@@ -2,7 +2,21 @@
 they are built from (``x`` over rows ``r`` and the fused axis ``j``, its max ``m``, the
 shifted exponentials ``e`` and their sum ``l``, mean ``mu`` and variance ``var``, targets
 ``t``), and the runner of a compiled program in each schedule."""
+import numpy as np
+
 import acefuse as af
+
+
+def index_op(op, x):
+    """An index-arithmetic operator (integer grids, Python/numpy semantics: // and % round toward
+    -inf) applied to its evaluated operands ``x``: the brute-force masks of the mask tests."""
+    return {"Neg": lambda: -x[0], "Abs": lambda: np.abs(x[0]), "Add": lambda: x[0] + x[1],
+            "Sub": lambda: x[0] - x[1], "Mul": lambda: x[0] * x[1], "FloorDiv": lambda: x[0] // x[1],
+            "Mod": lambda: x[0] % x[1], "Max2": lambda: np.maximum(x[0], x[1]),
+            "Min2": lambda: np.minimum(x[0], x[1]), "CmpLt": lambda: x[0] < x[1], "CmpLe": lambda: x[0] <= x[1],
+            "CmpGt": lambda: x[0] > x[1], "CmpGe": lambda: x[0] >= x[1], "CmpEq": lambda: x[0] == x[1],
+            "CmpNe": lambda: x[0] != x[1], "LAnd": lambda: x[0] & x[1], "LOr": lambda: x[0] | x[1],
+            "LNot": lambda: ~x[0]}[op]()
 
 x = af.tensor("x", "r j")
 t = af.tensor("t", "r")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import acefuse as af
+from tests.programs import index_op
 from acefuse.codegen import masks
 from acefuse.codegen.masks import MaskAnalysis, tile_truth
 from acefuse.rewrite.terms import Term
@@ -34,13 +35,7 @@ def _ev(t: Term, I, J):
     if op == "Idx":
         return I if a[0] == "i" else J
     x = [_ev(c, I, J) for c in t.children]
-    return {"Neg": lambda: -x[0], "Abs": lambda: np.abs(x[0]), "Add": lambda: x[0] + x[1],
-            "Sub": lambda: x[0] - x[1], "Mul": lambda: x[0] * x[1], "FloorDiv": lambda: x[0] // x[1],
-            "Mod": lambda: x[0] % x[1], "Max2": lambda: np.maximum(x[0], x[1]),
-            "Min2": lambda: np.minimum(x[0], x[1]), "CmpLt": lambda: x[0] < x[1], "CmpLe": lambda: x[0] <= x[1],
-            "CmpGt": lambda: x[0] > x[1], "CmpGe": lambda: x[0] >= x[1], "CmpEq": lambda: x[0] == x[1],
-            "CmpNe": lambda: x[0] != x[1], "LAnd": lambda: x[0] & x[1], "LOr": lambda: x[0] | x[1],
-            "LNot": lambda: ~x[0]}[op]()
+    return index_op(op, x)
 
 
 def _adversarial(direction):

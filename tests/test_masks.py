@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import acefuse as af
+from tests.programs import index_op
 from acefuse.codegen.masks import MaskAnalysis, tile_truth, tile_stats
 from acefuse.rewrite.terms import Term
 
@@ -142,13 +143,7 @@ def _ev(t: Term, I, J, doc=None):
     if op == "Size":
         return np.int64(J.shape[1] if a[0] == "j" else I.shape[0])
     x = [_ev(c, I, J, doc) for c in t.children]
-    return {"Neg": lambda: -x[0], "Abs": lambda: np.abs(x[0]), "Add": lambda: x[0] + x[1],
-            "Sub": lambda: x[0] - x[1], "Mul": lambda: x[0] * x[1], "FloorDiv": lambda: x[0] // x[1],
-            "Mod": lambda: x[0] % x[1], "Max2": lambda: np.maximum(x[0], x[1]),
-            "Min2": lambda: np.minimum(x[0], x[1]), "CmpLt": lambda: x[0] < x[1], "CmpLe": lambda: x[0] <= x[1],
-            "CmpGt": lambda: x[0] > x[1], "CmpGe": lambda: x[0] >= x[1], "CmpEq": lambda: x[0] == x[1],
-            "CmpNe": lambda: x[0] != x[1], "LAnd": lambda: x[0] & x[1], "LOr": lambda: x[0] | x[1],
-            "LNot": lambda: ~x[0]}[op]()
+    return index_op(op, x)
 
 
 def _rand_index(rng, depth):
