@@ -364,8 +364,12 @@ class Context:
         return f"idx_{axis}.to(tl.float32)", "row"
 
     def contract(self, t: Term, em):
-        raise CodegenError(f"`{pretty(t)}` reduces over axis {t.args[0].args[0]!r} inside the body; the "
-                           "row family has no contractions (the contraction family does)")
+        ax = t.args[0].args[0]
+        raise CodegenError(f"program {self.g.f.program.name!r}: `{pretty(t)}` reduces over axis {ax!r}, "
+                           f"another axis than the fused {self.g.axis!r}, outside any reduction over it; the row "
+                           "family fuses one reduced axis per kernel and has no contractions. Compute "
+                           f"`{pretty(t)}` in a program of its own (af.compile) and pass it in as an input, or "
+                           "fuse another axis (axis=...)")
 
     def from_reduction(self, t: Term) -> bool:
         return any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.walk())

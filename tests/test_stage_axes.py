@@ -198,3 +198,15 @@ def test_training_layout_kept_when_an_input_is_declared_again():
            "w": torch.randn(5, 45, generator=g, dtype=torch.float64)}
     grads_vs_float64(k, lambda x, w: {"out": (x @ w.t()) * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)},
                      ins, torch.float32, 6, ["x", "w"])
+
+
+def test_reduction_over_another_axis_outside_the_fused_one_says_what_to_do():
+    """sum_j(x) * sum_k(z) fused over j: the row family has no kernel for sum_k(z) (another axis,
+    outside any reduction over j). The error names the program, the term and both axes, and says
+    what to do; before it named neither the program nor a way out."""
+    from acefuse.codegen.emit import CodegenError
+    x, z = af.tensor("x", "r j"), af.tensor("z", "r k")
+    prog = af.program("two_axes_out", y=af.sum(x, "j") * af.sum(z, "k"))
+    with pytest.raises(CodegenError, match=r"'two_axes_out'.*`sum_k\(z\)` reduces over axis 'k', another axis "
+                                           r"than the fused 'j'.*program of its own"):
+        af.compile(prog, axis="j")
