@@ -157,6 +157,20 @@ class KernelError(RuntimeError):
             "num_warps=...), and report the program if it persists.")
 
 
+class KernelCompileError(KernelError):
+    """Triton could not compile a generated kernel with any launch options its launcher tried
+    (codegen/launch_retry.py); the message names the program, the kernel, the options tried
+    and Triton's first line, and what to do."""
+
+    def __init__(self, message):
+        RuntimeError.__init__(self, message)
+
+
+class CompileRetryWarning(UserWarning):
+    """A generated kernel did not compile with its launch options and runs with safer ones
+    (codegen/launch_retry.py); the message names the program, the kernel and Triton's error."""
+
+
 def requires_grad_inputs(args, inputs, names=()) -> list:
     """Names of the tensor inputs that require grad while grad mode is on (positional
     arguments named by ``names``, the program's inputs in order)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from acefuse.rewrite.terms import Term, pretty, A, B, reblock
 from acefuse.codegen.emit import Emitter, CodegenError
 from acefuse.codegen.input_types import SRC as _INPUT_TYPES_SRC
+from acefuse.codegen.launch_retry import SRC as _LAUNCH_RETRY_SRC
 
 AB = Term("BU", (A, B))
 J = Term("BJ")
@@ -290,7 +291,7 @@ def _tanh(a):
     big = (1.0 - e) / (1.0 + e)
     t = tl.where(x < 0.3, small, big)
     return tl.where(a >= 0, t, -t)
-'''
+''' + _LAUNCH_RETRY_SRC.replace("{", "{{").replace("}", "}}")   # a kernel Triton cannot compile: safer options
 
 
 class Context:
@@ -914,7 +915,14 @@ class RowGen:
             "            if len(_PLANS) >= MAX_PLANS:",
             "                _PLANS.clear()",
             "            _PLANS[key] = plan",
-            "    return _launch(plan, inputs)",
+            "    try:",
+            "        return _launch(plan, inputs)",
+            "    except Exception as exc:   # a kernel Triton cannot compile with these options: safer ones",
+            "        return _safer_launch(plan, _what(plan), lambda: _launch(plan, inputs), exc, _dtypes(inputs))",
+            "",
+            "",
+            "def _what(p):",
+            "    return f'{PROGRAM}_part, _combine, _epilogue' if p.schedule == 'split' else f'{PROGRAM}_{p.schedule}'",
             "",
             "",
             "def _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders,",
@@ -1007,6 +1015,8 @@ class RowGen:
             "    if (stages or NUM_STAGES) is not None and on_gpu:",
             "        p.kw['num_stages'] = stages or NUM_STAGES",
             "    p.schedule = schedule",
+            "    if _SAFER:   # options that compiled where these did not (codegen/launch_retry.py)",
+            "        _remember(p, _what(p), _dtypes(inputs))",
             "    return p",
             "",
             "",
