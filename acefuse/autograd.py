@@ -49,6 +49,7 @@ from acefuse.codegen.compile import bind_inputs
 from acefuse.frontend.runtime import AcefuseFallbackWarning
 
 RUN_KW = ("schedule", "block_i", "block_j", "block_r", "nsplit", "num_warps", "num_stages")
+_CALL_KW = frozenset(RUN_KW + ("out_dtypes",))   # launch options a differentiable kernel's call takes
 
 
 class GradientFallbackWarning(AcefuseFallbackWarning):
@@ -130,6 +131,17 @@ def unit_cotangent_program(bwd):
     return Program(f"{prog.name}_unit", outs), ""
 
 
+def _requires_grad(args, inputs) -> bool:
+    """Some tensor argument requires grad (a plain loop: this runs on every call)."""
+    for v in args:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return True
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return True
+    return False
+
+
 def _to(t: torch.Tensor, dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
@@ -172,11 +184,14 @@ class BackwardKernel:
         # against the stages apart and keeps the faster: ``ride_times``), True (always), False (never)
         self.ride_policy = "timed"
         self._ride_choice: dict = {}
+        self._ride_seen: dict = {}   # (host, each input's shape, dtype, device) -> its _ride_choice key
+        self._rider_plans: dict = {}   # host -> what _fold_riders needs of its riders (made once)
         self.ride_times: dict = {}   # key -> (ms with riders, ms apart)
         # hosts before their riders, every stage after the pre-stages whose values it reads
         self._order = _dependency_order(sorted(range(len(kernels)), key=lambda i: i in self._riders), needs)
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
+        self._name_set = frozenset(self._names)
         self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
         self._finish = getattr(bwd, "finish", {})   # gradient -> (tile output, axes it is summed over)
         parts = {p for p, _ in self._finish.values()}
@@ -201,12 +216,13 @@ class BackwardKernel:
         bwd = self.program
         run_kw = {k: inputs.pop(k) for k in RUN_KW if k in inputs} if inputs.keys() & RUN_KW else {}
         names = self._names
-        bind_inputs(bwd.name, names, args, inputs, exact=False)
-        missing = [n for n in names if n not in inputs]
-        if missing:
-            raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
-                            f"of {bwd.augmented.name!r}; cotangents are named grad_<output>)")
-        inputs = dict(inputs)
+        if args or inputs.keys() != self._name_set:   # (by name, exactly the inputs: nothing to bind)
+            bind_inputs(bwd.name, names, args, inputs, exact=False)
+            missing = [n for n in names if n not in inputs]
+            if missing:
+                raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
+                                f"of {bwd.augmented.name!r}; cotangents are named grad_<output>)")
+        # (``inputs`` is this call's own dict: updated in place below)
         for n in self._maxes:   # the forward's convention: a fully masked row's max reads as 0
             inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, posinf=0.0, neginf=0.0)
         for n in bwd.index_inputs:
@@ -272,8 +288,15 @@ class BackwardKernel:
             return False
         if dev is None or dev.type != "cuda" or run_kw or self.ride_policy is True:
             return True
-        key = (host, str(dev), tuple((n, tuple(1 << max(0, (int(x) - 1).bit_length()) for x in t.shape), str(t.dtype))
-                                     for n, t in kin.items() if isinstance(t, torch.Tensor)))
+        # the exact shapes seen before map to their shape class without working it out again
+        sig = (host, dev, *[(t.shape, t.dtype) for t in kin.values() if isinstance(t, torch.Tensor)])
+        key = self._ride_seen.get(sig)
+        if key is None:
+            if len(self._ride_seen) >= 512:
+                self._ride_seen.clear()
+            key = self._ride_seen[sig] = (host, str(dev), tuple(
+                (n, tuple(1 << max(0, (int(x) - 1).bit_length()) for x in t.shape), str(t.dtype))
+                for n, t in kin.items() if isinstance(t, torch.Tensor)))
         if key not in self._ride_choice:
             riding = [b for b, h in self._riders.items() if h == host]
 
@@ -304,19 +327,23 @@ class BackwardKernel:
         over the programs (absent when the kernel ran another schedule: the rider stage
         then runs itself)."""
         from acefuse.codegen.riders import fold, finish
-        # a sum-family host adds its riders' tiles into one float32 buffer each (RIDER_SCALE: the
-        # constant factor left to apply); a row-family host writes per-program partials
-        scale = getattr(getattr(self.kernels[host], "module", None), "RIDER_SCALE", None)
-        for i, h in self._riders.items():
-            if h != host:
-                continue
-            k, tnames, keep, _, oaxes = self._stages[i]
+        plan = self._rider_plans.get(host)
+        if plan is None:   # what does not depend on the call, worked out once per host stage
+            # a sum-family host adds its riders' tiles into one float32 buffer each (RIDER_SCALE: the
+            # constant factor left to apply); a row-family host writes per-program partials
+            scale = getattr(getattr(self.kernels[host], "module", None), "RIDER_SCALE", None)
+            plan = self._rider_plans[host] = []
+            for i, h in self._riders.items():
+                if h == host:
+                    k, tnames, keep, _, oaxes = self._stages[i]
+                    # the type the rider stage's own kernel writes: its first float input's
+                    order = [n for n in getattr(getattr(k, "module", None), "TENSORS", tnames)
+                             if n not in self.program.index_inputs]
+                    plan.append((keep, oaxes, order, scale))
+        for keep, oaxes, order, scale in plan:
             if not all(n in res for n in keep):
                 continue
-            # the type the rider stage's own kernel writes: its first float input's
-            order = getattr(getattr(k, "module", None), "TENSORS", tnames)
-            ref = next((inputs[n] for n in order if n not in self.program.index_inputs
-                        and inputs[n].dtype.is_floating_point), None)
+            ref = next((inputs[n] for n in order if inputs[n].dtype.is_floating_point), None)
             dt = ref.dtype if ref is not None and ref.dtype.itemsize > 1 else torch.float32
             for n in keep:
                 out[n] = fold(res[n], dt) if scale is None else finish(res[n], dt, scale.get(n, 1.0))
@@ -455,14 +482,16 @@ def _augmented(dk, aug, bwd, inputs, run_kw, odts):
     """(outputs, saved values) of the augmented forward kernel: the saved values that
     ``wide_values`` keeps in float32 written so (or converted), the outputs in the caller's
     types ``odts``."""
-    kw = dict(run_kw)
-    floats = [t for t in inputs.values() if t.dtype.is_floating_point]
-    odt = floats[0].dtype if floats else torch.float32    # the launchers' output type
+    kw = run_kw
+    # the launchers' output type: the first float input's
+    odt = next((t.dtype for t in inputs.values() if t.dtype.is_floating_point), torch.float32)
     wide = wide_dtype(odt)
     values, direct = dk.wide_values(aug, bwd)
     if direct and (values or odts):
-        kw["out_dtypes"] = {**odts, **{n: wide for n in values}}
-    out = _as_dict(aug(**inputs, **kw), list(bwd.augmented.outputs))
+        kw = dict(run_kw, out_dtypes={**odts, **dk._wide_out_dtypes(wide)} if odts else dk._wide_out_dtypes(wide))
+    out = aug(**inputs, **kw)
+    if not isinstance(out, dict):
+        out = _as_dict(out, list(bwd.augmented.outputs))
     saved = [_to(out[n], wide) if n in values else out[n] for n in bwd.saved]
     if values:                       # the caller's type (the program's outputs only: a saved value
         # that is no output is dropped, its conversion would be a wasted launch per call)
@@ -491,7 +520,7 @@ class _Function(torch.autograd.Function):
         if "out_dtypes" in run_kw:
             run_kw = {k: v for k, v in run_kw.items() if k != "out_dtypes"}
         aug, bwd = dk._grad_kernels()
-        keys = list(dk.prog.outputs)
+        keys = dk._keys
         unit = dk._unit_kernel() if bwd is not None and dk._grad_in_forward() else None
         if unit is not None:                 # the gradient for a unit cotangent, computed now
             try:
@@ -525,12 +554,12 @@ class _Function(torch.autograd.Function):
                 "grad_fn. Run this part in torch (outside af.compile / the acefuse backend) for "
                 "double backward.")
         n = len(ctx.names)
-        if not any(ctx.needs_input_grad[3 + i] for i in range(n)):
+        needs = ctx.needs_input_grad[3:]
+        if not any(needs):
             return (None, None, None) + (None,) * n
         vals = ctx.saved_tensors
         inputs = dict(zip(ctx.names, vals[:n]))
-        want = [name for i, name in enumerate(ctx.names)
-                if ctx.needs_input_grad[3 + i] and vals[i].dtype.is_floating_point]
+        want = [name for name, need, v in zip(ctx.names, needs, vals) if need and v.dtype.is_floating_point]
         grads = None
         if ctx.unit:                         # grad_x = grad_out * unit_grad_x
             (oname, oexpr), = dk.prog.outputs.items()
@@ -588,12 +617,18 @@ class DifferentiableKernel:
     """``af.compile(prog)``: the forward kernel; differentiable when an input requires grad."""
 
     _OWN = ("kernel", "prog", "_kw", "_aug", "_bwd", "_bwd_kernel", "_torch_reason", "_warned", "_unit",
-            "unit_reason", "grad_in_forward", "_wide", "wrt", "_compile_one", "_by_wrt")
+            "unit_reason", "grad_in_forward", "_wide", "wrt", "_compile_one", "_by_wrt", "_names", "_name_set",
+            "_keys")
 
     def __init__(self, prog, kernel, compile_kw, wrt=None, compile_one=None):
         self.prog = prog
         self.kernel = kernel
         self._kw = compile_kw
+        # per-call work done once: the inputs' names (a set: a call by name is checked in O(1)
+        # against it, positional or unknown inputs go through bind_inputs) and the outputs'
+        self._names = list(prog.tensors)
+        self._name_set = frozenset(self._names)
+        self._keys = list(prog.outputs)
         # the inputs differentiated: None = every float input; else only these (af.backward(prog, wrt)).
         # A call whose set of inputs requiring grad differs runs a kernel for that set (_for)
         self.wrt = None if wrt is None else frozenset(wrt)
@@ -617,8 +652,16 @@ class DifferentiableKernel:
         """The saved values kept in float32 and whether ``aug`` writes them so directly;
         computed once (a walk of the program and a signature lookup: not per call)."""
         if self._wide is None or self._wide[0] is not aug:
-            self._wide = (aug, wide_saved(self.prog, bwd), takes_out_dtypes(aug))
+            self._wide = (aug, wide_saved(self.prog, bwd), takes_out_dtypes(aug), {})
         return self._wide[1], self._wide[2]
+
+    def _wide_out_dtypes(self, wide) -> dict:
+        """``{saved value: wide}`` for the values ``wide_values`` keeps wide (one dict per type,
+        made once; the launchers only read it)."""
+        made = self._wide[3]
+        if wide not in made:
+            made[wide] = {n: wide for n in self._wide[1]}
+        return made[wide]
 
     def __getattr__(self, name):   # source, fusion, path, module, fusible ... of the forward kernel
         if name in self._OWN:
@@ -729,20 +772,23 @@ class DifferentiableKernel:
         if "process_group" in inputs or "sharded_axis" in inputs:   # sharded across ranks: acefuse/distributed.py
             from acefuse.distributed import call_sharded
             return call_sharded(self, args, inputs)
-        names = list(self.prog.tensors)
-        needs = torch.is_grad_enabled() and any(
-            isinstance(v, torch.Tensor) and v.requires_grad for v in list(args) + list(inputs.values()))
-        if not needs:
+        if not (torch.is_grad_enabled() and _requires_grad(args, inputs)):
             return self.kernel(*args, **inputs)
-        run_kw = {k: inputs.pop(k) for k in RUN_KW + ("out_dtypes",) if k in inputs}
-        bind_inputs(self.prog.name, names, args, inputs)
-        requested = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].requires_grad)
-        floats = frozenset(n for n in names if isinstance(inputs[n], torch.Tensor) and inputs[n].dtype.is_floating_point)
-        dk = self._for(requested, floats)
+        run_kw = {} if inputs.keys().isdisjoint(_CALL_KW) else {k: inputs.pop(k) for k in _CALL_KW if k in inputs}
+        names = self._names
+        if args or inputs.keys() != self._name_set:   # (by name, exactly the inputs: nothing to bind)
+            bind_inputs(self.prog.name, names, args, inputs)
+        tensors = [inputs[n] for n in names]
+        requested = frozenset([n for n, v in zip(names, tensors) if isinstance(v, torch.Tensor) and v.requires_grad])
+        if requested == self.wrt or (self.wrt is None and requested == self._name_set):
+            dk = self   # (what _for gives for these: no set of float inputs to build)
+        else:
+            floats = frozenset(n for n, v in zip(names, tensors)
+                               if isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+            dk = self._for(requested, floats)
         dk._grad_kernels()
-        outs = _Function.apply(dk, run_kw, names, *[inputs[n] for n in names])
-        keys = list(self.prog.outputs)
-        return outs[0] if len(keys) == 1 else dict(zip(keys, outs))
+        outs = _Function.apply(dk, run_kw, names, *tensors)
+        return outs[0] if len(outs) == 1 else dict(zip(self._keys, outs))
 
     def __repr__(self):
         return f"<acefuse differentiable kernel {self.prog.name!r} ({self.kernel!r})>"
@@ -779,6 +825,8 @@ class StagedFusion:
             L.append(f"  {k} = {e}")
         if bwd.zero_grads:
             L.append("  zero (no output depends on them): " + ", ".join(bwd.zero_grads))
+        from acefuse.backward_normal import derivation_text
+        L.extend(derivation_text(bwd))
         for st, f in zip(bwd.stages, self.stages):
             L.append("")
             hoisted = getattr(st, "hoisted", None)

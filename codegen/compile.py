@@ -217,15 +217,32 @@ def bind_inputs(name, names, args, inputs, exact=True):
     return inputs
 
 
+def _has_empty(args, inputs) -> bool:
+    """Some tensor argument has no elements (a plain loop: this runs on every call)."""
+    import torch
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.numel() == 0:
+            return True
+    for a in inputs.values():
+        if isinstance(a, torch.Tensor) and a.numel() == 0:
+            return True
+    return False
+
+
 def run_module(module, args, inputs):
     """Call a generated module's launcher. Inputs with an empty axis give the empty
     outputs torch would give (the launcher's ``empty_outputs``) without a launch."""
-    import torch
     empty_outputs = getattr(module, "empty_outputs", None)
-    if empty_outputs is not None and any(isinstance(a, torch.Tensor) and a.numel() == 0
-                                         for a in list(args) + list(inputs.values())):
+    if empty_outputs is not None and _has_empty(args, inputs):
         return empty_outputs(*args, **inputs)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    interp = getattr(module, "_ACEFUSE_INTERPRETED", None)
+    if interp is None:   # read once per module: Triton decided it when the module's kernels were made
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        try:
+            module._ACEFUSE_INTERPRETED = interp
+        except AttributeError:   # (an object that takes no attributes: read per call)
+            pass
+    if interp:
         import numpy as np
         with np.errstate(all="ignore"):  # the interpreter evaluates masked lanes too
             return module.run(*args, **inputs)
