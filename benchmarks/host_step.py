@@ -19,7 +19,8 @@ On the CPU every Triton launch is replaced by a no-op (the interpreter would oth
 so what is timed is acefuse's Python path and torch's (tensor allocations included); the kernels
 are run for real once first and the results checked against float64 torch. On a GPU nothing is
 stubbed and the loop does not synchronise, so the time is the host's as long as it exceeds the
-kernels' (the GPU's kernel times are in BENCHMARKS.md). ``--cpu-time`` times this thread's CPU
+kernels' (the GPU's kernel times are in BENCHMARKS.md): keep the shapes small there (the default
+64x1000) to time the host alone; at 16384x8192 the queue fills and the time is the GPU's. ``--cpu-time`` times this thread's CPU
 time instead of wall time (steadier on a shared host).
 """
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="cProfile of the step, top N by own time")
     a = ap.parse_args()
     global _clock
+    if a.cpu_time and a.device == "cuda":
+        # (the autograd engine runs a CUDA backward on its own thread: this thread's CPU time misses it)
+        ap.error("--cpu-time is for the CPU (stubbed launches); on a GPU the wall time is the host's")
     if a.cpu_time:
         _clock = time.thread_time
     stub = a.device == "cpu"
@@ -136,8 +140,8 @@ def main():
         y64 = ref_fn(a64)
         want = torch.autograd.grad(y64, [a64[n] for n in wrt], g.double())
         tol = 1e-4 if dtype == torch.float32 else 5e-2
-        err = max(float((y.detach().double() - y64.detach()).abs().max()),
-                  *(float(((x.double() - w).abs().max() / w.abs().max().clamp_min(1e-30))) for x, w in zip(got, want)))
+        rel = lambda x, w: float((x.double() - w).abs().max() / w.abs().max().clamp_min(1e-30))  # noqa: E731
+        err = max(rel(y.detach(), y64.detach()), *(rel(x, w) for x, w in zip(got, want)))
         assert err < tol, f"{name}: off by {err} against float64 torch"
         if stub:
             _stub_launches()
