@@ -13,7 +13,9 @@ of ``--steps`` steps (min in brackets):
 - ``backward``: ``torch.autograd.grad``; of it, ``bwd fn`` is the time inside the autograd
   Function's backward (the backward kernel's launchers, gradient shaping) and ``engine`` the rest
   (torch's autograd engine);
-- ``step``: the two together.
+- ``step``: the two together;
+- ``per step``: what one step issues: Triton launches (by kernel) and the ATen ops besides
+  (allocations, conversions, small reductions; views not counted), each a launch on a GPU.
 
 On the CPU every Triton launch is replaced by a no-op (the interpreter would otherwise dominate),
 so what is timed is acefuse's Python path and torch's (tensor allocations included); the kernels
@@ -71,6 +73,35 @@ def _stub_launches(on=True):
     if not hasattr(cls, "_real_getitem"):
         cls._real_getitem = cls.__getitem__
     cls.__getitem__ = (lambda self, grid: (lambda *args, **kw: None)) if on else cls._real_getitem
+
+
+def _inventory(step, stub):
+    """(Triton launches by kernel name, ATen ops by name) of one call of ``step``."""
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if stub:
+        from triton.runtime.interpreter import InterpretedFunction as cls
+    else:
+        from triton.runtime.jit import JITFunction as cls
+    launches, ops = Counter(), Counter()
+    real = cls.__getitem__
+
+    def counted(self, grid):
+        launches[getattr(getattr(self, "fn", None), "__name__", repr(self))] += 1
+        return real(self, grid)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    cls.__getitem__ = counted
+    try:
+        with Ops():
+            step()
+    finally:
+        cls.__getitem__ = real
+    return launches, ops
 
 
 def _per_step(fn, steps, reps=15):
@@ -159,6 +190,7 @@ def main():
 
         for _ in range(20):
             step()
+        launches, ops = _inventory(step, stub)
         if dev == "cuda":
             torch.cuda.synchronize()
         t_step = _per_step(step, a.steps)
@@ -182,6 +214,8 @@ def main():
         print(f"{name:14s} {a.rows}x{a.cols} {str(dtype)[6:]:8s} {dev}{' (launches stubbed)' if stub else ''}: "
               f"step {us(t_step)} us | forward {us(t_fwd)} | backward {us(bw)} (bwd fn {us(fn_in)}, "
               f"engine {(bw[7] - fn_in[7]) * 1e6:.1f})", flush=True)
+        print(f"{'':14s} per step: {sum(launches.values())} Triton launches ({', '.join(launches)}); "
+              f"{sum(ops.values())} ATen ops ({', '.join(f'{k} x{v}' for k, v in sorted(ops.items()))})", flush=True)
         if a.profile:
             import cProfile
             import pstats
