@@ -502,7 +502,13 @@ def _augmented(dk, aug, bwd, inputs, run_kw, odts):
 
 def _exact_scale(g: torch.Tensor):
     """For a 0-d cotangent: None when multiplying a gradient by it may round (it is not a
-    power of two in [2^-60, 2^60]), else whether it is 1 (one sync)."""
+    power of two in [2^-60, 2^60]), else whether it is 1 (one sync).
+
+    The host reads the value because the three answers run different work: nothing (1: the
+    forward's unit gradient is the gradient, no pass over it), one multiplication (a power of
+    two), or the derived backward kernels (another value: rounded once). A device-side choice
+    would need kernels that skip on a device flag (the unit gradient scaled in place, or the
+    derived backward writing into its buffer); until then this is one sync per step."""
     v = float(g)
     m, e = math.frexp(v)
     if not (m in (0.5, -0.5) and -60 <= e <= 61):
