@@ -144,13 +144,20 @@ def main():
     # time spent inside the autograd Function's backward (acefuse's side of the backward)
     inside = [0.0]
     real_bwd = aga._Function.backward
+    # on a GPU the autograd engine runs the backward on its own thread, which a profiler started
+    # on this one does not see: --profile there profiles the backward apart, from inside it
+    bwd_prof = []
 
     def timed_bwd(ctx, *cots):
+        if bwd_prof:
+            bwd_prof[0].enable()
         t0 = _clock()
         try:
             return real_bwd(ctx, *cots)
         finally:
             inside[0] += _clock() - t0
+            if bwd_prof:
+                bwd_prof[0].disable()
     aga._Function.backward = staticmethod(timed_bwd)
     for name in a.only.split(","):
         if stub:
@@ -224,7 +231,14 @@ def main():
             for _ in range(a.steps):
                 step()
             pr.disable()
+            print(f"--- {name}: profile of the step (this thread)")
             pstats.Stats(pr).sort_stats("tottime").print_stats(a.profile)
+            if dev == "cuda":
+                bwd_prof.append(cProfile.Profile())
+                for _ in range(a.steps):
+                    step()
+                print(f"--- {name}: profile of the autograd Function's backward (the engine's thread)")
+                pstats.Stats(bwd_prof.pop()).sort_stats("tottime").print_stats(a.profile)
 
 
 if __name__ == "__main__":
