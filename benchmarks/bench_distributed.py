@@ -22,7 +22,8 @@ Parts (``--part ce|cp|decode|all``):
   keys and values sharded along the sequence): acefuse's ``exchange="gather"`` (all-gather
   of K/V, then the causal kernel on the local queries with their global offset) and
   ``exchange="ring"`` (K/V shards passed around the ring, each visiting shard's partial
-  states folded in with the derived merge), each with contiguous shards (the last rank has
+  states folded in with the derived merge inside the block's kernel; benchmarks/ring_profile.py
+  breaks its time down per step), each with contiguous shards (the last rank has
   the most causal work) and with the zig-zag layout (``zigzag=("i",)``: rank r holds chunks
   r and 2W-1-r, balanced), against PyTorch's
   ``torch.distributed.tensor.experimental.context_parallel`` (ring attention over SDPA,

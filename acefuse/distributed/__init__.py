@@ -31,7 +31,11 @@ a ``DistributedFallbackWarning`` says which program and why, once.
 
 ``exchange="gather"`` forces that path and ``exchange="ring"`` passes K/V shards around a ring,
 folding each visiting shard's partial states into the running ones with the derived merge
-(context-parallel prefill); ``axis_offsets={"i": i0}`` declares that the local tensors along
+(context-parallel prefill): in the contraction family inside each block's kernel (``fold_kernel``:
+the partial kernel with the running states as inputs, merged with its block's in registers
+before the store; a query piece's last block writes the outputs), so no merge pass over the
+float32 states runs in memory; otherwise (or with ``ring_fold = False``, ACEFUSE_RING_FOLD=0)
+the partial kernel writes the block's states and the merge is evaluated in torch; ``axis_offsets={"i": i0}`` declares that the local tensors along
 another axis start at global position ``i0`` (a query shard: causal masks see global rows);
 ``zigzag=("i",)`` lays the sharded axis and ``i`` out as chunks r and 2W-1-r of 2W equal
 chunks (balanced causal work), each chunk with its own global offset.
@@ -46,7 +50,7 @@ from __future__ import annotations
 from acefuse.distributed.base import (DistributedError, DistributedFallbackWarning, EXCHANGES, RUN_KW,
                                       instantiate)
 from acefuse.distributed.merge import StateEval, merge_tree, merge_bracketed
-from acefuse.distributed.kernels import state_axes, partial_kernel, full_kernel, final_kernel
+from acefuse.distributed.kernels import state_axes, partial_kernel, full_kernel, final_kernel, fold_kernel
 from acefuse.distributed.sharded import ShardedKernel
 from acefuse.distributed.grad import prepare as prepare_backward
 
@@ -77,4 +81,4 @@ def call_sharded(kernel, args, inputs):
 
 __all__ = ["ShardedKernel", "DistributedError", "DistributedFallbackWarning", "compile_sharded", "call_sharded",
            "merge_tree", "merge_bracketed", "StateEval", "instantiate", "state_axes", "partial_kernel",
-           "full_kernel", "final_kernel", "EXCHANGES", "RUN_KW", "prepare_backward"]
+           "full_kernel", "final_kernel", "fold_kernel", "EXCHANGES", "RUN_KW", "prepare_backward"]

@@ -69,6 +69,11 @@ def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None, runtime=False
                             for a in t.args))
 
 
+def _device(inputs):
+    """The device of the first tensor among ``inputs``' values (None if none)."""
+    return next((v.device for v in inputs.values() if hasattr(v, "device")), None)
+
+
 def _uses(terms, pred) -> bool:
     return any(pred(u) for t in terms for u in t.walk())
 
@@ -96,3 +101,13 @@ def ring_shift(tensors: dict, nxt_rank: int, prv_rank: int, group) -> tuple:
         ops.append(dist.P2POp(dist.isend, t, nxt_rank, group=group))
         ops.append(dist.P2POp(dist.irecv, got[n], prv_rank, group=group))
     return got, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def count_input(n, device=None):
+    """A 0-d float32 tensor holding the count ``n`` (the ring's running count of keys, a
+    folding kernel's ``carry_n``), made once per value and device like ``gpos_inputs``'."""
+    import torch
+    key = ("n", int(n), str(device))
+    if key not in _GPOS:
+        _GPOS[key] = torch.tensor(float(int(n)), dtype=torch.float32, device=device)
+    return _GPOS[key]

@@ -364,6 +364,15 @@ class ShardedBackward:
             return b
         return a + b if how == "sum" else torch.maximum(a, b) if how == "max" else torch.minimum(a, b)
 
+    def _combine_into(self, acc, b, how):
+        """``acc`` <- combine(acc, b) in place (one pass: the ring's travelling dK/dV slices
+        were combined into a new tensor and copied back, two)."""
+        import torch
+        if how == "sum":
+            acc.add_(b)
+        else:
+            (torch.maximum if how == "max" else torch.minimum)(acc, b, out=acc)
+
     def _all_reduce(self, vals: dict, combine: dict):
         """One all_reduce per combine kind over every value given (flattened, concatenated)."""
         import torch
@@ -533,7 +542,7 @@ class ShardedBackward:
                         elif k == "home":
                             d = axes[o].index(J)
                             sl = acc[o].narrow(d, start, n_src)
-                            sl.copy_(self._combine(sl, v, comb[o]))
+                            self._combine_into(sl, v, comb[o])
                         elif k == "local" and src == rank:
                             local.setdefault(o, []).append(v)
             for r in reqs:

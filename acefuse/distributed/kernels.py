@@ -223,3 +223,122 @@ def final_kernel(f, offsets: dict, sizes: dict, names: dict, takes: dict, n_glob
                       enc_states=states, leaves=leaves, given=list(names.values()) + list(takes.values()))
     src = _given_row_gen()(lf, names).module()
     return _load(lf, src, "final", extra)
+
+
+# ---- the ring's folding kernels -----------------------------------------------------------
+def _fold_gen():
+    from acefuse.codegen.chain import LinkGen
+
+    class FoldGen(LinkGen):
+        """The contraction template of the partial kernel with one hook: before the store
+        (FINALIZE), the block's states are folded into the running states of the blocks
+        before it (``carry``: state -> input tensor; ``carry_n``: a 0-d input holding their
+        count, when a merge form reads counts) by the pass's own derived merge, in registers:
+        ``St(q, A)`` the running states, ``St(q, B)`` this block's (count ``n_j``). The outputs
+        are then the folded states (``St(q, J)``) or the program's outputs read from them (the
+        ring's last block). Everything else is the partial kernel's source."""
+
+        def __init__(self, fusion, carry, carry_n):
+            super().__init__(fusion, {})
+            self.carry = dict(carry)
+            self.carry_n = carry_n
+
+        def fold(self, L, ind):
+            p, chain = self.p, self.f.rule_chain
+            L.append(f"{ind}# fold: the running states of the blocks before (inputs {', '.join(self.carry.values())}) "
+                     "and this block's, by the derived merge (A: running, B: this block)")
+            for s in p.states:
+                t = self.carry[s.name]
+                axes = self.tensors[t]
+                r = any(a in self.R for a in axes)
+                ptr = f"{t}_ptr + off_{t}_g"
+                L.append(f"{ind}{s.name}_b = {s.name}")
+                if self.E and self.E[0] in axes:
+                    ptr += (f" + off_{t}_r[:, None]" if r else "") + f" + ecols[None, :] * s_{t}_{self.E[0]}"
+                    ptr += "" if r else " + 0 * rows[:, None]"   # (a state over no row axis: one per row tile)
+                    L.append(f"{ind}{s.name} = tl.load({ptr}, mask=rmask[:, None] & emask[None, :], other=0.0)")
+                else:
+                    ptr += f" + off_{t}_r" if r else " + 0 * rows"
+                    L.append(f"{ind}{s.name} = tl.load({ptr}, mask=rmask, other=0.0)")
+            if self.carry_n is not None:
+                L.append(f"{ind}n_a = tl.load({self.carry_n}_ptr).to(tl.float32)")
+                L.append(f"{ind}n_b = nj_f")
+            ctx, em = self.region("merge", ind)
+            self.emit_states(p.merge, em, L, ind, "_new",
+                             lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
+                                       f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
+            for s in p.states:
+                L.append(f"{ind}{s.name} = {s.name}_new")
+
+        def store_outputs(self, L, ind="    "):
+            if self.carry:
+                self.fold(L, ind)
+            super().store_outputs(L, ind)
+    return FoldGen
+
+
+def fold_names(f, taken) -> tuple:
+    """({state: carry tensor name}, count tensor name or None): the running states' inputs of
+    a folding kernel (names free in ``taken``); the count only when a merge form reads counts."""
+    p = f.passes[0]
+    carry = {}
+    for s in p.states:
+        t = f"carry_{s.name}"
+        while t in taken:
+            t += "_"
+        carry[s.name] = t
+    counts = any(u.op == "Cnt" for s in p.states for u in p.merge[s.name].walk())
+    n = None
+    if counts:
+        n = "carry_n"
+        while n in taken or n in carry.values():
+            n += "_"
+    return carry, n
+
+
+def foldable(f) -> str | None:
+    """None when the ring's blocks can fold their states in the kernel (the contraction family,
+    one pass, every state with a derived merge); else why not (the ring then merges in torch)."""
+    from acefuse.codegen import contraction
+    if not contraction.is_contraction(f):
+        return "the program is not in the contraction family (the fold hook is in its template)"
+    if len(f.passes) != 1 or not f.passes[0].split_ok:
+        return "its fusion is not one pass whose states all have a derived merge"
+    return None
+
+
+def fold_kernel(f, offsets: dict, sizes: dict, names: dict, carry: bool, final: bool, n_global=None):
+    """A ring block's kernel: the partial kernel (``partial_kernel``) that, with ``carry``, takes
+    the running states as inputs and folds its block's states into them in registers (one
+    load and one store of each state per block: no merge pass over them in memory), and, with
+    ``final``, writes the program's outputs from the folded states (the last block of a query
+    piece: no float32 state is written, no finishing pass). ``names``: state -> output tensor
+    name. ``final`` needs outputs that read only the states and per-row inputs (``size(a)`` and
+    the whole axis's count instantiated to the global values; no reference values)."""
+    enc = f.encoding
+    p = f.passes[0]
+    sax = state_axes(f)
+    sub = (lambda t: instantiate(t, offsets, sizes, runtime=True))
+    if final:
+        outputs = {o: instantiate(t, offsets, sizes, n_global, runtime=True) for o, t in enc.outputs.items()}
+        out_axes = dict(enc.output_axes)
+    else:
+        outputs = {names[s.name]: Term("St", (s.name, J)) for s in p.states}
+        out_axes = {names[s.name]: sax[s.name] for s in p.states}
+    states = [replace(s, definition=sub(s.definition)) for s in enc.states]
+    leaves = {k: sub(v) for k, v in enc.leaves.items()}
+    tensors = _with_gpos(enc.tensors, offsets)
+    cn, nn = fold_names(f, set(tensors) | set(outputs)) if carry else ({}, None)
+    for q, t in cn.items():
+        tensors[t] = sax[q]
+    if nn is not None:
+        tensors[nn] = ()
+    role = "fold" + ("final" if final else "") if carry else "final1"
+    extra = (sorted(offsets), sorted(sizes.items()), n_global if final else None)
+    lf = _link_fusion(f, outputs, out_axes, tensors, _inst_pass(p, f, offsets, sizes), role, extra,
+                      enc_states=states, leaves=leaves, given=list(cn.values()) + ([nn] if nn else []))
+    lf.encoding = replace(lf.encoding, elementwise_outputs=())
+    src = _fold_gen()(lf, cn, nn).module()
+    k = _load(lf, src, role, extra)
+    k.carry, k.carry_n = cn, nn
+    return k

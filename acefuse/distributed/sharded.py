@@ -6,13 +6,10 @@ import warnings
 from acefuse.rewrite.terms import Term, reblock, pretty
 from acefuse.codegen.compile import bind_inputs
 from acefuse.distributed.base import (J, A_, B_, EXCHANGES, RUN_KW, DistributedError, DistributedFallbackWarning,
-                                      _uses, instantiate, ring_peers, ring_shift, gpos_inputs)
-from acefuse.distributed.merge import (StateEval, MERGE_OPS, OUTPUT_OPS, _ARITH, _merge2, merge_tree)
+                                      _uses, _device, instantiate, gpos_inputs)
+from acefuse.distributed.merge import (StateEval, MERGE_OPS, OUTPUT_OPS, _ARITH, merge_tree)
 from acefuse.distributed.kernels import (state_axes, _axes_fn, partial_kernel, full_kernel, final_kernel)
-
-
-def _device(inputs):
-    return next((v.device for v in inputs.values() if hasattr(v, "device")), None)
+from acefuse.distributed.ring import Ring
 
 
 # ---- the sharded kernel -----------------------------------------------------------------
@@ -40,7 +37,7 @@ def _plain_merge(p):
     return kinds.pop() if len(kinds) == 1 else None
 
 
-class ShardedKernel:
+class ShardedKernel(Ring):
     """A compiled program whose fused axis is sharded across the ranks of ``process_group``.
     Call it like the kernel, with each rank's local tensors (inputs without the sharded axis
     are the same on every rank). Outputs over the sharded axis are the rank's own shard;
@@ -82,6 +79,7 @@ class ShardedKernel:
         self._kernels = {}
         self._warned = False
         self.keep_wide = frozenset()    # outputs written in float32 whatever the inputs' type (saved values)
+        self.ring_fold = True           # the ring folds states in its kernels where it can (_ring)
 
     # -- planning --------------------------------------------------------------------------
     def _plan(self):
@@ -492,152 +490,6 @@ class ShardedKernel:
         if self.staged is None:
             return out
         return self.staged.finish(out, inputs)
-
-    # -- the ring (context parallelism) -----------------------------------------------------
-    def _chunks(self, src, sizes, zigzag):
-        """[(local start, length, global offset)] of rank ``src``'s shard of the sharded axis:
-        one contiguous piece, or (zig-zag) chunks ``src`` and ``2W - 1 - src`` of 2W equal chunks."""
-        if not zigzag:
-            return [(0, sizes[src], sum(sizes[:src]))]
-        c = sizes[src] // 2
-        return [(0, c, src * c), (c, c, (2 * len(sizes) - 1 - src) * c)]
-
-    def _pieces(self, inputs, zigzag, offsets, sizes, rank):
-        """The local inputs split where the zig-zag axes jump: [(inputs, offsets, {axis: (start, length)})]."""
-        if not zigzag:
-            return [(inputs, offsets, {})]
-        out = []
-        for start, n, off in self._chunks(rank, sizes, True):
-            ins = {t: x.narrow(self.program.tensors[t].index(a), start, n).contiguous()
-                   for t, x in inputs.items() for a in [next((a for a in zigzag if a in self.program.tensors[t]), None)]
-                   if a is not None}
-            ins = {t: ins.get(t, x) for t, x in inputs.items()}
-            offs = dict(offsets)
-            offs.update({a: off for a in zigzag})
-            out.append((ins, offs, {a: (start, n) for a in zigzag}))
-        return out
-
-    def _ring(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag=()):
-        """Every rank keeps its other inputs (its queries) and passes its shards of the
-        sharded inputs (K/V) around the ring; each visiting shard's partial states are
-        folded into the running ones with the derived merge (the rolling update across
-        devices), while the next shard is in flight. ``zigzag``: axes (besides the sharded
-        one) laid out as chunks r and 2W-1-r, which balances causal work."""
-        import torch
-        f = self.fusion
-        p = f.passes[0]
-        world = len(sizes)
-        mx = max(sizes)
-        cur = {}
-        for t in shard_names:
-            x = inputs[t]
-            d = self.program.tensors[t].index(self.axis)
-            pad = list(x.shape)
-            pad[d] = mx - x.shape[d]
-            cur[t] = torch.cat([x, x.new_zeros(pad)], dim=d).contiguous() if pad[d] else x.contiguous()
-        pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
-        runs = [None] * len(pieces)
-        src = rank
-        nxt_rank, prv_rank = ring_peers(self.group, rank, world)
-        for step in range(world):
-            reqs, nxt = [], {}
-            if step < world - 1:
-                nxt, reqs = ring_shift({t: cur[t] for t in shard_names}, nxt_rank, prv_rank, self.group)
-            for start, n_src, off in self._chunks(src, sizes, bool(zigzag)):
-                kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
-                for h, (ins, offs, _) in enumerate(pieces):
-                    offs = dict(offs)
-                    offs[self.axis] = off
-                    if runs[h] is not None and self._all_masked({**ins, **kv}, offs, gsizes):
-                        continue   # the mask excludes the whole block: its states would change nothing
-                    st, c = self._partial_states({**ins, **kv}, opts, offs, gsizes, n_src)
-                    runs[h] = (st, c) if runs[h] is None else (
-                        _merge2(f.encoding, p, self._P(), runs[h][0], st, runs[h][1], c, dict(gsizes)), runs[h][1] + c)
-            for r in reqs:
-                r.wait()
-            if step < world - 1:
-                cur = nxt
-                src = (src - 1) % world
-        outs = [self._finish_states(run[0], ins, offs, gsizes) for run, (ins, offs, _) in zip(runs, pieces)]
-        return self._concat(outs, zigzag)
-
-    def _all_masked(self, inputs, offsets, gsizes) -> bool:
-        """True when the mask analysis (codegen/masks.py) proves that the block's mask excludes
-        every (query, key) pair (one tile spanning the whole block) and that a fully masked
-        block leaves every state unchanged: the ring then skips its kernel and its merge (the
-        causal blocks above the diagonal). False whenever the analysis cannot tell."""
-        from acefuse.codegen import contraction
-        if not contraction.is_contraction(self.fusion):
-            return False
-        sizes = {}
-        for t, x in inputs.items():
-            for a, n in zip(self.program.tensors[t], x.shape):
-                sizes.setdefault(a, n)
-        key = ("masked", tuple(sorted(offsets.items())), tuple(sorted(sizes.items())))
-        if key not in self._kernels:
-            masked = False
-            try:
-                from acefuse.codegen.masks import tile_stats
-                k = self._partial(offsets, gsizes)
-                rows = [a for a in k.fusion.program.axes if a != self.axis and a in sizes
-                        and any(a in self.program.tensors[t] for t in inputs if self.axis not in self.program.tensors[t])]
-                if len(rows) >= 1:
-                    import numpy as np
-                    st = tile_stats(k.fusion, sizes, block_i=max(sizes[a] for a in rows), block_j=sizes[self.axis],
-                                    data={n: np.array([v.item()]) for n, v in gpos_inputs(offsets).items()})
-                    masked = st["skipped"] == 1.0
-            except Exception:  # noqa: BLE001 - no proof: run the block
-                masked = False
-            self._kernels[key] = masked
-        return self._kernels[key]
-
-    def _P(self):
-        return [a for a in self.fusion.program.axes if a != self.axis]
-
-    def _partial_states(self, inputs, opts, offsets, gsizes, n):
-        """The partial states of this block laid out over [1, *P], and its count."""
-        import torch
-        P, sax = self._P(), state_axes(self.fusion)
-        local = {}
-        for t, x in inputs.items():
-            for a, k in zip(self.program.tensors[t], x.shape):
-                local.setdefault(a, k)
-        part = self._run_partial(inputs, opts, offsets, gsizes)
-        st = {q: part[q].reshape([1] + [local[a] if a in sax[q] else 1 for a in P]) for q in part}
-        ref = next(iter(st.values()))
-        return st, torch.full([1] + [1] * len(P), float(n), dtype=ref.dtype, device=ref.device)
-
-    def _finish_states(self, final, inputs, offsets, gsizes):
-        """Outputs (contraction family: evaluated from the states) of merged final states."""
-        enc, p, P = self.fusion.encoding, self.fusion.passes[0], self._P()
-        local = {}
-        for t, x in inputs.items():
-            for a, k in zip(self.program.tensors[t], x.shape):
-                local.setdefault(a, k)
-        for i, a in enumerate(P):   # axes only the sharded inputs have (v's e): from the states
-            if a not in local:
-                local[a] = max(v.shape[i + 1] for v in final.values())
-        sizes_loc = {a: local[a] for a in P}
-        env = {(q, "J"): v for q, v in final.items()}
-        evf = StateEval(enc, P, env, {"J": float(gsizes[self.axis])}, dict(gsizes), inputs=inputs, offsets=offsets,
-                        takes={}, local=sizes_loc)
-        for r in p.refs:
-            env[(r.name, "J")] = evf.ev(reblock(r.definition, J))
-        return self._finish_eval(evf, P, sizes_loc, inputs)
-
-    def _concat(self, outs, zigzag):
-        """The pieces' outputs joined along the zig-zag axes they range over."""
-        import torch
-        if len(outs) == 1:
-            return outs[0]
-        names = list(self.program.outputs)
-        ds = [o if isinstance(o, dict) else {names[0]: o} for o in outs]
-        res = {}
-        for o in ds[0]:
-            axes = self.program.outputs[o].axes
-            za = [a for a in zigzag if a in axes]
-            res[o] = torch.cat([d[o] for d in ds], dim=axes.index(za[0])) if za else ds[0][o]
-        return res[names[0]] if len(res) == 1 else res
 
     def _gather_zigzag(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag):
         """All-gather the zig-zag shards of K/V, put them in sequence order, and run the kernel

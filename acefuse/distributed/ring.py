@@ -1,0 +1,295 @@
+"""The ring of a sharded call (``exchange="ring"``, context parallelism): the sharded inputs
+(K/V) travel around the ranks; each rank folds every visiting block's partial states into
+its running ones with the derived merge, in the block's own kernel where the contraction
+template allows (kernels.fold_kernel), else in torch (merge._merge2). A mixin of
+ShardedKernel (sharded.py), which holds the plan, the kernels and the other exchanges."""
+from __future__ import annotations
+
+import warnings
+
+from acefuse.rewrite.terms import reblock
+from acefuse.distributed.base import (J, DistributedFallbackWarning, _uses, _device, ring_peers,
+                                      ring_shift, gpos_inputs, count_input)
+from acefuse.distributed.merge import StateEval, OUTPUT_OPS, _merge2
+from acefuse.distributed.kernels import state_axes
+
+
+class Ring:
+    """The ring's methods of ShardedKernel (``self``: the sharded kernel)."""
+
+    # -- the ring (context parallelism) -----------------------------------------------------
+    def _chunks(self, src, sizes, zigzag):
+        """[(local start, length, global offset)] of rank ``src``'s shard of the sharded axis:
+        one contiguous piece, or (zig-zag) chunks ``src`` and ``2W - 1 - src`` of 2W equal chunks."""
+        if not zigzag:
+            return [(0, sizes[src], sum(sizes[:src]))]
+        c = sizes[src] // 2
+        return [(0, c, src * c), (c, c, (2 * len(sizes) - 1 - src) * c)]
+
+    def _pieces(self, inputs, zigzag, offsets, sizes, rank):
+        """The local inputs split where the zig-zag axes jump: [(inputs, offsets, {axis: (start, length)})]."""
+        if not zigzag:
+            return [(inputs, offsets, {})]
+        out = []
+        for start, n, off in self._chunks(rank, sizes, True):
+            ins = {t: x.narrow(self.program.tensors[t].index(a), start, n)   # a view: the kernels take strides
+                   for t, x in inputs.items() for a in [next((a for a in zigzag if a in self.program.tensors[t]), None)]
+                   if a is not None}
+            ins = {t: ins.get(t, x) for t, x in inputs.items()}
+            offs = dict(offsets)
+            offs.update({a: off for a in zigzag})
+            out.append((ins, offs, {a: (start, n) for a in zigzag}))
+        return out
+
+    def _ring_plan(self, pieces, sizes, rank, zigzag, gsizes, kv_shapes):
+        """The blocks the ring runs, per step: [[(chunk start, length, global offset, piece)]]:
+        each (visiting key chunk, query piece) pair, less those whose mask the analysis proves
+        excludes entirely (``_all_masked``) once the piece has states (its first block always
+        runs: it starts the running states). Shapes only: no data is read."""
+        import torch
+        world = len(sizes)
+        started = [False] * len(pieces)
+        steps = []
+        for step in range(world):
+            src = (rank - step) % world
+            blocks = []
+            for start, n_src, off in self._chunks(src, sizes, bool(zigzag)):
+                kv = {}
+                for t, shp in kv_shapes.items():
+                    shp = list(shp)
+                    shp[self.program.tensors[t].index(self.axis)] = n_src
+                    kv[t] = torch.empty(shp, device="meta")
+                for h, (ins, offs, _) in enumerate(pieces):
+                    offs = dict(offs)
+                    offs[self.axis] = off
+                    if started[h] and self._all_masked({**ins, **kv}, offs, gsizes):
+                        continue   # the mask excludes the whole block: its states would change nothing
+                    started[h] = True
+                    blocks.append((start, n_src, off, h))
+            steps.append(blocks)
+        return steps
+
+    def _ring(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag=()):
+        """Every rank keeps its other inputs (its queries) and passes its shards of the
+        sharded inputs (K/V) around the ring; each visiting shard's partial states are
+        folded into the running ones with the derived merge (the rolling update across
+        devices), while the next shard is in flight. ``zigzag``: axes (besides the sharded
+        one) laid out as chunks r and 2W-1-r, which balances causal work.
+
+        The fold: in the block's own kernel (``fold_kernel``: it takes the running states and
+        merges its block's into them in registers; a query piece's last block writes the
+        outputs), where the template allows (``kernels.foldable``); else the partial kernel
+        writes the block's states and the merge is evaluated in torch (``_merge2``), with a
+        ``DistributedFallbackWarning`` once. ``ring_fold = False`` on the ShardedKernel (or
+        ACEFUSE_RING_FOLD=0) forces the torch merge."""
+        import torch
+        f = self.fusion
+        p = f.passes[0]
+        world = len(sizes)
+        mx = max(sizes)
+        cur = {}
+        for t in shard_names:
+            x = inputs[t]
+            d = self.program.tensors[t].index(self.axis)
+            pad = list(x.shape)
+            pad[d] = mx - x.shape[d]
+            cur[t] = torch.cat([x, x.new_zeros(pad)], dim=d).contiguous() if pad[d] else x.contiguous()
+        pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
+        plan = self._ring_plan(pieces, sizes, rank, zigzag, gsizes, {t: cur[t].shape for t in shard_names})
+        fold = self._fold_mode()
+        last = {}
+        for step, blocks in enumerate(plan):
+            for b, blk in enumerate(blocks):
+                last[blk[3]] = (step, b)
+        runs = [None] * len(pieces)
+        outs = [None] * len(pieces)
+        nxt_rank, prv_rank = ring_peers(self.group, rank, world)
+        for step, blocks in enumerate(plan):
+            mark = torch.profiler.record_function(f"ring step {step}")   # (benchmarks/ring_profile.py's timeline)
+            mark.__enter__()
+            reqs, nxt = [], {}
+            if step < world - 1:
+                nxt, reqs = ring_shift({t: cur[t] for t in shard_names}, nxt_rank, prv_rank, self.group)
+            for b, (start, n_src, off, h) in enumerate(blocks):
+                kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
+                ins, offs, _ = pieces[h]
+                offs = dict(offs)
+                offs[self.axis] = off
+                if fold:
+                    final = fold == "final" and last[h] == (step, b)
+                    res = self._run_fold({**ins, **kv}, opts, offs, gsizes, runs[h], final)
+                    if final:
+                        outs[h] = res
+                    else:
+                        runs[h] = (res, n_src + (runs[h][1] if runs[h] is not None else 0))
+                    continue
+                st, c = self._partial_states({**ins, **kv}, opts, offs, gsizes, n_src)
+                runs[h] = (st, c) if runs[h] is None else (
+                    _merge2(f.encoding, p, self._P(), runs[h][0], st, runs[h][1], c, dict(gsizes)), runs[h][1] + c)
+            for r in reqs:
+                r.wait()
+            mark.__exit__(None, None, None)
+            if step < world - 1:
+                cur = nxt
+        for h, (ins, offs, _) in enumerate(pieces):
+            if outs[h] is None:
+                st = runs[h][0]
+                if fold:   # the kernel's states, laid out over [1, *P] for the evaluation in torch
+                    st = self._layout_states(st, {**ins, **{t: cur[t] for t in shard_names}})
+                outs[h] = self._finish_states(st, ins, offs, gsizes)
+        return self._concat(outs, zigzag)
+
+    def _fold_mode(self):
+        """'final' (blocks fold in their kernel, the last one writes the outputs), 'states'
+        (blocks fold in their kernel, the outputs are evaluated in torch), or None (the
+        torch merge: forced by ``ring_fold = False`` / ACEFUSE_RING_FOLD=0, or the template
+        cannot fold: warned once)."""
+        import os
+        from acefuse.distributed.kernels import foldable
+        if not self.ring_fold or os.environ.get("ACEFUSE_RING_FOLD") == "0":
+            return None
+        if "fold_why" not in self.__dict__:
+            why = foldable(self.fusion)
+            if why is not None:
+                warnings.warn(f"acefuse: program {self.program.name!r} sharded along {self.axis!r} with "
+                              f"exchange='ring' merges each block's states in torch (a pass over them in memory "
+                              f"per block), because {why}", DistributedFallbackWarning, stacklevel=4)
+            self.fold_why = why
+        if self.fold_why is not None:
+            return None
+        enc = self.fusion.encoding
+        bad = [u for t in enc.outputs.values() for u in t.walk() if u.op not in OUTPUT_OPS or u.op == "Take"]
+        if self.fusion.passes[0].refs or bad or enc.elementwise_outputs or self.staged is not None:
+            return "states"   # outputs the kernel's epilogue cannot write from the states: torch
+        return "final"
+
+    def _layout_states(self, st, inputs):
+        """Kernel state tensors (over their own axes) laid out over [1, *P]."""
+        P, sax = self._P(), state_axes(self.fusion)
+        local = {}
+        for t, x in inputs.items():
+            for a, k in zip(self.program.tensors[t], x.shape):
+                local.setdefault(a, k)
+        return {q: v.reshape([1] + [local[a] if a in sax[q] else 1 for a in P]) for q, v in st.items()}
+
+    def _run_fold(self, inputs, opts, offsets, gsizes, run, final):
+        """One ring block by its folding kernel: the running states ``run`` ((states, count) or
+        None for a piece's first block) in, the folded states (or, ``final``, the outputs) out."""
+        import torch
+        k = self._fold_kernel(offsets, gsizes, run is not None, final)
+        own = {**inputs, **gpos_inputs(offsets, _device(inputs))}
+        tens = k.module.TENSORS
+        own = {t: v for t, v in own.items() if t in tens}
+        if run is not None:
+            st, n = run
+            own.update({t: st[q] for q, t in k.carry.items()})
+            if k.carry_n is not None:
+                own[k.carry_n] = count_input(n, _device(inputs))
+        names = self._state_names()
+        p = self.fusion.passes[0]
+        if final:
+            dts = {o: torch.float32 for o in self.keep_wide if o in self.fusion.encoding.outputs}
+            return k(**own, **opts, **({"out_dtypes": dts} if dts else {}))
+        out = k(**own, **opts, out_dtypes={names[s.name]: torch.float32 for s in p.states})
+        outs = out if isinstance(out, dict) else {names[p.states[0].name]: out}
+        return {s.name: outs[names[s.name]] for s in p.states}
+
+    def _fold_kernel(self, offsets, gsizes, carry, final):
+        """The block kernel of one role (``carry``: takes running states; ``final``: writes the
+        outputs), keyed like ``_partial`` by the shifted axes (offsets are runtime inputs)."""
+        from acefuse.distributed.kernels import fold_kernel
+        f = self.fusion
+        enc = f.encoding
+        terms = list(enc.leaves.values()) + [s.definition for s in enc.states] + \
+            [t for d in (f.passes[0].init, f.passes[0].rolling) for t in d.values()]
+        if final:
+            terms += list(enc.outputs.values())
+        offs = {a: v for a, v in offsets.items() if _uses(terms, lambda u, a=a: u.op == "Idx" and u.args[0] == a)}
+        gs = {a: v for a, v in gsizes.items() if _uses(terms, lambda u, a=a: u.op == "Size" and u.args[0] == a)}
+        n_global = gsizes[self.axis] if final else None
+        key = ("fold", carry, final, tuple(sorted(offs)), tuple(sorted(gs.items())), n_global)
+        if key not in self._kernels:
+            if not carry and not final:
+                self._kernels[key] = self._partial(offsets, gsizes)
+                self._kernels[key].carry, self._kernels[key].carry_n = {}, None
+            else:
+                self._kernels[key] = fold_kernel(f, offs, gs, self._state_names(), carry, final, n_global)
+        return self._kernels[key]
+
+    def _all_masked(self, inputs, offsets, gsizes) -> bool:
+        """True when the mask analysis (codegen/masks.py) proves that the block's mask excludes
+        every (query, key) pair (one tile spanning the whole block) and that a fully masked
+        block leaves every state unchanged: the ring then skips its kernel and its merge (the
+        causal blocks above the diagonal). False whenever the analysis cannot tell."""
+        from acefuse.codegen import contraction
+        if not contraction.is_contraction(self.fusion):
+            return False
+        sizes = {}
+        for t, x in inputs.items():
+            for a, n in zip(self.program.tensors[t], x.shape):
+                sizes.setdefault(a, n)
+        key = ("masked", tuple(sorted(offsets.items())), tuple(sorted(sizes.items())))
+        if key not in self._kernels:
+            masked = False
+            try:
+                from acefuse.codegen.masks import tile_stats
+                k = self._partial(offsets, gsizes)
+                rows = [a for a in k.fusion.program.axes if a != self.axis and a in sizes
+                        and any(a in self.program.tensors[t] for t in inputs if self.axis not in self.program.tensors[t])]
+                if len(rows) >= 1:
+                    import numpy as np
+                    st = tile_stats(k.fusion, sizes, block_i=max(sizes[a] for a in rows), block_j=sizes[self.axis],
+                                    data={n: np.array([v.item()]) for n, v in gpos_inputs(offsets).items()})
+                    masked = st["skipped"] == 1.0
+            except Exception:  # noqa: BLE001 - no proof: run the block
+                masked = False
+            self._kernels[key] = masked
+        return self._kernels[key]
+
+    def _P(self):
+        return [a for a in self.fusion.program.axes if a != self.axis]
+
+    def _partial_states(self, inputs, opts, offsets, gsizes, n):
+        """The partial states of this block laid out over [1, *P], and its count."""
+        import torch
+        P, sax = self._P(), state_axes(self.fusion)
+        local = {}
+        for t, x in inputs.items():
+            for a, k in zip(self.program.tensors[t], x.shape):
+                local.setdefault(a, k)
+        part = self._run_partial(inputs, opts, offsets, gsizes)
+        st = {q: part[q].reshape([1] + [local[a] if a in sax[q] else 1 for a in P]) for q in part}
+        ref = next(iter(st.values()))
+        return st, torch.full([1] + [1] * len(P), float(n), dtype=ref.dtype, device=ref.device)
+
+    def _finish_states(self, final, inputs, offsets, gsizes):
+        """Outputs (contraction family: evaluated from the states) of merged final states."""
+        enc, p, P = self.fusion.encoding, self.fusion.passes[0], self._P()
+        local = {}
+        for t, x in inputs.items():
+            for a, k in zip(self.program.tensors[t], x.shape):
+                local.setdefault(a, k)
+        for i, a in enumerate(P):   # axes only the sharded inputs have (v's e): from the states
+            if a not in local:
+                local[a] = max(v.shape[i + 1] for v in final.values())
+        sizes_loc = {a: local[a] for a in P}
+        env = {(q, "J"): v for q, v in final.items()}
+        evf = StateEval(enc, P, env, {"J": float(gsizes[self.axis])}, dict(gsizes), inputs=inputs, offsets=offsets,
+                        takes={}, local=sizes_loc)
+        for r in p.refs:
+            env[(r.name, "J")] = evf.ev(reblock(r.definition, J))
+        return self._finish_eval(evf, P, sizes_loc, inputs)
+
+    def _concat(self, outs, zigzag):
+        """The pieces' outputs joined along the zig-zag axes they range over."""
+        import torch
+        if len(outs) == 1:
+            return outs[0]
+        names = list(self.program.outputs)
+        ds = [o if isinstance(o, dict) else {names[0]: o} for o in outs]
+        res = {}
+        for o in ds[0]:
+            axes = self.program.outputs[o].axes
+            za = [a for a in zigzag if a in axes]
+            res[o] = torch.cat([d[o] for d in ds], dim=axes.index(za[0])) if za else ds[0][o]
+        return res[names[0]] if len(res) == 1 else res
