@@ -831,8 +831,6 @@ class StagedFusion:
             L.append(f"  {k} = {e}")
         if bwd.zero_grads:
             L.append("  zero (no output depends on them): " + ", ".join(bwd.zero_grads))
-        from acefuse.backward_normal import derivation_text
-        L.extend(derivation_text(bwd))
         for st, f in zip(bwd.stages, self.stages):
             L.append("")
             hoisted = getattr(st, "hoisted", None)
