@@ -63,7 +63,11 @@ def wide_dtype(dtype) -> torch.dtype:
 
 
 def takes_out_dtypes(kernel) -> bool:
-    """The kernel's launcher can write chosen outputs in another type (``out_dtypes=``)."""
+    """The kernel's launcher can write chosen outputs in another type (``out_dtypes=``). A staged
+    kernel passes the option to its first stage, which writes the per-row values (a saved
+    logsumexp must not be rounded to bfloat16 on its way to float32)."""
+    if hasattr(kernel, "stage1") and hasattr(kernel, "finish"):
+        return takes_out_dtypes(kernel.stage1)
     run = getattr(getattr(kernel, "module", None), "run", None)
     try:
         return run is not None and "out_dtypes" in inspect.signature(run).parameters
@@ -831,6 +835,8 @@ class StagedFusion:
             L.append(f"  {k} = {e}")
         if bwd.zero_grads:
             L.append("  zero (no output depends on them): " + ", ".join(bwd.zero_grads))
+        from acefuse.backward_shift import derivation_text
+        L.extend(derivation_text(bwd, chains=chains))
         for st, f in zip(bwd.stages, self.stages):
             L.append("")
             hoisted = getattr(st, "hoisted", None)

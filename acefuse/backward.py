@@ -2,8 +2,10 @@
 
     bwd = af.backward(prog)           # a BackwardProgram (a Program)
     bwd.augmented                     # the forward program plus the saved values
-    bwd.saved                         # {"saved_m": ("r",), "saved_s": ("r",)}: inputs that
-                                      #   the augmented forward writes and the backward reads
+    bwd.saved                         # {"saved_lse": ("r",)}: inputs that the augmented
+                                      #   forward writes and the backward reads
+    bwd.derivation                    # (rule, before, after, note): the normal forms' steps,
+                                      #   which af.fuse(bwd).explain() lists with their rules
     bwd.cotangents                    # {"grad_y": ("r", "j")}: one per forward output
     bwd.grads                         # {"x": "grad_x", ...}: float input -> gradient output
     bwd.zero_grads                    # float inputs no output depends on (gradient 0)
@@ -47,6 +49,9 @@ mean and variance) is written by the augmented forward and read by the backward 
 ``saved_<m|s|mn><k>``; reductions that do range over it (attention's scores) are
 recomputed. A forward *output* the backward reads back keeps its own name
 (``saved_kind[name] == "output"``: attention's ``o``), since the forward writes it anyway.
+Where the gradients read a saved max ``m`` and sum ``l = sum_j(exp(b - m))`` only as
+``exp(b - m) * r(l)``, they read one value ``saved_lse = where(l == 0, 0, m + log(l))`` instead
+(``P = exp(b - L)``; ``backward_shift.fold_outputs``, proved rules of rules/shifted.py).
 
 The normal form against the saved values (``acefuse.backward_normal``; the FlashAttention-2
 backward comes out of it, from plain attention, with nothing that names attention) drops the
@@ -69,6 +74,7 @@ from acefuse.rewrite.terms import Term, pretty, INT_OPS, CAST_LIMITS
 from acefuse.rewrite.encode import _Axes
 from acefuse.backward_normal import (RED, ZERO, ONE, _val, num, neg, add, sub, mul, div, where, rsum, _has_red,
                                      _cmp, _Normal, _TooBig, _inner_work, saved_equations, read_saved)
+from acefuse.backward_shift import fold_outputs, dropped_adjoint
 
 # no adjoint flows through these: constants, comparisons and logic, and the piecewise-constant
 # integer-valued operators (rounding, integer casts, integer arithmetic), whose derivative is 0
@@ -142,6 +148,7 @@ class _Deriv:
         self.normal = _Normal(self)
         self._egraph = None        # the e-graph contractions are normalised in (simplify_output)
         self._contractions: dict = {}   # contraction -> its form (shared by the gradients)
+        self.derivation: list = []      # (rule, before, after, note): the normal forms' steps (explain())
 
     def output_input(self, k: str, axes) -> Term:
         """The forward output ``k`` read as a saved value (same name, written by the forward)."""
@@ -274,6 +281,7 @@ class _Deriv:
                 grads[t.args[0]] = adj
                 continue
             if t.op in ("RMax", "RMin") and self.vanishes(adj):
+                dropped_adjoint(self, t, adj)
                 continue
             for child, c in self.local(t, adj):
                 if not self.live(child):
@@ -507,6 +515,11 @@ def backward(prog, wrt=None) -> BackwardProgram:
             g = mul(g, where(_cmp("CmpGe", Term("Idx", (axes[0],)), ZERO), ONE, ZERO))
         outputs[gname] = _expr(d, d.simplify_output(g), name)
         grads[name] = gname
+    # P = exp(b - L) from one saved L = m + log(l) where that reads neither the max nor the sum
+    folded = fold_outputs(d, {n: outputs[g].term for n, g in grads.items()})
+    for name, gname in grads.items():
+        if folded[name] is not outputs[gname].term:
+            outputs[gname] = _expr(d, folded[name], name)
     if not outputs:
         raise BackwardError(f"program {prog.name!r}: no float input{' of ' + str(sorted(wrt)) if wrt is not None else ''} "
                             "reaches an output, so every gradient is zero; there is nothing to differentiate")
@@ -540,6 +553,7 @@ def backward(prog, wrt=None) -> BackwardProgram:
     bwd.finish = finish
     # intermediate -> axes: a reduction a pre-stage computes once and later stages read (_hoist)
     bwd.intermediates = {n: h[0] for n, h in hoisted.items()}
+    bwd.derivation = list(d.derivation)   # (rule, before, after, note) steps of the normal forms
     return bwd
 
 

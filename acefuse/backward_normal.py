@@ -14,7 +14,8 @@
    the invariant ``r(l)`` out of the sum (sum-factor-right): ``sum_e(g * o) * r(l)``. That is
    FlashAttention-2's ``D_i = sum_j P_ij dP_ij = sum_e dO_ie O_ie``, a sum over the head dim
    instead of over the keys, so ``dS = P * (dP - D)``, dQ (a sum over keys) and dK, dV (sums
-   over queries) have no cascade, and the backward saves only the max, the sum and ``o``.
+   over queries) have no cascade, and the backward saves only ``o`` and, per row,
+   ``L = m + log(l)``: ``exp(s - m) * r(l)`` is read as ``exp(s - L)`` (3.).
    Nothing names attention: the same step reads a saved softmax sum for
    ``sum_j(exp(x - m))`` and factors invariants out of every contraction. The form is
    adopted only where it does less work per element than the derivation's.
@@ -30,6 +31,15 @@
    over both) is outside the class the rule checker decides (proofs/induction.py models a
    pattern variable as a family over the innermost reduced element only, and ``Inv`` does
    not say *which* axis a term is invariant along), so it cannot be a proved library rule yet.
+3. **One saved value per shifted sum** (acefuse/backward_shift.py, ``fold_outputs``):
+   ``exp(b - m) * r(l)`` with ``l = sum_j(exp(b - m))``, ``m = max_j b`` both saved, is ``exp(b - L)`` with
+   ``L = where(l == 0, 0, m + log(l))`` saved instead (library rules ``shifted-sum-ge-one``,
+   ``pos-of-ge-one``, ``exp-div-log``; ``factor-sub-right`` and ``sum-factor-right`` bring the
+   factors together). Taken only where afterwards no gradient reads ``exp(b - m)`` or ``r(l)``.
+
+Every step of 1.-3. is recorded in ``bwd.derivation`` with the library rules it is an instance
+of; ``af.fuse(bwd).explain()`` lists them (backward_shift.derivation_text). The Python laws are
+applied only while the rules they cite are proved (backward_shift.laws_proved).
 
 The laws of both (linearity, factoring an invariant, Fubini for two sums over different
 axes, ``r(x)^a * x^b = r(x)^(a-b)`` for ``a > b >= 1``) are exact over the reals; reading
@@ -165,9 +175,10 @@ class _Normal:
       recomputation of a saved forward reduction is that saved input;
     - the safe reciprocal ``r(x) = where(x == 0, 0, 1 / x)``: ``r(x)^a * x^b = r(x)^(a-b)``
       for ``a > b >= 1`` (both sides are 0 where ``x`` is 0);
-    - shift invariance: ``r(l)^a * l^a = 1`` when ``l = sum_a(exp(b - max_a b))`` (``l >= 1``
-      wherever the max is finite; see ``shifted_sum``): the adjoint of the max in
-      ``m + log(l)`` (logsumexp, log-softmax, cross-entropy) is ``g * (1 - l * r(l)) = 0``;
+    - shift invariance: ``r(l)^a * l^a = 1`` when ``l = sum_a(exp(b - max_a b))`` (the library
+      rules ``shifted-sum-ge-one``, ``pos-of-ge-one`` and ``div-mul-cancel``, rules/shifted.py; see
+      ``shifted_sum``): the adjoint of the max in ``m + log(l)`` (logsumexp, log-softmax,
+      cross-entropy) is ``g * (1 - l * r(l)) = 0``;
 
     Forward outputs are recognised in contractions by the rewrite system (``read_saved``).
     """
@@ -232,10 +243,14 @@ class _Normal:
 
     def shifted_sum(self, x: Term) -> bool:
         """``x`` is ``sum_a(exp(b - max_a(b)))``: at least 1 wherever the max is finite (the
-        element that attains it contributes ``exp(0) = 1``, every other one ``exp(.) >= 0``), so
-        ``r(x) * x = 1`` there. It is 0 only in a fully masked row (``max = -inf``), where the
-        backward's convention is gradient 0: the law's ``1`` drops an adjoint that reaches the
-        inputs only through such rows."""
+        library rule ``shifted-sum-ge-one``, proved for every block size: the element that attains
+        the max contributes ``exp(0) = 1``), so ``x > 0`` (``pos-of-ge-one``), ``r(x) = 1 / x`` and
+        ``r(x) * x = 1`` (``div-mul-cancel``). It is 0 only in a fully masked row (``max = -inf``),
+        where the backward's convention is gradient 0: the law's ``1`` drops an adjoint that
+        reaches the inputs only through such rows. Used only while those rules are proved."""
+        from acefuse.backward_shift import laws_proved, SHIFT_LAW
+        if not laws_proved(SHIFT_LAW):
+            return False
         t = self.forward_of(x)
         if t.op != "Sum" or t.args[0].op != "Ax" or t.args[1].op != "Exp":
             return False
@@ -454,15 +469,17 @@ def read_saved(d, u: Term, equations: list, rules, egraph=None):
 
     placeholder = {}
     eg = egraph if egraph is not None else EGraph(rules)
+    unions = [(Term("Out", ("u",)), enc(u))]
+    for i, (key, axes, t, value) in enumerate(eqs):
+        ph = Term("In", (f" saved value {i}",))   # no input has this name
+        placeholder[ph] = value
+        unions.append((enc(ph, ax in axes), enc(t)))
     if egraph is not None:   # the caller's e-graph with the rules loaded: a scope for this contraction
         eg.push()
     try:
-        eg.union(Term("Out", ("u",)), enc(u))
-        for i, (key, axes, t, value) in enumerate(eqs):
-            ph = Term("In", (f" saved value {i}",))   # no input has this name
-            placeholder[ph] = value
-            eg.union(enc(ph, ax in axes), enc(t))
-        eg.saturate(schedules.NORMALIZE)
+        for a, b in unions:
+            eg.union(a, b)
+        stats = eg.saturate(schedules.NORMALIZE)
         ex = Extractor(eg.serialized())
     finally:
         if egraph is not None:
@@ -471,6 +488,7 @@ def read_saved(d, u: Term, equations: list, rules, egraph=None):
     _, term = ex.extract(cid, Reach("program", frozenset(), frozenset()))
     if term is None:
         return None
+    lib = list(eg.rules) if hasattr(eg, "rules") else rules
 
     def dec(t: Term) -> Term:
         if t.op in ("Elm", "Par"):
@@ -487,7 +505,52 @@ def read_saved(d, u: Term, equations: list, rules, egraph=None):
                 out = Term("Mul", (out, f))
             return out
         return Term(t.op, tuple(dec(a) if isinstance(a, Term) else a for a in t.args))
-    return dec(term)
+    out = dec(term)
+    if _inner_work(out) < _inner_work(u) and hasattr(d, "derivation"):   # (the form simplify_output adopts)
+        from acefuse.backward_shift import _note
+        _note(d.derivation, ("read-saved", u, out, _Chain(lib, unions, term, stats)))
+    return out
+
+
+class _Chain:
+    """The library rules of one derivation of a contraction's normal form (``read_saved``), found
+    when first asked for (explain()): starting from the rewrite rules that fired, each one is
+    dropped, in the reverse order of first firing, when the e-graph without it (and without those
+    dropped before), given the same equations, still proves the form equal to the contraction.
+    What is left derives the form, and every rule in it is needed given the others; listed in the
+    order they first fired. (Analysis rules, the invariance facts, are kept throughout.)"""
+
+    def __init__(self, rules, unions, term, stats):
+        self.rules, self.unions, self.term = rules, unions, term
+        kind = {r.name: r.kind for r in rules}
+        self.fired = sorted((n for n, k in stats.matches.items() if k and kind.get(n) == "rewrite"),
+                            key=lambda n: (stats.first_iteration.get(n, 99), n))
+        self._names = None
+
+    def __eq__(self, other):   # (one record per contraction: _note compares steps)
+        return isinstance(other, _Chain)
+
+    def __hash__(self):
+        return 0
+
+    def _derives(self, drop: set) -> bool:
+        from acefuse.rewrite.egraph import EGraph
+        from acefuse.rewrite import schedules
+        eg = EGraph([r for r in self.rules if r.name not in drop], check_proofs=False)
+        for a, b in self.unions:
+            eg.union(a, b)
+        eg.saturate(schedules.NORMALIZE)
+        return eg.check(Term("Out", ("u",)), self.term)
+
+    def names(self) -> list:
+        if self._names is None:
+            fired = set(self.fired)
+            drop = {r.name for r in self.rules if r.kind == "rewrite" and r.name not in fired}
+            for n in reversed(self.fired):
+                if self._derives(drop | {n}):
+                    drop.add(n)
+            self._names = [n for n in self.fired if n not in drop]
+        return self._names
 
 
 def _atoms(t: Term):

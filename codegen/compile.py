@@ -370,6 +370,9 @@ class StagedKernel:
             from acefuse.distributed import call_sharded
             return call_sharded(self, args, inputs)
         names = self.input_names()
+        # out_dtypes ({output: dtype}, as every launcher takes it): stage 1's outputs to stage 1 (a
+        # saved per-row value written in float32 directly), the others to stage 2 where it takes them
+        odt = inputs.pop("out_dtypes", None) or {}
         unknown = [k for k, v in inputs.items() if k not in names and not isinstance(v, (int, str, type(None)))]
         if unknown:
             raise TypeError(f"program {self.program.name!r} has no input(s) {unknown}; its inputs are {names}")
@@ -384,6 +387,9 @@ class StagedKernel:
         # launch options (schedule, block_j, ...) are stage 1's: the fused kernel; stage 2 (a
         # reduction over another axis of its per-row values) picks its own
         opts = {k: v for k, v in inputs.items() if k not in names}
+        own = {k: v for k, v in odt.items() if k in _outputs_of(self.stage1)}
+        if own:
+            opts["out_dtypes"] = own
         first = self.stage1(**{k: v for k, v in inputs.items() if k in _inputs_of(self.stage1)}, **opts)
         return self.finish(first, inputs)
 

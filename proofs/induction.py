@@ -39,7 +39,9 @@ reduction over the inducted block stays an opaque aggregate (sound, but such
 rules are usually left unproved).
 
 The hypothesis is used the same way for a ``Le(a, b)`` goal (``b(s) - a(s) >= 0``
-solved with a fresh gap ``g >= 0``); other facts get base and step without it.
+solved with a fresh gap ``g >= 0``); other facts get base and step without it. The
+symbol solved for may have a coefficient that is not a number when sympy shows it
+positive (``Le``: dividing keeps the direction) or non-zero (an equation): ``exp(-max_s f)``.
 
 **Linearity of sums** (method ``block aggregates, with sums linear in their
 bodies``), tried last, for goals with sums: the expanded body of a sum is split
@@ -47,7 +49,10 @@ into terms ``c_j d_j`` with ``c_j`` free of the element, and
 ``sum_b body = sum_j c_j sum_b d_j`` (``sum_b c = c Cnt(b)``). This is the
 content of the library rules sum-add, sum-factor-left and sum-invariant, each
 proved by induction above; it decides identities whose body contains a
-reduction over the same block (``sum_s (f - sum_s f / n)^2 = ...``).
+reduction over the same block (``sum_s (f - sum_s f / n)^2 = ...``). Induction is
+tried with linear sums too: ``sum_s(exp(f - max_s f)) >= 1`` (``exp(f - m)`` expands
+to ``exp(f) * exp(-m)``, the invariant factor leaves the sum, and hypothesis and step
+then speak of the same aggregate ``sum_s(exp(f))``).
 
 Pattern variables without ``Inv`` are arbitrary *families* of values (one symbol
 per element: ``f[e1]``, ``f[@s]``); the statement proved is "for all families,
@@ -352,10 +357,17 @@ class SymbolicProver:
             self._linear = True
             try:
                 ok2, _, notes2 = self._case({}, None)
+                if ok2:
+                    return True, LINEAR, "", notes2
+                # and induction with linear sums: sum_s(exp(f - max_s f)) >= 1 needs both (the body's
+                # invariant factor exp(-max) moves out of the sum, so the hypothesis, a bound on
+                # sum_s(exp(f)) * exp(-max_s f), speaks of the same aggregate as the step)
+                for s in self.block_vars:
+                    res = self._induct(s, {}, 1)
+                    if res[0]:
+                        return True, f"{res[1]}, {LINEAR}", "", notes2
             finally:
                 self._linear = False
-            if ok2:
-                return True, LINEAR, "", notes2
         return False, "", why, notes
 
     def _case(self, binding, ih):
@@ -424,7 +436,10 @@ class SymbolicProver:
                        key=lambda z: (-len(str(z)), str(z)))
         for z in cands:
             c = sp.diff(d_ih, z)
-            if not (c.is_number and c != 0):
+            # a numeric coefficient, or one sympy shows positive (Le: dividing by it keeps the
+            # direction) or non-zero (eq), e.g. exp(-max_s f)
+            if not ((c.is_number and c != 0) or (goal[0] == "eq" and decide.is_nonzero(c))
+                    or (goal[0] == "Le" and c.is_positive)):
                 continue
             rest = sp.expand(d_ih - c * z)
             if z in rest.free_symbols:

@@ -100,7 +100,13 @@ def discovery(schedule: Schedule) -> tuple:
 # Derive corrections with auxiliary-state discovery (a pass where a state has no reachable form).
 DERIVE_BINOMIAL, DERIVE_AUXILIARY = discovery(DERIVE)
 
-SCHEDULES = {s.name: s for s in (DERIVE, DERIVE_BINOMIAL, DERIVE_AUXILIARY, NORMALIZE)}
+# The laws of a sum shifted by its own max (rules/shifted.py): what the backward's normal forms
+# (acefuse/backward_normal.py) apply over named axes, by name; kept out of the forward's schedules.
+BACKWARD_NORMAL = Schedule("backward-normal", (
+    Phase("shifted", ("shifted", "arith")),
+))
+
+SCHEDULES = {s.name: s for s in (DERIVE, DERIVE_BINOMIAL, DERIVE_AUXILIARY, NORMALIZE, BACKWARD_NORMAL)}
 
 
 def validate(schedule: Schedule) -> Schedule:

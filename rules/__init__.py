@@ -5,12 +5,12 @@ name to its ``Rule``. Schedules (rewrite/schedules.py) refer to theories by name
 """
 from acefuse.rules.base import Rule, Theory, rw, infer, V, tvars, bvars, inv, nonzero, le, ub, pos, SELF
 from acefuse.rules import (analysis, arith, assoc, commute, distrib, exponential, factoring, functions, linearity,
-                           monomial, order, polynomial, reduction, swap)
+                           monomial, order, polynomial, reduction, shifted, swap)
 
 THEORIES: dict[str, Theory] = {t.name: t for t in (
     analysis.THEORY, reduction.THEORY, linearity.THEORY, arith.THEORY, assoc.THEORY, distrib.THEORY, exponential.THEORY,
     order.THEORY, commute.THEORY, factoring.THEORY, polynomial.THEORY, swap.THEORY, functions.THEORY,
-    monomial.THEORY)}
+    monomial.THEORY, shifted.THEORY)}
 
 
 def _registry():

@@ -167,9 +167,10 @@ def _sums(t, axis):
 @pytest.mark.parametrize("name", ["attention", "causal"])
 def test_flash_attention_2_structure_is_derived(name):
     bwd = backward(ATTN[name])
-    # P is recomputed from the saved max and sum; the forward output o is read back
-    assert set(bwd.saved) == {"saved_m", "saved_s", "o"}
-    assert bwd.saved_kind == {"saved_m": "max", "saved_s": "sum", "o": "output"}
+    # P is recomputed from one saved value per row, L = m + log(l) (exp(s - L): the forward's max and
+    # sum are not saved); the forward output o is read back
+    assert set(bwd.saved) == {"saved_lse", "o"}
+    assert bwd.saved_kind == {"saved_lse": "value", "o": "output"}
     assert "o" in bwd.augmented.outputs and bwd.augmented.outputs["o"].term == ATTN[name].outputs["o"].term
     gq, gk, gv = (bwd.outputs[f"grad_{n}"].term for n in "qkv")
     for g in (gq, gk, gv):   # the max's adjoint vanished: no tie indicator, no count of ties

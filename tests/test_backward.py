@@ -142,11 +142,12 @@ def test_backward_api():
     assert ce.index_inputs == ["t"] and "t" not in ce.grads
     assert any(s.op == "Idx" for s in ce.outputs["grad_x"].term.walk())   # the gather's scatter
     sm = af.backward(S.softmax)
-    assert set(sm.saved_kind.values()) == {"max", "sum"}
-    # the rewrite system reads the saved sum for the recomputed sum_j(exp(x - m)) in a contraction
+    # one value per row, L = m + log(l): P = exp(x - L) (backward_shift.fold_outputs)
+    assert sm.saved_kind == {"saved_lse": "value"}
+    # no recomputed sum_j(exp(x - m)): the gradient reads the saved L
     lse = af.backward(S.lse).outputs["grad_x"].term
     assert not any(s.op == "Sum" and s.args[1].op == "Exp" for s in lse.walk())
-    assert any(s.op == "In" and s.args[0] == "saved_s" for s in lse.walk())
+    assert any(s.op == "In" and s.args[0] == "saved_lse" for s in lse.walk())
 
 
 def test_backward_errors():
