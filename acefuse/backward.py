@@ -32,8 +32,9 @@ How it is derived: reverse mode over the term DAG with named axes. The adjoint o
 node ranges over the node's axes; the adjoint flowing to an operand with fewer axes
 is summed over the missing axes (that is where dW/db become reductions over rows).
 ``sum_j(body)`` broadcasts its adjoint along j. ``max_j``/``min_j`` route it through
-the indicator ``body == m``; ties share it equally (``adj / count``, torch.amax's
-convention). ``maximum``/``minimum`` give half to each side on a tie. ``where(c, a, b)``
+the indicator ``body == m`` (m the saved extremum); ties share it equally (``adj / count``,
+torch.amax's convention; see "Max and min" below). ``maximum``/``minimum`` give half to each
+side on a tie. ``where(c, a, b)``
 sends the adjoint to a under c and to b elsewhere; comparisons, logic, ``index`` and
 ``size`` have none, and neither have the piecewise-constant operators (floor, ceil, round,
 integer casts, integer arithmetic: gradient 0, torch's convention); ``abs`` uses
@@ -59,6 +60,26 @@ adjoint of a max the program is invariant to, and reads ``sum_e(grad_o * o)`` fo
 ``D_i``. Saved max/min values must be finite: a fully masked row's ``-inf`` is passed as 0
 (the forward's own convention; ``BackwardKernel`` does it).
 
+Max and min: the adjoint ``g`` of ``m = max_j(body)`` is ``g * r(n) * [body == m]`` with
+``n = sum_j([body == m])`` and ``r(n)`` = 1/n, 0 where n is 0 (a fully masked row: gradient 0).
+The product form matters: a sum of it over j (the adjoint reaching ``mean_j x`` in
+``max_j(x - mean_j x)``) factors into ``g * r(n) * n``, so no reduction of the backward depends
+on another one over j and the backward fuses in one pass wherever the forward does. The
+comparison is exact: a runner-up distinct in float32 gets nothing, however close (torch's
+float32 and float64 answers). Over the data itself (``max_j(x)``) the saved max is one of the
+values. Over a computed body the backward recomputes the body from the forward's inputs and
+saved values. The forward evaluates that expression itself (a max it cannot fuse takes its own
+pass over the body), or the max of a simpler body shifted by per-row values (``max_j(x) - mean``),
+which rounds as the body does at the element attaining it; either way that element compares
+equal bit for bit. On a row where none does (a forward that computed the extremum in another
+fused form, rounded differently), the elements within ``EXT_REL`` (2^-17, relative) of
+the saved extremum share the adjoint instead (``sum_j`` of that window is a second count of the
+same pass). Saving the argmax and the tie count from the forward instead was considered: for a
+body that reads another reduction of the row (``x - mean_j x``) the forward fuses the max by
+shifting (``max_j(x) - mean``) and never has the body's rounded values, so its tie structure
+would be that of ``x``, not of ``fl(x - mean)``, and counting ties needs a merge rule no
+proved rule derives (``sum_S(where(f == max, 1, 0))``).
+
 Numerics conventions (matching the forward's): where a divisor or a log argument
 computed from a reduction is 0 (a fully masked row), the adjoint through it is 0, so a
 fully masked row gets gradient 0, never NaN. Index inputs (used by ``take``) are
@@ -81,10 +102,11 @@ from acefuse.backward_shift import fold_outputs, dropped_adjoint
 # wherever it exists (torch's convention for floor/ceil/round)
 NO_ADJOINT = ("Num", "Size", "Idx", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe",
               "LAnd", "LOr", "LNot", "Floor", "Ceil", "Round") + INT_OPS
-_PREFIX = {"RMax": "m", "Sum": "s", "RMin": "mn"}
-# the relative distance to a saved max/min within which a recomputed element counts as a hit
-# (64 float32 ulps: a recomputation in another fused form lands within a few of the forward's)
-EXT_REL = 2.0 ** -17   # saved names; "v" for other values
+_PREFIX = {"RMax": "m", "Sum": "s", "RMin": "mn"}   # saved names; "v" for other values
+# the relative distance to a saved max/min within which a recomputed element counts as a hit on a
+# row where no element equals it bit for bit (64 float32 ulps: a recomputation in another fused
+# form lands within a few of the forward's; module docstring, "Max and min")
+EXT_REL = 2.0 ** -17
 
 
 class BackwardError(LanguageError):
@@ -445,20 +467,29 @@ class _Deriv:
             def dext():
                 axis = args[0].args[0]
                 body, ext = P(args[1]), P(t)
+                exact = _cmp("CmpEq", body, ext)
+                n_exact = rsum(axis, where(exact, ONE, ZERO))
                 if args[1].op in ("In", "Take"):   # the data itself: the extremum is one of its values
-                    hit = _cmp("CmpEq", body, ext)
-                else:
-                    # a computed body is recomputed by the backward, which need not reproduce the
-                    # forward's value bit for bit (another fused form: max_j of a softmax over a
-                    # cascade): an element within EXT_REL of the saved extremum is a hit (values
-                    # float32 cannot tell apart from it share the adjoint, as ties do)
-                    slack = mul(Term("Abs", (ext,)), num(EXT_REL))
-                    hit = (_cmp("CmpGe", body, sub(ext, slack)) if op == "RMax"
-                           else _cmp("CmpLe", body, add(ext, slack)))
-                return where(hit, div(g, rsum(axis, where(hit, ONE, ZERO))), ZERO)
+                    return _share(g, n_exact, exact)
+                # a computed body, recomputed by the backward: the elements equal to the saved
+                # extremum bit for bit share the adjoint (a near tie goes to the larger, as in torch);
+                # on a row where none is (the forward computed the extremum in another fused form),
+                # the elements within EXT_REL of it share it (module docstring: max and min)
+                slack = mul(Term("Abs", (ext,)), num(EXT_REL))
+                near = (_cmp("CmpGe", body, sub(ext, slack)) if op == "RMax"
+                        else _cmp("CmpLe", body, add(ext, slack)))
+                missed = where(_cmp("CmpEq", n_exact, ZERO), g, ZERO)
+                return add(_share(g, n_exact, exact), _share(missed, rsum(axis, where(near, ONE, ZERO)), near))
             return [(args[1], dext)]
         raise BackwardError(f"program {self.prog.name!r}: no derivative for operator {op!r} in "
                             f"`{pretty(t)}`; rewrite the program with the operators af documents")
+
+
+def _share(g: Term, n: Term, hit: Term) -> Term:
+    """``g / n`` at the ``n`` elements where ``hit`` holds, 0 elsewhere (and 0 when ``n`` is 0: a
+    fully masked row), written as the product ``g * r(n) * [hit]`` so that a sum of it over the
+    axis factors into ``g * r(n) * n`` (``_Deriv.rsum``): no reduction depends on the count."""
+    return mul(mul(g, where(_cmp("CmpEq", n, ZERO), ZERO, div(ONE, n))), where(hit, ONE, ZERO))
 
 
 def _no_adjoint(t: Term) -> bool:

@@ -1154,8 +1154,10 @@ def sum_pass(fusion) -> bool:
 
 def _final_output(t: Term, F: str, tensors) -> bool:
     """An output computed after the loop: an expression of states, constants, sizes and inputs
-    that do not range over the loop axis (``c * s_J - pre1 * c * s2_J + c * s3_J``)."""
-    ops = ("St", "BJ", "Num", "Size", "Cnt", "In", "Add", "Sub", "Mul", "Div", "Neg")   # (BJ: a state's block)
+    that do not range over the loop axis (``c * s_J - pre1 * c * s2_J + c * s3_J``), with
+    selections among them (a max's adjoint ``g * where(n == 0, 0, 1 / n) * s3_J``, n a count)."""
+    ops = ("St", "BJ", "Num", "Size", "Cnt", "In", "Add", "Sub", "Mul", "Div", "Neg",   # (BJ: a state's block)
+           "Where", "CmpEq", "CmpNe", "CmpLt", "CmpLe", "CmpGt", "CmpGe", "LAnd", "LOr", "LNot")
     return (any(u.op == "St" for u in t.walk()) and all(u.op in ops for u in t.walk())
             and not any(u.op == "In" and F in tensors[u.args[0]] for u in t.walk()))
 

@@ -246,9 +246,11 @@ def test_nested_zero_d_values_are_staged(wrt):
                       and any(v.op == "Sum" and v.args[0].args[0] == "r" for v in u.args[1].walk())]
             assert not nested, f"{st.name}: {n} = {e}"
     why = " ".join(st.hoisted[n] for st in bwd.stages for n in st.hoisted)
-    # (with u's gradient asked for, the inner value is also a term of grad_u, hoisted for its rows)
+    # (with u's gradient asked for, the inner value is also a term of grad_u, hoisted for its rows;
+    # with x's, since the max's adjoint is g * r(count) * [hit] (backward.py, "Max and min"), the
+    # sum over j of it factors: no reduction nested in a pre-stage value is left to hoist)
     assert {"w": "nested in stage hs_max_u_max_w_bwd_j (fused over j), which has no row axes",
-            "wx": "nested in the pre-stage value", "xwu": "invariant along r"}[wrt] in why, why
+            "wx": "invariant along r", "xwu": "invariant along r"}[wrt] in why, why
     gen = torch.Generator().manual_seed(len(wrt))
     X, W, U = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((5, 29), (29,), (29,)))
     cot = torch.randn(5, generator=gen, dtype=torch.float64)

@@ -259,14 +259,9 @@ def check_mine(name, dtype, sched, r, n, scale, seed, nontrivial=True):
 
 
 # programs the forward accepts whose gradients are right but whose backward does not fuse (the
-# forward does): the adjoint of a max over a computed body, routed to the elements within 2^-17 of
-# the saved max and divided by their count, is summed back over the axis (to reach the mean's
-# adjoint); the count is a reduction the sum then depends on, and no rule factors
-# sum_j(where(hit, g / count, 0)) into g * [count > 0]
-BWD_NOT_FUSED = {
-    "max_centered": "af.fuse(af.backward(max_j(x - mean_j x))): sum_j(where(hit, grad_y / sum_j(hit), 0)) needs "
-                    "another pass over j (the forward fuses in one)",
-}
+# forward does). (max_centered was one until the adjoint of a max became g * r(count) * [hit]: its
+# sum over the axis, for the mean's adjoint, factors into g * r(count) * count, acefuse/backward.py)
+BWD_NOT_FUSED: dict = {}
 FAST = ["rowmax", "rowmin", "rowmean", "center", "max_minus_min", "softmax_cast16", "softmax_of_cast",
         "masked_softmax_tensor", "sqrt_norm", "rsqrt_log", "int_index", "two_outputs", "rows_reduction_output",
         "rows_weighted", "zero_d_sum", "zero_d_lse_mean", "zero_d_max", "temperature", "clamp_abs", "maximum_min",
@@ -310,9 +305,6 @@ def test_zero_d_output_compiles_without_an_axis():
     torch.testing.assert_close(xv.grad, 2 * xv.detach())
 
 
-@pytest.mark.xfail(strict=True, reason="the adjoint of a max over a computed body goes to every element within "
-                   "2^-17 (relative) of the saved max (README, Gradients): two float32-distinct elements that close "
-                   "share it, where torch (float32 or float64) gives it to the larger: grad off by 0.5 * grad_y")
 def test_max_gradient_at_a_near_tie_matches_torch():
     """max_j(x - mean_j x) with the runner-up 2^-19 (relative) below the max, distinct in float32;
     float32 torch autograd gives the whole adjoint to the max, as float64 does."""
