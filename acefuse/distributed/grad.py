@@ -261,6 +261,8 @@ class ShardedBackward:
     """Runs a Plan on the ranks of a ShardedKernel's group."""
 
     send_home = True   # False only in tests: the reverse ring skipped (a broken exchange must fail them)
+    skip_masked = True   # the ring skips blocks the forward's mask analysis proves fully masked (_skip)
+    skipped = 0          # blocks skipped so far (per instance once counted; tests and benchmarks read it)
 
     def __init__(self, bwd, plan, compile_kw):
         self.sk, self.bwd, self.plan = None, bwd, plan
@@ -532,7 +534,8 @@ class ShardedBackward:
                 for h, (ins, offs) in enumerate(pieces):
                     offs = dict(offs)
                     offs[J] = off
-                    if self._skip(run, {**ins, **kv}, offs, gs, kinds):
+                    if self._skip(run, {**ins, **kv}, offs, gs, kinds, started=bool(racc[h])):
+                        self.skipped += 1
                         continue
                     res = self._block(run, {**ins, **kv}, offs, gs, opts)
                     for o, v in res.items():
@@ -622,8 +625,21 @@ class ShardedBackward:
                 parts.append((off, got.narrow(d, base + start, n)))
         return torch.cat([v for _, v in sorted(parts, key=lambda kv: kv[0])], dim=d)
 
-    def _skip(self, run, ins, offs, gs, kinds) -> bool:
-        return False
+    def _skip(self, run, ins, offs, gs, kinds, started=True) -> bool:
+        """True for a block the forward's mask analysis (``ShardedKernel._all_masked``) proves
+        fully masked: the forward's states are then the same whatever the block's inputs, so
+        every gradient sum over its (row, key) pairs is zero (the stage kernels' own analysis
+        skips each of its tiles), and the ring skips its launches and accumulations (sums over
+        rows or travelling home: a missing block adds the identity). Never a piece's first
+        block with per-row sums (``started``: they start from it), nor a run computing values
+        kept per block (kind 'local'). ``skip_masked = False`` turns it off."""
+        if not self.skip_masked or self.sk is None:
+            return False
+        outs = [o for p in run for o in p.outputs if kinds.get(o) is not None]
+        if any(kinds[o] not in ("rows", "home") for o in outs) or (not started and any(kinds[o] == "rows" for o in outs)):
+            return False
+        fwd = {t: x for t, x in ins.items() if t in self.sk.program.tensors}
+        return self.sk._all_masked(fwd, offs, gs)
 
 
 _CONSTANTS = object()   # a program whose kernels take the offsets as constants (_kernel)
