@@ -5,8 +5,8 @@ piece's last block writes the outputs. Checked on gloo ranks (forked, Triton's i
 against the one-process kernel on the whole input and against the same ring merging in torch
 (``ring_fold = False``: the partial kernel's states merged by ``_merge2``), for causal
 attention, global attention, a strictly causal mask (row 0 sees no key: empty states fold
-with the kernels' conventions), a contraction that is not attention (the log-sum-exp of the
-scores: no value axis) and a row-family program (no fold hook: the torch merge, warned),
+with the kernels' conventions), contractions that are not attention (the log-sum-exp of the
+scores: no value axis; the variance of the scores: a merge reading the blocks' counts) and a row-family program (no fold hook: the torch merge, warned),
 in float32 and bfloat16, on uneven contiguous shards and on the zig-zag layout.
 """
 from __future__ import annotations
@@ -36,11 +36,14 @@ def _attention(name, mask, lse=True):
 
 ji, ii = af.index("j"), af.index("i")
 ms_ = af.max(s, "j")
+mu_s = af.sum(s, "j") / af.size("j")
 PROGS = {
     "causal": _attention("ring_causal", ji <= ii),
     "global": _attention("ring_global", None, lse=False),
     "strict": _attention("ring_strict", ji < ii),      # row 0 sees no key: o = 0 (0/0), lse = -inf
     "score_lse": af.program("ring_score_lse", lse=ms_ + af.log(af.sum(af.exp(s - ms_), "j"))),
+    # a merge that reads the blocks' counts (the folding kernel's carry_n input)
+    "score_var": af.program("ring_score_var", var=af.sum((s - mu_s) * (s - mu_s), "j") / af.size("j")),
 }
 x = af.tensor("x", "r j")
 mx_ = af.max(x, "j")
