@@ -517,18 +517,24 @@ class ShardedBackward:
                 lsize.setdefault(a, k)
         home = [o for p in progs for o in p.outputs if kinds[o] == "home"]
         ident = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
-        acc = {o: torch.full([mx if a == J else lsize[a] for a in axes[o]], ident[comb[o]], dtype=torch.float32,
-                             device=next(iter(cur.values())).device) for o in home}
+        dev = next(iter(cur.values())).device
         racc = [dict() for _ in pieces]
         local = {}
         src = rank
-
+        # the home sums (dK/dV) of the visiting shard: this step's part in ``part`` (a chunk's
+        # first block copies, later ones add); the shard's accumulator from the ranks before
+        # arrives meanwhile (``pending``), this step's part is added to it and it travels on
+        # while the next step computes
+        pending, acc = None, {}
         nxt_rank, prv_rank = ring_peers(sk.group, rank, world)
         for step in range(world):
             reqs, nxt = [], {}
             if step < world - 1:
                 nxt, reqs = ring_shift({t: cur[t] for t in jn}, nxt_rank, prv_rank, sk.group)
             run = [p for p in progs if any(kinds[o] in ("rows", "home") for o in p.outputs) or src == rank]
+            part = {o: torch.empty([mx if a == J else lsize[a] for a in axes[o]], dtype=torch.float32, device=dev)
+                    for o in home}
+            written = {}   # (home output, chunk start) -> chunk length, of the slices written this step
             for start, n_src, off in sk._chunks(src, sizes, zz):
                 kv = {t: cur[t].narrow(plan.tensors[t].index(J), start, n_src) for t in jn}
                 for h, (ins, offs) in enumerate(pieces):
@@ -543,21 +549,47 @@ class ShardedBackward:
                         if k == "rows":
                             racc[h][o] = self._combine(racc[h].get(o), v, comb[o])
                         elif k == "home":
-                            d = axes[o].index(J)
-                            sl = acc[o].narrow(d, start, n_src)
-                            self._combine_into(sl, v, comb[o])
+                            sl = part[o].narrow(axes[o].index(J), start, n_src)
+                            if (o, start) in written:
+                                self._combine_into(sl, v, comb[o])
+                            else:
+                                sl.copy_(v)
+                                written[(o, start)] = n_src
                         elif k == "local" and src == rank:
                             local.setdefault(o, []).append(v)
             for r in reqs:
                 r.wait()
-            if home and self.send_home:     # the accumulators follow their shard to the next rank
-                got, hreqs = ring_shift({o: acc[o] for o in home}, nxt_rank, prv_rank, sk.group)
-                for r in hreqs:
-                    r.wait()
-                acc = got
+            if home:
+                if pending is not None:     # this shard's accumulator from the ranks before: add this step's part
+                    got, hreqs, _ = pending
+                    for r in hreqs:
+                        r.wait()
+                    for (o, start), n in written.items():
+                        d = axes[o].index(J)
+                        self._combine_into(got[o].narrow(d, start, n), part[o].narrow(d, start, n), comb[o])
+                    part = got
+                else:                       # the first step: what no block wrote holds the identity
+                    for o in home:
+                        d = axes[o].index(J)
+                        ends = 0
+                        for st_, n_, _ in sk._chunks(src, sizes, zz):
+                            ends = max(ends, st_ + n_)
+                            if (o, st_) not in written:
+                                part[o].narrow(d, st_, n_).fill_(ident[comb[o]])
+                        if ends < part[o].shape[d]:   # (padding past a shorter shard)
+                            part[o].narrow(d, ends, part[o].shape[d] - ends).fill_(ident[comb[o]])
+                if self.send_home:          # the accumulators follow their shard to the next rank
+                    pending = (*ring_shift(part, nxt_rank, prv_rank, sk.group), part)   # (sent: kept until waited)
+                else:
+                    acc = part
             if step < world - 1:
                 cur = nxt
                 src = (src - 1) % world
+        if pending is not None:            # back home after `world` hops
+            got, hreqs, _ = pending
+            for r in hreqs:
+                r.wait()
+            acc = got
         out = {}
         for o in home:       # back home after `world` hops
             out[o] = acc[o].narrow(axes[o].index(J), 0, sizes[rank])
