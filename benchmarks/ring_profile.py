@@ -1,7 +1,7 @@
 """Where the context-parallel ring's time goes (issue 16): acefuse's zig-zag ring
 (``exchange="ring"``) on causal attention, per call and per ring step.
 
-    torchrun --standalone --nproc_per_node=4 benchmarks/ring_profile.py --n 32768 --out-dir /tmp/ringprof
+    torchrun --standalone --nproc_per_node=4 benchmarks/ring_profile.py --seq-len 32768 --out-dir /tmp/ringprof
     python benchmarks/ring_profile.py --cpu-count       # 4 gloo ranks, Triton's interpreter: ops and bytes
 
 On GPUs (bf16, B=1, H=32, D=128) it reports, for the folding ring (each block's kernel takes
@@ -336,7 +336,7 @@ def _dry_rank(rank, world, init, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=32768, help="global sequence length (GPU)")
+    ap.add_argument("--seq-len", dest="n", type=int, default=32768, help="global sequence length (GPU)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=15, help="rows of the top-kernels table")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/ring_profile"))
