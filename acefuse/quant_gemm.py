@@ -529,9 +529,14 @@ class GemmKernel:
                 if c[0] == "scaled_mm":
                     return self._run_scaled(inputs, od, M, N, K)
                 return self._run_prologue(inputs, od, M, N, K, dtypes, True, config=c[1])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                best, times = _fastest_timed(cands, call)
+            mod = self._module()
+            mod._TUNING.append(1)   # a candidate Triton cannot compile is skipped, not retried
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    best, times = _fastest_timed(cands, call)
+            finally:
+                mod._TUNING.pop()
             if best is None:   # nothing ran: the byte model's choice, whose call raises the error
                 form = self.choose(M, N, K, dtypes, torch.empty((), dtype=od).element_size(), True, dev)[0]
                 return (form, None)
@@ -667,12 +672,25 @@ class GemmKernel:
         out = torch.empty(M, N, dtype=od, device=dev)
         fa, fb = (operand_format(s.operand[x], dtypes) for x in "ab")
         fp8 = self.fp8_dot and bool(mod._native()) and fa > 0 and fb > 0
-        grid = (math.ceil(M / bm) * math.ceil(N / bn),)
-        kw = dict(num_warps=warps, num_stages=stages) if cuda else {}
         bf16 = od == torch.bfloat16
-        getattr(mod, f"{s.name}_gemm")[grid](*args, out.view(torch.int16) if bf16 else out, out.stride(0),
-                                             out.stride(1), M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                             GROUP_M=8, FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, OUT_BF16=bf16, **kw)
+        # the launch options; a config Triton cannot compile is retried with safer ones
+        # (num_stages=1, then other warp counts) and those kept, or KernelCompileError
+        # (codegen/launch_retry.py, as every generated launcher)
+        what = f"{s.name}_gemm"
+        p = mod._Options(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **(dict(num_warps=warps, num_stages=stages)
+                                                                   if cuda else {})))
+        key = tuple(str(dtypes[n]) for n in sorted(s.tensors)) + (str(od), str(fp8))
+        if not mod._TUNING:   # (a timed candidate runs as labelled)
+            mod._remember(p, what, key)
+        grid = (math.ceil(M / bm) * math.ceil(N / bn),)
+
+        def launch():
+            getattr(mod, what)[grid](*args, out.view(torch.int16) if bf16 else out, out.stride(0), out.stride(1),
+                                     M, N, K, GROUP_M=8, FMT_A=fa, FMT_B=fb, FP8_DOT=fp8, OUT_BF16=bf16, **p.kw)
+        try:
+            launch()
+        except Exception as exc:  # noqa: BLE001 - _safer_launch raises what is not a compile error
+            mod._safer_launch(p, what, launch, exc, key)
         self.last_path = "generated Triton GEMM" + (" (float8 dot)" if fp8 else " (float32 dot)")
         return out
 

@@ -408,7 +408,11 @@ class GemmGen:
 
     def module(self, explain: str) -> str:
         head = HEADER.format(name=self.name, axis=self.k, explain=explain.replace('"""', "'''"))
-        return head + _AS_FP8 + "\n\n" + self.kernel() + f"\n\nARGS = {self.args()!r}\n"
+        # PROGRAM names the program in a compile error; _TUNING is set while acefuse.quant_gemm
+        # times candidates (one that does not compile is skipped there, not retried:
+        # codegen/launch_retry.py, whose _safer_launch the launch in quant_gemm goes through)
+        return (head + _AS_FP8 + "\n\n" + self.kernel() + f"\n\nARGS = {self.args()!r}\n"
+                + f"PROGRAM = {self.name!r}\n_TUNING = []\n")
 
 
 _AS_FP8 = '''

@@ -5,7 +5,8 @@ types and Triton's specialisation of them). Triton 3.6 on an H200 failed there o
 pipelined gathered loads of paged attention's bfloat16 augmented forward (an assertion in
 ``applyLinearLayout``, raised as ``RuntimeError: PassManager::run failed``), and ptxas once
 exited with -11 on the GQA forward's Hopper kernel. So every launcher (row, contraction and
-sum-kernel families: codegen/row.py, contraction_launch.py, sums_launch.py) launches
+sum-kernel families: codegen/row.py, contraction_launch.py, sums_launch.py; the gemm family's
+launch in acefuse/quant_gemm.py ``_run_prologue``, with a ``_TUNING`` of its own) launches
 through ``_safer_launch`` when a launch raises: a compile error (``_compile_error``) is
 retried with safer options, in order no software pipelining (``num_stages=1``), then each
 other warp count; the contraction family's automatic choice then falls back to its portable

@@ -11,7 +11,11 @@ On the CPU the kernels run in Triton's interpreter, which compiles nothing: each
 stand-in (``Failing``) in place of a generated module's kernel, raising a compile error for the
 launch options it is told to refuse and launching the real kernel otherwise. Families: row
 (softmax), contraction (the mask gallery's paged_kv forward, and its bfloat16 augmented forward
-trained through af.compile, the reported case), sum kernel (an attention dQ stage).
+trained through af.compile, the reported case), sum kernel (an attention dQ stage), gemm
+(af.gemm's prologue form, acefuse/quant_gemm.py: a per-token float8 quantization feeding the
+dot; its GPU options, num_warps and num_stages, are passed by calling the launch with a
+forced config on the CPU, where the interpreter ignores them; the timed choice of a config
+on a GPU is not run here).
 """
 import math
 import runpy
@@ -308,3 +312,89 @@ def test_timed_launch_skips_a_candidate_that_does_not_compile(softmax, monkeypat
     n = len(fake.calls)
     _close(softmax(x=x), torch.softmax(x.double(), -1), 1e-5)
     assert len(fake.calls) == n + 1 and fake.calls[-1]["num_warps"] == 8
+
+
+# ---- gemm family: af.gemm's prologue form (acefuse/quant_gemm.py) ------------------------------------
+@pytest.fixture(scope="module")
+def qgemm():
+    from acefuse.quant_gemm import gemm
+    x, wq, ws = af.tensor("x", "t k"), af.tensor("wq", "n k"), af.tensor("ws", "n")
+    scale = af.cast(af.max(af.abs(x), "k") / 448.0, "float32")
+    acc = af.sum(af.cast(x / scale, "float8_e4m3fn") * wq, "k")
+    return gemm(af.program("cf_gemm", out=acc * scale * ws))
+
+
+def _gemm_case(seed, t=21, k=40, n=19):
+    """Inputs and the float64 product of the dequantized float8 values (torch's casts)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g) * torch.exp(torch.randn(t, 1, generator=g))
+    w = torch.randn(n, k, generator=g)
+    ws = (w.abs().amax(1).double() / 448.0).float()
+    wq = (w / ws[:, None]).to(torch.float8_e4m3fn)
+    s = (x.double().abs().amax(1) / 448.0).float()
+    q = (x / s[:, None]).to(torch.float8_e4m3fn)
+    want = (q.double() @ wq.double().t()) * s.double()[:, None] * ws.double()[None, :]
+    return dict(x=x, wq=wq, ws=ws), want
+
+
+def _gemm_run(g, ins, config=None, cuda=False):
+    """The prologue form's launch (``cuda=True``: with a GPU config's num_warps/num_stages)."""
+    M, N, K, dtypes, _ = g._shapes(ins)
+    return g._run_prologue(ins, torch.float32, M, N, K, dtypes, cuda, config=config)
+
+
+def test_gemm_retried_without_pipelining_and_kept(qgemm, monkeypatch):
+    mod = qgemm._module()
+    fake = _patch(monkeypatch, mod, "cf_gemm_gemm", lambda kw: kw.get("num_stages") != 1)
+    ins, want = _gemm_case(1)
+    with pytest.warns(CompileRetryWarning, match=r"'cf_gemm'.*cf_gemm_gemm .*PassManager::run failed.*num_stages=1"):
+        out = qgemm(form="prologue", **ins)["out"]
+    _close(out, want, 1e-5)
+    ins, want = _gemm_case(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileRetryWarning)
+        _close(qgemm(form="prologue", **ins)["out"], want, 1e-5)
+    assert [c.get("num_stages") for c in fake.calls] == [None, 1, 1]
+
+
+def test_gemm_forced_gpu_config_other_warps_then_error(qgemm, monkeypatch):
+    """A forced config (8 warps, 3 stages): no pipelining, then the other warp counts; the one
+    that compiles is kept for that config. Then nothing compiles: KernelCompileError naming
+    the program, the kernel, Triton's first line and the options tried (blocks included)."""
+    mod = qgemm._module()
+    cfg = (16, 16, 32, 8, 3)
+    fake = _patch(monkeypatch, mod, "cf_gemm_gemm", lambda kw: kw.get("num_warps") != 2)
+    ins, want = _gemm_case(3)
+    with pytest.warns(CompileRetryWarning, match="num_warps=2"):
+        _close(_gemm_run(qgemm, ins, cfg, cuda=True), want, 1e-5)
+    assert [(c.get("num_stages"), c["num_warps"]) for c in fake.calls] == [(3, 8), (1, 8), (1, 4), (1, 2)]
+    _close(_gemm_run(qgemm, ins, cfg, cuda=True), want, 1e-5)
+    last = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=1)
+    assert {k: fake.calls[-1][k] for k in last} == last
+    assert len(fake.calls) == 5
+    fake = _patch(monkeypatch, mod, "cf_gemm_gemm", lambda kw: True,
+                  error=lambda: _triton_error("PTXASError", "`ptxas` failed with error code -11"))
+    with pytest.raises(KernelCompileError) as e:
+        _gemm_run(qgemm, ins, cfg, cuda=True)
+    msg = str(e.value)
+    for part in ("'cf_gemm'", "cf_gemm_gemm", "PTXASError", "BLOCK_M=16", "num_stages=3", "num_stages=1",
+                 "num_warps=4", "num_warps=2", "report", mod.__file__):
+        assert part in msg, part
+    assert len(fake.calls) == 4 and not mod._SAFER
+
+
+def test_gemm_run_time_error_and_tuning_not_retried(qgemm, monkeypatch):
+    """A run-time error is raised as it is; so is a compile error while the GPU's candidates are
+    timed (``_TUNING``: the candidate is skipped there, quant_gemm._measure)."""
+    mod = qgemm._module()
+    ins, _ = _gemm_case(4)
+    fake = _patch(monkeypatch, mod, "cf_gemm_gemm", lambda kw: True,
+                  error=lambda: RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(RuntimeError, match="illegal memory access") as e:
+        qgemm(form="prologue", **ins)
+    assert not isinstance(e.value, KernelError) and len(fake.calls) == 1
+    fake = _patch(monkeypatch, mod, "cf_gemm_gemm", lambda kw: True)
+    monkeypatch.setattr(mod, "_TUNING", [1])
+    with pytest.raises(RuntimeError, match=PASS_MANAGER) as e:
+        _gemm_run(qgemm, ins, (16, 16, 32, 8, 3), cuda=True)
+    assert not isinstance(e.value, KernelError) and len(fake.calls) == 1
