@@ -25,8 +25,12 @@ gradient is not finite.
 NaN or +-inf; and rows where the program is not differentiable at the sample or within
 float32's rounding of such a point: a comparison (``where``), ``maximum``, ``abs`` or a
 max/min over ``j`` whose two sides (its runner-up) are within the forward oracle's error
-bound of each other but not equal (``info["amb"]`` of the reference). Inputs are drawn
-from continuous distributions, so exact ties of a max have probability 0 in float32
+bound of each other but not equal (``info["amb"]`` of the reference; for a max/min, the sum
+of the two candidates' bounds, C_A u32 times their running error bounds). A runner-up
+further away is compared however near: the backward gives the adjoint to the element whose
+recomputed body equals the saved extremum bit for bit, as torch does (``near_tie_compared``
+counts the entries of rows with one within the backward's fallback window EXT_REL).
+Inputs are drawn from continuous distributions, so exact ties of a max have probability 0 in float32
 (in float16/bfloat16 they do happen: both torch and acefuse then share the adjoint
 equally, ``adj / count``, and the comparison stands). A row's gradient of ``w`` over
 ``"j"`` (summed over rows) is not comparable when any row is.
@@ -87,12 +91,16 @@ class GradResult(Result):
     compared: int = 0             # gradient entries compared
     refusals: dict = field(default_factory=dict)   # reason (first line) -> count
     worst: float = 0.0            # the largest error / tolerance of a passing comparison
+    near_tie_skipped: int = 0     # entries not comparable for a max/min near tie float32 cannot separate
+    near_tie_compared: int = 0    # entries compared on rows with a separable runner-up within the
+                                  # backward's fallback window (EXT_REL) of a computed extremum
 
     def summary(self) -> str:
         L = [f"programs {self.programs} (not fusible: {self.unfusible}), kernel runs {self.kernel_runs}, "
              f"gradient checks {self.grad_checks}, wrong results {self.wrong}, crashes {self.crashes}, "
              f"refused {self.refused}, entries compared {self.compared}, not comparable {self.not_comparable}, "
-             f"worst error/tolerance {self.worst:.3g}"]
+             f"worst error/tolerance {self.worst:.3g}, near ties: {self.near_tie_skipped} entries not "
+             f"comparable, {self.near_tie_compared} compared within EXT_REL"]
         for k, v in sorted(self.by_class.items()):
             L.append(f"  {k}: {v}")
         for k, v in sorted(self.refusals.items(), key=lambda kv: -kv[1]):
@@ -287,6 +295,14 @@ def check_grad(got, g64, g32, dtype: str, amb_rows=None, dmc=None, gabs=None) ->
     return GradVerdict(False, cls, detail, skipped, worst, int(comparable.sum()))
 
 
+def _row_entries(g, rows) -> int:
+    """Gradient entries of ``g`` in ``rows`` ([R] bool; a 1-d gradient summed over rows: all
+    of its entries as soon as one row is)."""
+    if g.dim() == 2:
+        return int(rows.sum()) * g.shape[1]
+    return g.numel() if bool(rows.any()) else 0
+
+
 def _backward_refusal(exc) -> str | None:
     """The reason, when ``exc`` (from af.backward or the backward kernels' compile) is an
     acefuse refusal that says why; None when it is a crash."""
@@ -411,6 +427,8 @@ def run_grad_program(outputs: dict, w_axes, cases: list, res: GradResult, log=pr
                 gk = torch.zeros_like(leaves[n]) if gk is None else gk
                 v = check_grad(gk, g64[n], g32[n], dt, amb, dmc[n], gabs[n])
                 res.not_comparable += v.skipped
+                res.near_tie_skipped += _row_entries(g64[n], info["tie"])
+                res.near_tie_compared += _row_entries(g64[n], info["tie_kept"])
                 res.compared += v.compared
                 if v.ok:
                     res.worst = max(res.worst, v.worst)

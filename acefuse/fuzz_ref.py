@@ -269,6 +269,11 @@ class _Ctx:
         # abs or a max/min over j whose sides or candidates nearly tie): a kernel may take the
         # other branch there, so the gradient of such a row is not comparable (gradient mode)
         self.amb = torch.zeros((1, 1), dtype=torch.bool)
+        # [R or 1, 1] (tracked runs, statistics): rows marked amb by a max/min near tie, and
+        # rows whose max/min over a computed body has a runner-up float32 separates but within
+        # the backward's fallback window (EXT_REL): compared (the exact path)
+        self.tie = torch.zeros((1, 1), dtype=torch.bool)
+        self.tie_kept = torch.zeros((1, 1), dtype=torch.bool)
         self.jiggle = None   # a torch.Generator: Monte Carlo arithmetic (see _Jiggle)
 
     def near(self, d, a):
@@ -424,7 +429,10 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
             a = torch.where(c, mags[2], mags[3])
             # a comparison within its error bound may go either way in float32
             # (sides below float32's smallest normal may have underflowed to 0: also a tie)
+            # (not where both sides are exact in float32: an index mask's boundary, index(j) >= 17.0)
             amb = ((l - r).abs() <= C_A * U32 * (mags[0] + mags[1]) + 2 * TINY32) & torch.isfinite(l) & torch.isfinite(r)
+            if _exact32(n.kids[0]) and _exact32(n.kids[1]):
+                amb = torch.zeros_like(amb)
             a = torch.where(amb, torch.maximum(mags[2], mags[3]) + (p - q).abs() / U32, a)
             if _reads_input(n.kids[0]) or _reads_input(n.kids[1]):
                 fin = torch.isfinite(l) & torch.isfinite(r)
@@ -437,15 +445,26 @@ def _eval1(n: N, ctx: _Ctx, pol=None):
         else:
             v = (x.amax if op == "max" else x.amin)(dim=1, keepdim=True)
             a = mags[0].amax(dim=1, keepdim=True) if tr else None
-            if tr:   # a runner-up within the error bound of the extremum: the argmax may move
-                tol = C_A * U32 * a + 2 * TINY32
-                if n.kids[0].op != "in":
-                    # and, over a computed body, within the backward's window (acefuse.backward
-                    # EXT_REL): the adjoint is shared with such a runner-up (the documented
-                    # near-tie convention), where torch gives it to the exact extremum
-                    tol = torch.maximum(tol, EXT_REL * v.abs())
-                close = ((x - v).abs() <= tol) & torch.isfinite(v)
-                ctx.amb = ctx.amb | ((close & (x != v)).any(dim=1, keepdim=True))
+            if tr:
+                # a runner-up float32 cannot separate from the extremum: its value and the
+                # extremum's are each within C_A u32 times their own running error bounds
+                # (``at``: the extremum element's, not the row's largest) of float64's
+                # (a bound that grows by the magnitude of every rounding of the body: depth x
+                # magnitude), so float32 may order them either way and the adjoint may go to
+                # either: the row is not comparable. A runner-up further away is compared, near
+                # or not: the backward sends the adjoint to the element whose recomputed body
+                # equals the saved extremum bit for bit (acefuse.backward, "Max and min"), the
+                # one float64 picks
+                fin = torch.isfinite(v) & torch.isfinite(x)
+                at = torch.where(x == v, mags[0], torch.zeros_like(mags[0])).amax(dim=1, keepdim=True)
+                tol = C_A * U32 * (mags[0] + at) + 2 * TINY32
+                close = ((x - v).abs() <= tol) & fin & (x != v)
+                tie = close.any(dim=1, keepdim=True)
+                ctx.amb = ctx.amb | tie
+                ctx.tie = ctx.tie | tie
+                if n.kids[0].op != "in":   # within the backward's fallback window, compared
+                    kept = ((x - v).abs() <= EXT_REL * v.abs()) & fin & (x != v) & ~close
+                    ctx.tie_kept = ctx.tie_kept | kept.any(dim=1, keepdim=True)
     else:  # pragma: no cover
         raise AssertionError(f"fuzz reference: unknown node {op}")
     if tr:
@@ -461,7 +480,9 @@ def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, inf
     +-inf is added to values over ``j`` (see ``check_output``), and
     ``inf_sel``: the rows where a ``where`` selects an infinite constant (a -inf mask),
     which count like rows whose inputs hold an infinity, and (tracked runs) ``amb``: [R] bool,
-    the rows near a point where the program is not differentiable (``_Ctx.amb``).
+    the rows near a point where the program is not differentiable (``_Ctx.amb``), ``tie``
+    those of them with a max/min near tie and ``tie_kept`` the comparable rows with a
+    separable runner-up within the backward's fallback window (``_Ctx.tie``, statistics).
     ``grad=True``: recorded by torch autograd (inputs that require grad give outputs with a
     ``grad_fn``: the gradient mode's reference, acefuse/fuzz_backward.py); ``jiggle`` (a
     torch.Generator): every rounding of float32 emulated at random (``_Jiggle``)."""
@@ -484,7 +505,15 @@ def reference(outputs: dict, inputs: dict, dtype=torch.float64, track=False, inf
             info["loose"] = ctx.loose[:, 0].expand(R).clone()
             info["inf_sel"] = ctx.inf_sel[:, 0].expand(R).clone()
             info["amb"] = ctx.amb[:, 0].expand(R).clone()
+            info["tie"] = ctx.tie[:, 0].expand(R).clone()
+            info["tie_kept"] = (ctx.tie_kept & ~ctx.amb)[:, 0].expand(R).clone()
         return res
+
+
+def _exact32(n: N) -> bool:
+    """The same value in float32 as in float64: an index or size (integers below 2^24), a
+    constant float32 represents."""
+    return n.op in ("index", "size") or (n.op == "const" and float(torch.tensor(n.arg, dtype=torch.float32)) == n.arg)
 
 
 def _reads_input(n: N) -> bool:
