@@ -196,7 +196,9 @@ class BackwardKernel:
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
         self._name_set = frozenset(self._names)
-        self._maxes = [n for n, kind in bwd.saved_kind.items() if kind in ("max", "min")]
+        # saved extrema and the infinity a fully masked row leaves in them (-inf for a max, +inf for a min)
+        self._maxes = [(n, "neginf" if kind == "max" else "posinf") for n, kind in bwd.saved_kind.items()
+                       if kind in ("max", "min")]
         self._finish = getattr(bwd, "finish", {})   # gradient -> (tile output, axes it is summed over)
         parts = {p for p, _ in self._finish.values()}
         self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs or n in parts],
@@ -227,8 +229,10 @@ class BackwardKernel:
                 raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
                                 f"of {bwd.augmented.name!r}; cotangents are named grad_<output>)")
         # (``inputs`` is this call's own dict: updated in place below)
-        for n in self._maxes:   # the forward's convention: a fully masked row's max reads as 0
-            inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, posinf=0.0, neginf=0.0)
+        for n, masked in self._maxes:
+            # the forward's convention: a fully masked row's max (-inf; a min's +inf) reads as 0. The
+            # other infinity is data (a row holding +inf has max +inf): kept, so the adjoint goes to it
+            inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, **{masked: 0.0})
         for n in bwd.index_inputs:
             if n in inputs:
                 inputs[n] = inputs[n].to(torch.float32)

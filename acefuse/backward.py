@@ -57,8 +57,9 @@ Where the gradients read a saved max ``m`` and sum ``l = sum_j(exp(b - m))`` onl
 The normal form against the saved values (``acefuse.backward_normal``; the FlashAttention-2
 backward comes out of it, from plain attention, with nothing that names attention) drops the
 adjoint of a max the program is invariant to, and reads ``sum_e(grad_o * o)`` for FlashAttention-2's
-``D_i``. Saved max/min values must be finite: a fully masked row's ``-inf`` is passed as 0
-(the forward's own convention; ``BackwardKernel`` does it).
+``D_i``. A fully masked row's saved max (``-inf``; a min's ``+inf``) is passed as 0 (the forward's
+own convention; ``BackwardKernel`` does it); the other infinity is data (a row holding ``+inf`` has
+max ``+inf``) and is passed as it is, so its adjoint goes to that element.
 
 Max and min: the adjoint ``g`` of ``m = max_j(body)`` is ``g * r(n) * [body == m]`` with
 ``n = sum_j([body == m])`` and ``r(n)`` = 1/n, 0 where n is 0 (a fully masked row: gradient 0).

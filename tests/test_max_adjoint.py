@@ -210,3 +210,30 @@ def test_a_recomputation_that_misses_the_saved_max_shares_within_the_window(nudg
     got = bk(x=xv, grad_y=cot, **saved)["grad_x"]
     _, ref = reference("max_centered", {"x": xv.double(), "w": torch.ones(N), "c": torch.ones(R, N)}, cot.double())
     torch.testing.assert_close(got.double(), ref["x"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_an_infinite_extremum_in_the_data_gets_the_adjoint(kind):
+    """A row holding +inf has max +inf: the adjoint goes to that element (torch: d amax = g at it),
+    while a fully masked row (max -inf; a min's +inf) keeps gradient 0. Before, the backward read
+    both infinities of a saved extremum as 0, so the +inf row's adjoint went to elements near 0
+    (1/3 each to three others in this program: a silent wrong gradient)."""
+    x, c = af.tensor("x", "r j"), af.tensor("c", "r j")
+    red, big, fill = (af.max, math.inf, af.NEG_INF) if kind == "max" else (af.min, -math.inf, math.inf)
+    prog = af.program(f"inf_{kind}", y=red(af.where(c > 0, x * 2.0, fill), "j"))
+    k = af.compile(prog)
+    g = torch.Generator().manual_seed(11)
+    X = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    C = torch.ones(4, 9, dtype=torch.float64)
+    X[1, 4] = big            # data: the extremum is infinite
+    C[2] = 0                 # a fully masked row
+    cot = torch.randn(4, generator=g, dtype=torch.float64)
+    xl = X.float().requires_grad_()
+    got, = torch.autograd.grad(k(x=xl, c=C.float()), xl, cot.float())
+    xr = X.clone().requires_grad_()
+    body = torch.where(C > 0, xr * 2, torch.full_like(xr, -math.inf if kind == "max" else math.inf))
+    want, = torch.autograd.grad(body.amax(1) if kind == "max" else body.amin(1), xr, cot)
+    want[2] = 0              # the convention for a fully masked row (torch: amax of all -inf splits g)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert got[1, 4] != 0 and (got[1, :4] == 0).all()

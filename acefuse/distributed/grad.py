@@ -819,8 +819,8 @@ def _function():
             for k, g, (shape, dtype, dev) in zip(sg.prog.outputs, cots, ctx.out_meta):
                 env[f"grad_{k}"] = (torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.to(dtype)).contiguous()
             for nm, kind in bwd.saved_kind.items():
-                if kind in ("max", "min"):
-                    env[nm] = torch.nan_to_num(env[nm], nan=math.nan, posinf=0.0, neginf=0.0)
+                if kind in ("max", "min"):   # a fully masked row's extremum reads as 0 (autograd.BackwardKernel)
+                    env[nm] = torch.nan_to_num(env[nm], nan=math.nan, **{"neginf" if kind == "max" else "posinf": 0.0})
             for nm in bwd.index_inputs:
                 if nm in env:
                     env[nm] = env[nm].to(torch.float32)
