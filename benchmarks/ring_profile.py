@@ -149,24 +149,9 @@ def _cpu_count_rank(rank, world, init, n):
 
 # ---- the GPU profile --------------------------------------------------------------------------
 def _events_ms(fn, reps):
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():   # (--cpu-dry: wall time)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / reps
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of ``fn`` (CUDA events; wall time on the CPU for --cpu-dry), after 3 warm-up calls."""
+    from bench_distributed import timed_local
+    return timed_local(fn, reps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _host_ms(fn, reps):
