@@ -389,6 +389,8 @@ class _Deriv:
                     for s2, f2 in self._expand(t.args[1], axis)]
         if op == "Div" and axis not in self.axes_of(t.args[1]):
             return [(s, f + [div(ONE, t.args[1])]) for s, f in self._expand(t.args[0], axis)]
+        if op == "Where" and t.args[2] == ZERO:   # where(c, a, 0) = a * [c] under a sum (a finite)
+            return [(s, f + [where(t.args[0], ONE, ZERO)]) for s, f in self._expand(t.args[1], axis)]
         return [(1, [t])]
 
     def local(self, t: Term, g: Term) -> list:
@@ -488,9 +490,11 @@ class _Deriv:
 
 def _share(g: Term, n: Term, hit: Term) -> Term:
     """``g / n`` at the ``n`` elements where ``hit`` holds, 0 elsewhere (and 0 when ``n`` is 0: a
-    fully masked row), written as the product ``g * r(n) * [hit]`` so that a sum of it over the
-    axis factors into ``g * r(n) * n`` (``_Deriv.rsum``): no reduction depends on the count."""
-    return mul(mul(g, where(_cmp("CmpEq", n, ZERO), ZERO, div(ONE, n))), where(hit, ONE, ZERO))
+    fully masked row): ``where(hit, g * r(n), 0)``, exactly 0 off the hits even where ``g`` is not
+    finite (a product with ``[hit]`` would put ``inf * 0 = NaN`` there). A sum of it over the axis
+    still factors into ``g * r(n) * n`` (``_Deriv._expand`` reads ``where(c, a, 0)`` as ``a * [c]``):
+    no reduction depends on the count."""
+    return where(hit, mul(g, where(_cmp("CmpEq", n, ZERO), ZERO, div(ONE, n))), ZERO)
 
 
 def _no_adjoint(t: Term) -> bool:

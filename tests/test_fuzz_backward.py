@@ -293,3 +293,15 @@ def test_references_see_the_cotangents_the_kernel_sees():
     case = dict(kind="offset", R=2, J=7, dtype="bfloat16", seed=953621263, w_axes="j")
     fb.run_grad_program(outs, "j", [case], res, log=lambda *a: None, name="fzbc", schedules=("single",))
     assert res.ok and res.wrong == 0 and res.compared > 0, res.summary()
+
+
+def test_a_gradient_past_its_types_range_is_not_compared():
+    """A float16 gradient whose float64 value is -68041 (past float16's 65504) overflows as written,
+    in torch as in acefuse: not comparable (fuzz seed 11303 reported it as nonfinite-where-finite).
+    An entry inside the range that comes out infinite is still wrong."""
+    g64 = torch.tensor([[-68041.74, 1.5, -2.0]], dtype=torch.float64)
+    got = torch.tensor([[-math.inf, 1.5, -2.0]], dtype=torch.float16)
+    v = fb.check_grad(got, g64, g64.float(), "float16")
+    assert v.ok and v.skipped == 1 and v.compared == 2, v
+    bad = fb.check_grad(torch.tensor([[-math.inf, math.inf, -2.0]], dtype=torch.float16), g64, g64.float(), "float16")
+    assert not bad.ok and bad.cls == "nonfinite-where-finite", bad

@@ -237,3 +237,23 @@ def test_an_infinite_extremum_in_the_data_gets_the_adjoint(kind):
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     assert got[1, 4] != 0 and (got[1, :4] == 0).all()
+
+
+def test_an_overflowing_adjoint_of_the_max_leaves_the_other_elements_zero():
+    """float16 ``((x * -2) * max_j(w))**3`` with inputs whose adjoint of the max passes float16's
+    range (fuzz seed 11303): the elements that are not the max get exactly 0, as float64 autograd
+    says. Before, the adjoint was written ``g * r(n) * [hit]``, so an infinite ``g`` made them
+    ``inf * 0 = NaN`` (torch's own float16 autograd gives NaN there too)."""
+    from acefuse.fuzz_backward import make_grad_inputs
+    x, w = af.tensor("x", "r j"), af.tensor("w", "j")
+    k = af.compile(af.program("max_adjoint_overflow", y=((x * (-2.0)) * af.max(w, "j")) ** 3))
+    ins = make_grad_inputs(kind="wide", R=4, J=50, dtype="float16", seed=729384108, w_axes="j")
+    lv = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    y = k(**lv)
+    cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gw, = torch.autograd.grad(y, lv["w"], cot.to(torch.float16))
+    ref = {n: t.detach().double().requires_grad_() for n, t in ins.items()}
+    want, = torch.autograd.grad(((ref["x"] * -2.0) * ref["w"].amax()) ** 3, ref["w"], cot)
+    hit = ins["w"].double() == ins["w"].double().max()
+    assert hit.sum() == 1 and (want[~hit] == 0).all() and want[hit].abs().item() > torch.finfo(torch.float16).max
+    assert (gw[~hit] == 0).all(), gw[~hit]
