@@ -67,12 +67,13 @@ def _ring_sk(kc):
     return next(sk for key, sk in kc.__dict__["_acefuse_sharded"].items() if key[2] == "ring")
 
 
-def _on_rank(rank, world, layout, sizes, inputs, names, broken=False, states=False):
+def _on_rank(rank, world, layout, sizes, inputs, names, broken=False, states=False, run_opts=None):
     """Each program by the folding ring and by the torch-merge ring on this rank's shards,
     counting the folding kernels' launches and the torch merges each ran. ``broken``: the
     folding blocks drop the running states (the check must catch it); ``states``: the blocks
     fold, and the outputs are evaluated from the folded states in torch (the path of programs
-    whose outputs the kernel's epilogue cannot write)."""
+    whose outputs the kernel's epilogue cannot write); ``run_opts``: launch options of every
+    block kernel (split-KV: the folding kernel's combine folds the running states)."""
     from acefuse.distributed import sharded as sh, ring as rg
     if states:
         sh.ShardedKernel._fold_mode = lambda self: "states" if self.ring_fold else None
@@ -108,7 +109,8 @@ def _on_rank(rank, world, layout, sizes, inputs, names, broken=False, states=Fal
                 if not fold:
                     _ring_sk(kc).ring_fold = False
                 before = dict(calls)
-                r = kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring", **kw)
+                r = kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring", **kw,
+                       **(run_opts or {}))
                 r = r if isinstance(r, dict) else {next(iter(prog.outputs)): r}
                 out["fold" if fold else "torch"] = {o: x_.float() for o, x_ in r.items()}   # (bf16 -> float32: exact)
                 out[f"calls_{fold}"] = {c: calls[c] - before[c] for c in calls}
@@ -134,14 +136,14 @@ TOL = {"float32": dict(rtol=2e-5, atol=2e-5), "bfloat16": dict(rtol=8e-3, atol=8
 TOL_SAME = {"float32": dict(rtol=2e-6, atol=2e-6), "bfloat16": dict(rtol=8e-3, atol=8e-3)}
 
 
-def _check(layout, sizes, names, dtypes, broken=False, states=False):
+def _check(layout, sizes, names, dtypes, broken=False, states=False, run_opts=None):
     world = len(sizes)
     N = sum(sizes)
     gen = torch.Generator().manual_seed(SEED + 11)
     base = _inputs(N, torch.float32, gen)
     inputs = {str(dt).split(".")[-1]: {t: x_.to(dt) for t, x_ in base.items()} for dt in dtypes}
     fulls = {f"{n}/{dt}": kern(PROGS[n])(**{t: inputs[dt][t] for t in PROGS[n].tensors}) for n in names for dt in inputs}
-    outs = run_ranks(_on_rank, world, layout, sizes, inputs, names, broken, states)
+    outs = run_ranks(_on_rank, world, layout, sizes, inputs, names, broken, states, run_opts)
     bad, merges = [], {}
     for rank, (res, warns) in enumerate(outs):
         assert not [w for w in warns if "DistributedFallbackWarning" in w], warns
@@ -180,6 +182,16 @@ def test_folding_ring_zigzag():
 def test_folding_ring_with_outputs_evaluated_in_torch():
     """The blocks fold, the last one writes states, and the outputs come from them in torch."""
     bad = _check("contiguous", [7, 12, 9], ["causal", "strict"], (torch.float32,), states=True)
+    assert not bad, "\n".join(bad)
+
+
+def test_folding_ring_split_kv_blocks():
+    """Block kernels launched split-KV (``schedule="split"``): their chunks start from nothing and
+    the combine kernel folds the running states in with the derived merge (the loop kernel folds
+    them in as its initial states instead). Causal attention and the variance of the scores (a
+    merge reading counts), against the one-process kernel and the torch-merge ring."""
+    bad = _check("contiguous", [7, 12, 9], ["causal", "score_var"], (torch.float32,),
+                 run_opts=dict(schedule="split", nsplit=2, block_j=16))
     assert not bad, "\n".join(bad)
 
 

@@ -32,8 +32,8 @@ a ``DistributedFallbackWarning`` says which program and why, once.
 ``exchange="gather"`` forces that path and ``exchange="ring"`` passes K/V shards around a ring,
 folding each visiting shard's partial states into the running ones with the derived merge
 (context-parallel prefill): in the contraction family inside each block's kernel (``fold_kernel``:
-the partial kernel with the running states as inputs, merged with its block's in registers
-before the store; a query piece's last block writes the outputs), so no merge pass over the
+the partial kernel whose key loop starts from the running states, an input, and continues the
+derived rolling update over the block's tiles; a query piece's last block writes the outputs), so no merge pass over the
 float32 states runs in memory; otherwise (or with ``ring_fold = False``, ACEFUSE_RING_FOLD=0)
 the partial kernel writes the block's states and the merge is evaluated in torch; ``axis_offsets={"i": i0}`` declares that the local tensors along
 another axis start at global position ``i0`` (a query shard: causal masks see global rows);

@@ -230,29 +230,30 @@ def _fold_gen():
     from acefuse.codegen.chain import LinkGen
 
     class FoldGen(LinkGen):
-        """The contraction template of the partial kernel with one hook: before the store
-        (FINALIZE), the block's states are folded into the running states of the blocks
-        before it (``carry``: state -> input tensor; ``carry_n``: a 0-d input holding their
-        count, when a merge form reads counts) by the pass's own derived merge, in registers:
-        ``St(q, A)`` the running states, ``St(q, B)`` this block's (count ``n_j``). The outputs
-        are then the folded states (``St(q, J)``) or the program's outputs read from them (the
-        ring's last block). Everything else is the partial kernel's source."""
+        """The contraction template of the partial kernel with one hook: the running states of
+        the blocks before this one (``carry``: state -> input tensor; ``carry_n``: a 0-d input
+        holding their count, when a form reads counts) are the kernel's initial states, and
+        every key tile of the block, the first included, is folded into them by the pass's own
+        derived rolling update (``St(q, A)``: the running states, the tile in registers): the
+        rolling schedule continued across blocks, with no merge of two finished states at the
+        end and no second set of accumulators live beside the loop's. The outputs are then the
+        folded states (``St(q, J)``) or the program's outputs read from them (the ring's last
+        block). Everything else is the partial kernel's source."""
 
         def __init__(self, fusion, carry, carry_n):
             super().__init__(fusion, {})
             self.carry = dict(carry)
             self.carry_n = carry_n
+            self.split_mode = False
 
-        def fold(self, L, ind):
-            p, chain = self.p, self.f.rule_chain
-            L.append(f"{ind}# fold: the running states of the blocks before (inputs {', '.join(self.carry.values())}) "
-                     "and this block's, by the derived merge (A: running, B: this block)")
-            for s in p.states:
+        def load_carry(self, L, ind):
+            L.append(f"{ind}# the running states of the blocks before (inputs {', '.join(self.carry.values())}): "
+                     "this block's tiles are folded into them")
+            for s in self.p.states:
                 t = self.carry[s.name]
                 axes = self.tensors[t]
                 r = any(a in self.R for a in axes)
                 ptr = f"{t}_ptr + off_{t}_g"
-                L.append(f"{ind}{s.name}_b = {s.name}")
                 if self.E and self.E[0] in axes:
                     ptr += (f" + off_{t}_r[:, None]" if r else "") + f" + ecols[None, :] * s_{t}_{self.E[0]}"
                     ptr += "" if r else " + 0 * rows[:, None]"   # (a state over no row axis: one per row tile)
@@ -262,24 +263,58 @@ def _fold_gen():
                     L.append(f"{ind}{s.name} = tl.load({ptr}, mask=rmask, other=0.0)")
             if self.carry_n is not None:
                 L.append(f"{ind}n_a = tl.load({self.carry_n}_ptr).to(tl.float32)")
+
+        def emit_states(self, forms, em, L, ind, suffix, comment):
+            if not self.carry or self.split_mode or forms is not self.p.init:
+                return super().emit_states(forms, em, L, ind, suffix, comment)
+            # the block's first tile: the rolling update of the running states (not the states'
+            # definitions on it, as in a kernel that starts from nothing)
+            p, chain = self.p, self.f.rule_chain
+            self.load_carry(L, ind)
+            ctx, em = self.region("roll", ind)
+            super().emit_states(p.rolling, em, L, ind, "_new",
+                                lambda s: f"{s.name}_AB = {pretty(p.rolling[s.name])}\n  derived by: "
+                                          f"{' -> '.join(chain(s.name, 'rolling')) or 'definition'}")
+            for s in p.states:
+                L.append(f"{ind}{s.name} = {s.name}_new")
+            if self.uses_counts():   # (the template then sets n_a = n_b: the count so far)
+                L.append(f"{ind}n_b = n_a + n_b")
+
+        def kernel_split(self):
+            # split-KV (a launch whose programs cannot fill the device): the chunks start from
+            # nothing and the combine kernel folds the running states into their merge at the end
+            self.split_mode = True
+            try:
+                return super().kernel_split()
+            finally:
+                self.split_mode = False
+
+        def fold_end(self, L, ind):
+            """The combine's fold: the running states (A) and the merged chunks' (B), by the
+            derived merge."""
+            p, chain = self.p, self.f.rule_chain
+            for s in p.states:
+                L.append(f"{ind}{s.name}_b = {s.name}")
+            self.load_carry(L, ind)
+            if self.carry_n is not None:
                 L.append(f"{ind}n_b = nj_f")
             ctx, em = self.region("merge", ind)
-            self.emit_states(p.merge, em, L, ind, "_new",
-                             lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
-                                       f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
+            super().emit_states(p.merge, em, L, ind, "_new",
+                                lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
+                                          f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
             for s in p.states:
                 L.append(f"{ind}{s.name} = {s.name}_new")
 
         def store_outputs(self, L, ind="    "):
-            if self.carry:
-                self.fold(L, ind)
+            if self.carry and self.split_mode:
+                self.fold_end(L, ind)
             super().store_outputs(L, ind)
     return FoldGen
 
 
 def fold_names(f, taken) -> tuple:
     """({state: carry tensor name}, count tensor name or None): the running states' inputs of
-    a folding kernel (names free in ``taken``); the count only when a merge form reads counts."""
+    a folding kernel (names free in ``taken``); the count only when a form reads counts."""
     p = f.passes[0]
     carry = {}
     for s in p.states:
@@ -287,7 +322,9 @@ def fold_names(f, taken) -> tuple:
         while t in taken:
             t += "_"
         carry[s.name] = t
-    counts = any(u.op == "Cnt" for s in p.states for u in p.merge[s.name].walk())
+    # (the folding kernel's rolling update of its first tile, and its split-KV combine's merge)
+    forms = [p.merge[s.name] for s in p.states] + list(p.rolling.values()) + list(p.init.values())
+    counts = any(u.op == "Cnt" for t in forms for u in t.walk())
     n = None
     if counts:
         n = "carry_n"
@@ -309,8 +346,9 @@ def foldable(f) -> str | None:
 
 def fold_kernel(f, offsets: dict, sizes: dict, names: dict, carry: bool, final: bool, n_global=None):
     """A ring block's kernel: the partial kernel (``partial_kernel``) that, with ``carry``, takes
-    the running states as inputs and folds its block's states into them in registers (one
-    load and one store of each state per block: no merge pass over them in memory), and, with
+    the running states as inputs and starts its key loop from them (the derived rolling update
+    from the block's first tile on; split-KV: its combine folds them in by the derived merge):
+    one load and one store of each state per block, no merge pass over them in memory; with
     ``final``, writes the program's outputs from the folded states (the last block of a query
     piece: no float32 state is written, no finishing pass). ``names``: state -> output tensor
     name. ``final`` needs outputs that read only the states and per-row inputs (``size(a)`` and

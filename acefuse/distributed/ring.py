@@ -76,9 +76,9 @@ class Ring:
         devices), while the next shard is in flight. ``zigzag``: axes (besides the sharded
         one) laid out as chunks r and 2W-1-r, which balances causal work.
 
-        The fold: in the block's own kernel (``fold_kernel``: it takes the running states and
-        merges its block's into them in registers; a query piece's last block writes the
-        outputs), where the template allows (``kernels.foldable``); else the partial kernel
+        The fold: in the block's own kernel (``fold_kernel``: it takes the running states as
+        its initial states and runs the derived rolling update over its tiles; a query piece's
+        last block writes the outputs), where the template allows (``kernels.foldable``); else the partial kernel
         writes the block's states and the merge is evaluated in torch (``_merge2``), with a
         ``DistributedFallbackWarning`` once. ``ring_fold = False`` on the ShardedKernel (or
         ACEFUSE_RING_FOLD=0) forces the torch merge."""
