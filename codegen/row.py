@@ -665,9 +665,16 @@ class RowGen:
         return "\n".join(L)
 
     def kernel_loop(self):
+        """The rolling loop, then the epilogue loop, per block of rows. A program visits every
+        G-th block of rows (G programs: one block each on the full grid; on a persistent grid
+        of a few programs per SM, the rows in flight are few enough that the epilogue's second
+        read of a row just folded finds it in L2: one HBM read)."""
         L = ["@triton.jit", f"def {self.name}_loop({', '.join(self.sig())}, BLOCK_R: tl.constexpr, "
-             "BLOCK_J: tl.constexpr):"]
-        self.prologue(L)
+             "BLOCK_J: tl.constexpr):",
+             "    for blk in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):"]
+        outer = L
+        L = []
+        self.prologue(L, grid_rows="blk")
         for p in self.f.passes:
             L.append(f"    # ---- pass {p.index}: one read of the input, carrying "
                      f"{', '.join(s.name for s in p.states)}")
@@ -690,7 +697,8 @@ class RowGen:
             self.tile_setup(L, "start", "        ")
             ctx, em = self.region("final", "        ")
             self.emit_elem_outputs(em, L)
-        return "\n".join(L)
+        outer.extend("    " + ln for ln in "\n".join(L).split("\n"))
+        return "\n".join(outer)
 
     def kernel_split(self):
         """Partial states per chunk -> workspace; combine with the merge; epilogue."""
@@ -791,6 +799,7 @@ class RowGen:
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
             "RIDER_PROGRAMS_PER_SM = 2   # programs of the persistent riders schedule, per SM",
+            "LOOP_PER_SM = None   # programs per SM of the loop schedule's persistent grid (None: one per row block; off until measured)",
             "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "NUM_WARPS = None   # warps per program when the call gives none (None: by the tile's size)",
             "LOOP_BLOCK_J = None   # tile length of the loop and split schedules (None: by the axis' length)",
@@ -893,16 +902,20 @@ class RowGen:
             "",
             "@_on_input_device",
             "def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, num_warps=None, out_dtypes=None,",
-            "        riders=False, **inputs):",
+            "        riders=False, per_sm=None, **inputs):",
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",
             "    returns the output tensor, or a dict of them when the program has several.",
             "    riders=True: a dict that also holds each rider's partial sums (float32, one row per",
             "    program) when the single-tile schedule runs; without them otherwise.",
+            "    per_sm: programs per SM of a persistent grid, for the riders schedule and the loop",
+            "    schedule (each program loops over every G-th block of rows; the loop schedule's",
+            "    second read of a row then finds it in L2); default: LOOP_PER_SM, and",
+            "    RIDER_PROGRAMS_PER_SM for riders.",
             "    A call by name whose inputs have the shapes, strides, dtypes and devices of an earlier",
             "    call's, with the same options, reuses that call's plan (checks, sizes, output shapes,",
             "    tiles, grid: all fixed by the signature); a new signature is checked in full.\"\"\"",
             "    options = (schedule, block_j, block_r, nsplit, num_warps,",
-            "               tuple(out_dtypes.items()) if out_dtypes else None, riders)",
+            "               tuple(out_dtypes.items()) if out_dtypes else None, riders, per_sm)",
             "    key = None if args else _signature(inputs, options)",
             "    try:",
             "        plan = _PLANS.get(key) if key is not None else None",
@@ -910,7 +923,8 @@ class RowGen:
             "        key = plan = None",
             "    if plan is None:",
             "        inputs, sizes, ref, dev = _prepare(args, inputs)",
-            "        plan = _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders)",
+            "        plan = _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders,",
+            "                     per_sm)",
             "        if key is not None and not _TUNING:",
             "            if len(_PLANS) >= MAX_PLANS:",
             "                _PLANS.clear()",
@@ -929,6 +943,9 @@ class RowGen:
             "          per_sm=None, stages=None):",
             "    \"\"\"The launch of checked inputs (_prepare's): everything that depends only on their",
             "    shapes, strides, dtypes and device, and on the launch options.\"\"\"",
+            "    if per_sm is not None and not (isinstance(per_sm, (int, float)) and per_sm > 0):",
+            f"        raise ValueError(f\"program {self.name!r}: per_sm={{per_sm!r}}; give a positive number of programs per SM \"",
+            "                         \"(the persistent grid of the loop and riders schedules), or None\")",
             "    p = _Plan()",
             "    p.dev = dev",
             "    odt = ref.dtype if ref.dtype.is_floating_point and ref.dtype.itemsize > 1 else torch.float32",
@@ -1000,6 +1017,11 @@ class RowGen:
             "        bj = block_j or LOOP_BLOCK_J or min(_np2(n_j), 4096 if on_gpu else 2048)",
             "        br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))",
             "        p.grid = (triton.cdiv(n_rows, br),)",
+            "        if per_sm or LOOP_PER_SM:",
+            "            # persistent: the rows in flight (programs x row length) fit in L2, so the",
+            "            # epilogue's second read of each row is served from L2, not HBM",
+            "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
+            "            p.grid = (min(p.grid[0], max(1, int(sms * (per_sm or LOOP_PER_SM)))),)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8), **fp)",
             "    elif schedule == 'split':",
             "        bj = block_j or LOOP_BLOCK_J or min(_np2(n_j), 4096 if on_gpu else 2048)",

@@ -1,0 +1,106 @@
+"""The row family's loop schedule on a persistent grid (``per_sm``, codegen/row.py): a few
+programs per SM, each looping over every G-th block of rows, so that on a GPU the
+epilogue's second read of a row just folded comes from L2. Here (Triton's interpreter,
+2 "SMs") the grid is smaller than the number of row blocks, so a program folds and writes
+several rows one after another: each output is checked against float64 torch on fresh
+random inputs at odd sizes (softmax, log-softmax, layernorm, RMSNorm, cross-entropy),
+one program for every row and two programs sharing the rows, next to the full grid."""
+import os
+
+import pytest
+import torch
+
+import acefuse as af
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _programs():
+    x = af.tensor("x", "r j")
+    w, b = af.tensor("w", "j"), af.tensor("b", "j")
+    t = af.tensor("t", "r")
+    m = af.max(x, "j")
+    l = af.sum(af.exp(x - m), "j")
+    mu = af.mean(x, "j")
+    var = af.mean((x - mu) ** 2, "j")
+    return {
+        "softmax": (af.program("p_softmax", y=af.exp(x - m) / l),
+                    lambda x: torch.softmax(x, -1)),
+        "log_softmax": (af.program("p_log_softmax", y=x - m - af.log(l)),
+                        lambda x: torch.log_softmax(x, -1)),
+        "layernorm": (af.program("p_layernorm", y=(x - mu) * af.rsqrt(var + 1e-5) * w + b),
+                      lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)),
+        "rmsnorm": (af.program("p_rmsnorm", y=x * af.rsqrt(af.mean(x * x, "j") + 1e-6) * w),
+                    lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w),
+        "cross_entropy": (af.program("p_cross_entropy", loss=m + af.log(l) - af.take(x, t, "j")),
+                          lambda x, t: torch.logsumexp(x, -1) - x.gather(-1, t[:, None])[:, 0]),
+    }
+
+
+PROGRAMS = _programs()
+_KERNELS = {}
+
+
+def _module(name):
+    if name not in _KERNELS:
+        _KERNELS[name] = af.compile(PROGRAMS[name][0]).kernel.module
+    return _KERNELS[name]
+
+
+def _inputs(name, R, N, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, N, generator=g, dtype=torch.float64) * 4 + torch.randn(R, 1, generator=g,
+                                                                                 dtype=torch.float64) * 20)
+    ins = {"x": x.to(dtype)}
+    if name == "layernorm":
+        ins["w"] = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+        ins["b"] = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    if name == "rmsnorm":
+        ins["w"] = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    if name == "cross_entropy":
+        ins["t"] = torch.randint(0, N, (R,), generator=g)
+    return ins
+
+
+def _reference(name, ins):
+    ref = PROGRAMS[name][1]
+    return ref(**{k: (v.double() if v.is_floating_point() else v) for k, v in ins.items()})
+
+
+def _check(got, ref, rtol, stol):
+    got = got.double()
+    bound = rtol * ref.abs() + stol * ref.abs().max()
+    bad = ~((got - ref).abs() <= bound)
+    assert not bool(bad.any()), (int(bad.sum()), (got - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("R,N", [(3, 70001), (5, 16411)])
+def test_persistent_loop_matches_float64(name, R, N):
+    mod = _module(name)
+    ins = _inputs(name, R, N, seed=R * 100003 + N + len(name))
+    ref = _reference(name, ins)
+    for per_sm in (None, 1, 0.5):   # full grid; 2 programs over R row blocks; 1 program for all
+        got = mod.run(**ins, schedule="loop", block_r=1, block_j=2048, per_sm=per_sm)
+        _check(got, ref, rtol=2e-5, stol=2e-6)
+        plan = [p for k, p in mod._PLANS.items()
+                if k[0][0] == "loop" and k[0][-1] == per_sm and k[1][0] == ins["x"].shape]
+        assert plan and plan[-1].grid == ((R,) if per_sm is None else (min(R, int(2 * per_sm)),))
+
+
+def test_persistent_loop_bfloat16_rows_of_two_blocks():
+    """bfloat16 softmax, 2 rows per block, one program for 3 blocks of a 7-row input (the last
+    block half past the rows), against float64 on the bfloat16 values."""
+    mod = _module("softmax")
+    ins = _inputs("softmax", 7, 16411, seed=5, dtype=torch.bfloat16)
+    got = mod.run(**ins, schedule="loop", block_r=2, block_j=4096, per_sm=0.5)
+    assert got.dtype == torch.bfloat16
+    _check(got, _reference("softmax", ins), rtol=8e-3, stol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", float("nan")])
+def test_per_sm_must_be_positive(bad):
+    mod = _module("softmax")
+    x = torch.randn(2, 100)
+    with pytest.raises(ValueError, match="per_sm"):
+        mod.run(x=x, schedule="loop", per_sm=bad)
