@@ -3,9 +3,10 @@
 - ``BackwardKernel`` (``af.compile(af.backward(prog))``): the compiled stages of a
   backward program. Call it with the forward inputs, the saved values and the
   cotangents by name; it returns ``{grad_<input>: tensor}``, each in its input's shape
-  (an output constant along an axis is expanded). Saved max/min values that are
-  +-inf (fully masked rows) are read as 0, and index inputs as float32 (see
-  acefuse.backward). Stages run in dependency order: a pre-stage's outputs
+  (an output constant along an axis is expanded). Saved max/min values are passed as
+  they are (the backward's terms read a fully masked row's -inf as 0 where they subtract
+  it, as the forward does: acefuse.backward_shift.guard_masked_shifts), and index inputs
+  as float32. Stages run in dependency order: a pre-stage's outputs
   (``bwd.intermediates``, attention's D_i) are kept in float32 (float64 for float64
   inputs) and passed to the stages that read them, never returned.
 - ``DifferentiableKernel`` (``af.compile(prog)``): the plain forward kernel when no
@@ -104,10 +105,7 @@ def unit_cotangent_program(bwd):
         return None, f"output {oname!r} ranges over a reduced axis (its gradient is as large as the input)"
     subst = {n: (prog.outputs[n] if bwd.saved_kind.get(n) == "output" else bwd.augmented.outputs[n]).term
              for n in bwd.saved}
-    for n, kind in bwd.saved_kind.items():   # BackwardKernel's convention: an infinite saved max/min reads 0
-        if kind in ("max", "min"):
-            inf = Term("Num", (float("-inf") if kind == "max" else float("inf"),))
-            subst[n] = Term("Where", (Term("CmpEq", (subst[n], inf)), Term("Num", (0.0,)), subst[n]))
+    # (a fully masked row's max: the backward's terms read it as 0 where they subtract it)
     subst[cot] = Term("Num", (1.0,))
     memo: dict = {}
 
@@ -196,9 +194,6 @@ class BackwardKernel:
         # per-call work done once: which inputs are read how, what each stage takes and gives
         self._names = list(bwd.tensors)
         self._name_set = frozenset(self._names)
-        # saved extrema and the infinity a fully masked row leaves in them (-inf for a max, +inf for a min)
-        self._maxes = [(n, "neginf" if kind == "max" else "posinf") for n, kind in bwd.saved_kind.items()
-                       if kind in ("max", "min")]
         self._finish = getattr(bwd, "finish", {})   # gradient -> (tile output, axes it is summed over)
         parts = {p for p, _ in self._finish.values()}
         self._stages = [(k, tuple(st.tensors), [n for n in st.outputs if n in bwd.outputs or n in parts],
@@ -229,10 +224,6 @@ class BackwardKernel:
                 raise TypeError(f"program {bwd.name!r} needs inputs {missing} (saved values come from the outputs "
                                 f"of {bwd.augmented.name!r}; cotangents are named grad_<output>)")
         # (``inputs`` is this call's own dict: updated in place below)
-        for n, masked in self._maxes:
-            # the forward's convention: a fully masked row's max (-inf; a min's +inf) reads as 0. The
-            # other infinity is data (a row holding +inf has max +inf): kept, so the adjoint goes to it
-            inputs[n] = torch.nan_to_num(inputs[n], nan=math.nan, **{masked: 0.0})
         for n in bwd.index_inputs:
             if n in inputs:
                 inputs[n] = inputs[n].to(torch.float32)

@@ -57,12 +57,14 @@ Where the gradients read a saved max ``m`` and sum ``l = sum_j(exp(b - m))`` onl
 The normal form against the saved values (``acefuse.backward_normal``; the FlashAttention-2
 backward comes out of it, from plain attention, with nothing that names attention) drops the
 adjoint of a max the program is invariant to, and reads ``sum_e(grad_o * o)`` for FlashAttention-2's
-``D_i``. A fully masked row's saved max (``-inf``; a min's ``+inf``) is passed as 0 (the forward's
-own convention; ``BackwardKernel`` does it); the other infinity is data (a row holding ``+inf`` has
-max ``+inf``) and is passed as it is, so its adjoint goes to that element.
+``D_i``. A fully masked row's saved max (``-inf``; a min's ``+inf``) reads as 0 only where the
+gradients subtract it (a min: add it inside a difference), the forward's own convention
+(``backward_shift.guard_masked_shifts``); everywhere else, and always for the other infinity (a row
+holding ``+inf`` has max ``+inf``: its adjoint goes to that element), it is read as it is, so a body
+made ``-inf`` by a masked max still equals its own max.
 
 Max and min: the adjoint ``g`` of ``m = max_j(body)`` is ``g * r(n) * [body == m]`` with
-``n = sum_j([body == m])`` and ``r(n)`` = 1/n, 0 where n is 0 (a fully masked row: gradient 0).
+``n = sum_j([body == m])`` and ``r(n)`` = 1/n, 0 where n is 0.
 The product form matters: a sum of it over j (the adjoint reaching ``mean_j x`` in
 ``max_j(x - mean_j x)``) factors into ``g * r(n) * n``, so no reduction of the backward depends
 on another one over j and the backward fuses in one pass wherever the forward does. The
@@ -82,8 +84,8 @@ would be that of ``x``, not of ``fl(x - mean)``, and counting ties needs a merge
 proved rule derives (``sum_S(where(f == max, 1, 0))``).
 
 Numerics conventions (matching the forward's): where a divisor or a log argument
-computed from a reduction is 0 (a fully masked row), the adjoint through it is 0, so a
-fully masked row gets gradient 0, never NaN. Index inputs (used by ``take``) are
+computed from a reduction is 0 (a fully masked row), the adjoint through it is 0, never NaN
+(torch's float64 autograd gives NaN there; elsewhere a masked row's gradient is torch's). Index inputs (used by ``take``) are
 compared with ``index(j)`` in the backward, which reads them as float32 (exact below
 2**24; ``BackwardKernel`` converts them).
 """
@@ -96,7 +98,7 @@ from acefuse.rewrite.terms import Term, pretty, INT_OPS, CAST_LIMITS
 from acefuse.rewrite.encode import _Axes
 from acefuse.backward_normal import (RED, ZERO, ONE, _val, num, neg, add, sub, mul, div, where, rsum, _has_red,
                                      _cmp, _Normal, _TooBig, _inner_work, saved_equations, read_saved)
-from acefuse.backward_shift import fold_outputs, dropped_adjoint
+from acefuse.backward_shift import fold_outputs, dropped_adjoint, guard_masked_shifts
 
 # no adjoint flows through these: constants, comparisons and logic, and the piecewise-constant
 # integer-valued operators (rounding, integer casts, integer arithmetic), whose derivative is 0
@@ -556,6 +558,11 @@ def backward(prog, wrt=None) -> BackwardProgram:
     for name, gname in grads.items():
         if folded[name] is not outputs[gname].term:
             outputs[gname] = _expr(d, folded[name], name)
+    # a fully masked row's saved max reads as 0 only where it is subtracted, as in the forward
+    guarded = guard_masked_shifts({g: outputs[g].term for g in grads.values()}, d.saved_kind)
+    for name, gname in grads.items():
+        if guarded[gname] is not outputs[gname].term:
+            outputs[gname] = _expr(d, guarded[gname], name)
     if not outputs:
         raise BackwardError(f"program {prog.name!r}: no float input{' of ' + str(sorted(wrt)) if wrt is not None else ''} "
                             "reaches an output, so every gradient is zero; there is nothing to differentiate")

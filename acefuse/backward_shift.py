@@ -260,3 +260,37 @@ def _resum(terms: list) -> Term:
         x = _rebuild(1, fs)
         out = add(out, x) if s > 0 else sub(out, x)
     return out
+
+
+# ---- a fully masked row's saved extremum, read as the forward reads it -------------------------
+def guard_masked_shifts(terms: dict, saved_kind: dict) -> dict:
+    """The gradients ``terms`` with the forward's empty-extremum convention (README "Numerics
+    conventions") applied to the saved extrema they read: a saved max that is ``-inf`` reads as 0
+    where it is *subtracted* (``exp(b - m)`` of a fully masked row is ``exp(-inf) = 0``), a saved min
+    that is ``+inf`` where it is *added inside a difference*; the sign is followed through ``+``,
+    ``-``, unary minus and products with a constant, as in the forward. Anywhere else (``x + m``,
+    ``body == m``) the saved value is read as it is, as the forward reads it: a body made ``-inf``
+    by a masked max compares equal to its own max, never as ``x + 0``."""
+    from acefuse.reference import _pols
+    guards = {}
+    for n, kind in saved_kind.items():
+        if kind in ("max", "min"):
+            inf = Term("Num", (float("-inf") if kind == "max" else float("inf"),))
+            leaf = Term("In", (n,))
+            guards[(n, "-" if kind == "max" else "+")] = Term("Where", (Term("CmpEq", (leaf, inf)), ZERO, leaf))
+    if not guards:
+        return terms
+    memo: dict = {}
+
+    def walk(t: Term, pol):
+        key = (t, pol)
+        if key not in memo:
+            if t.op == "In":
+                memo[key] = guards.get((t.args[0], pol), t)
+            elif not t.children:
+                memo[key] = t
+            else:
+                kids = iter(_pols(t, pol))
+                memo[key] = Term(t.op, tuple(walk(a, next(kids)) if isinstance(a, Term) else a for a in t.args))
+        return memo[key]
+    return {k: walk(t, None) for k, t in terms.items()}

@@ -213,13 +213,11 @@ def _staged(bwd, ins: dict, cot):
     listed, by the float64 reference evaluator (no codegen): each stage reads the inputs, the
     saved values and the intermediates earlier stages wrote (a stage that reads a value no
     earlier stage wrote fails with a KeyError)."""
-    import numpy as np
     from acefuse.reference import evaluate
     ins = {n: v.numpy() for n, v in ins.items()}
     fwd = evaluate(bwd.augmented, ins)
     vals = dict(ins, grad_y=cot.numpy())
-    for n, kind in bwd.saved_kind.items():
-        vals[n] = np.where(np.isinf(fwd[n]), 0.0, fwd[n]) if kind in ("max", "min") else fwd[n]
+    vals.update({n: fwd[n] for n in bwd.saved_kind})   # as saved (a masked row's -inf: guarded in the terms)
     for st in bwd.stages:
         vals.update(evaluate(st, {n: vals[n] for n in st.tensors}))
     return {n: torch.as_tensor(vals[g]) for n, g in bwd.grads.items()}

@@ -804,7 +804,6 @@ def _function():
 
         @staticmethod
         def backward(ctx, *cots):
-            import math
             sg = ctx.sg
             if torch.is_grad_enabled():
                 from acefuse.codegen.compile import NotDifferentiableError
@@ -818,9 +817,6 @@ def _function():
             env.update(zip(bwd.saved, vals[n:]))
             for k, g, (shape, dtype, dev) in zip(sg.prog.outputs, cots, ctx.out_meta):
                 env[f"grad_{k}"] = (torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.to(dtype)).contiguous()
-            for nm, kind in bwd.saved_kind.items():
-                if kind in ("max", "min"):   # a fully masked row's extremum reads as 0 (autograd.BackwardKernel)
-                    env[nm] = torch.nan_to_num(env[nm], nan=math.nan, **{"neginf" if kind == "max" else "posinf": 0.0})
             for nm in bwd.index_inputs:
                 if nm in env:
                     env[nm] = env[nm].to(torch.float32)
