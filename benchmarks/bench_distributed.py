@@ -6,8 +6,16 @@
     python benchmarks/bench_distributed.py --cpu-smoke        # 2 gloo ranks, tiny sizes, Triton's interpreter
 
 First calls compile: the sharded kernels take the global offsets as runtime inputs, so
-each is compiled (and its launch timed) once, whatever rank or visiting shard. Split long runs by
-``--part`` and ``--cp-lens`` (the kernel caches persist between runs on one machine).
+each is compiled (and its launch timed) once, whatever rank or visiting shard. The ring's block
+kernels share one launch choice (timed once per block shape on the first block's kernel, the
+ranks compiling a share of the candidates each; ``ACEFUSE_RING_TILES`` fixes it, see
+acefuse/distributed/ring.py ``_block_opts``), and before the one-GPU baseline every rank compiles
+a share of its launch candidates (``share_compiles``), so rank 0's timing finds them in Triton's
+cache (one per host: keep TRITON_CACHE_DIR and ACEFUSE_CACHE_DIR the same for every rank).
+``--one-gpu-reps`` / ``--one-gpu-max-len`` shorten or skip the one-GPU baseline (a skipped one is
+reported as skipped). Split long runs by ``--part`` and ``--cp-lens`` (the kernel caches persist
+between runs on one machine). Rank 0 prints its progress with the time since the start and
+rewrites ``--out`` after every row, so a run stopped by a time limit keeps what it measured.
 
 Parts (``--part ce|cp|decode|all``):
 
@@ -184,6 +192,60 @@ def timed_local(fn, reps, device, barrier=None):
     return times[len(times) // 2]
 
 
+_T0 = time.perf_counter()
+_RES: dict = {}        # the results so far (rank 0 rewrites --out after every row: _save)
+
+
+def log(msg):
+    """Rank 0's progress line, with the seconds since the start."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
+
+
+def _save(args):
+    if args.out and _RES and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(_RES, indent=1))
+
+
+def share_compiles(kern, inputs, device):
+    """Every rank compiles (and runs once) its share of the launch candidates the kernel's
+    launcher times on its first GPU call (``HOPPER_CANDIDATES``, ``CANDIDATES`` of the generated
+    module), then the ranks meet: the one-GPU baseline timed on rank 0 loads them from Triton's
+    cache instead of compiling each. Nothing on the CPU or for a launcher without candidates."""
+    base = getattr(kern, "kernel", kern)
+    mod = getattr(base, "module", None)
+    if device.type != "cuda" or mod is None or not hasattr(mod, "CANDIDATES"):
+        return
+    cands = [dict(c, path="hopper") for c in getattr(mod, "HOPPER_CANDIDATES", [])] + \
+        [dict(c, path="portable") for c in mod.CANDIDATES]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for c in cands[rank::world]:
+        try:
+            kern(**inputs, **c)
+        except Exception:  # noqa: BLE001 - one that does not fit: the timing skips it too
+            pass
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def ring_launch(kern):
+    """The launch options the ring's block kernels last ran with (None: no ring call yet)."""
+    for key, sk in kern.__dict__.get("_acefuse_sharded", {}).items():
+        if key[2] == "ring" and sk.block_launch is not None:
+            return dict(sk.block_launch)
+    return None
+
+
+def baseline(args, N, fn, device, inputs=None, kern=None):
+    """The one-GPU baseline's ms (``one_gpu``), or None when skipped (--one-gpu-max-len)."""
+    if args.one_gpu_max_len and N > args.one_gpu_max_len:
+        return None
+    if kern is not None and inputs is not None:
+        share_compiles(kern, inputs, device)
+    return one_gpu(fn, args.one_gpu_reps or args.reps, device)
+
+
 # ---- vocab-parallel cross-entropy -----------------------------------------------------------
 def megatron_ce(x_loc, target, v0, group=None):
     """Megatron's vocab-parallel cross-entropy in torch (three all-reduces)."""
@@ -255,7 +317,7 @@ def part_cp(args, device, dtype, kernels, lens, shape):
     world, rank = dist.get_world_size(), dist.get_rank()
     B, H, D = shape
     k = kernels["causal"]
-    rows = []
+    rows = _RES.setdefault("parts", {}).setdefault("cp", [])   # (saved as they come: _save)
     for N in lens:
         sizes = split(N, world)
         j0 = sum(sizes[:rank])
@@ -283,6 +345,7 @@ def part_cp(args, device, dtype, kernels, lens, shape):
             impls["torch context_parallel (SDPA ring)"] = (None, "torch")
         for name, (fn, kind) in impls.items():
             row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
+            log(f"cp N={N}: {name} ...")
             try:
                 if kind == "torch":
                     ms, why, good = torch_cp(Q, K, V, device, args.reps, tol)
@@ -292,19 +355,28 @@ def part_cp(args, device, dtype, kernels, lens, shape):
                     row["error"] = f"wrong result on some rank ({why} here)"
                 else:
                     row.update(ms=ms, TFLOPs=flops / ms / 1e9, check=why)
+                if kind != "torch" and "ring" in name:
+                    row["block_launch"] = ring_launch(k)
             except Exception as e:  # noqa: BLE001
                 row["error"] = error_text(e)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
+            log(f"cp N={N}: {name}: {row.get('ms', row.get('error'))}")
+            _save(args)
         try:
-            base = one_gpu(lambda: k(q=Q, k=K, v=V), args.reps, device)
+            log(f"cp N={N}: acefuse on one GPU ...")
+            base = baseline(args, N, lambda: k(q=Q, k=K, v=V), device, dict(q=Q, k=K, v=V), k)
             for row in rows:
-                if "ms" in row:
+                if "ms" in row and base is not None:
                     row.update(one_gpu_acefuse_ms=base, speedup_vs_one_gpu=base / row["ms"],
                                scaling_eff=base / (world * row["ms"]))
+                elif "ms" in row:
+                    row["one_gpu_acefuse_ms"] = f"skipped (--one-gpu-max-len {args.one_gpu_max_len})"
+            log(f"cp N={N}: acefuse on one GPU: {base}")
         except Exception as e:  # noqa: BLE001
             rows.append({"impl": "acefuse on one GPU", "N": N, "error": f"{type(e).__name__}: {e}"})
+        _save(args)
     return rows
 
 
@@ -433,7 +505,7 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
     world, rank = dist.get_world_size(), dist.get_rank()
     B, H, D = shape
     k = kernels["causal"]
-    rows = []
+    rows = _RES.setdefault("parts", {}).setdefault("cp-bwd", [])   # (saved as they come: _save)
     for N in lens:
         sizes = split(N, world)
         j0 = sum(sizes[:rank])
@@ -457,6 +529,7 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
                 impls[f"acefuse {ex} zig-zag"] = (ex, zidx, dict(zigzag=("i",), shard_sizes=[len(zidx)] * world))
         for name, (ex, idx, kw) in impls.items():
             row = {"impl": name, "N": N, "B": B, "H": H, "D": D, "world": world}
+            log(f"cp-bwd N={N}: {name} ...")
             try:
                 loc = [t[:, :, idx].contiguous().requires_grad_(True) for t in (Q, K, V)]
                 go = GO[:, :, idx].contiguous()
@@ -478,23 +551,32 @@ def part_cp_bwd(args, device, dtype, kernels, lens, shape):
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
+            log(f"cp-bwd N={N}: {name}: {row.get('ms', row.get('error'))}")
+            _save(args)
         if "torch" in args.cp_impls:
             row = {"impl": "torch context_parallel (SDPA ring)", "N": N, "B": B, "H": H, "D": D, "world": world}
+            log(f"cp-bwd N={N}: torch context_parallel ...")
             try:
                 ms = torch_cp_bwd(Q, K, V, GO, device, args.reps)
                 row.update(ms=ms, TFLOPs=flops / ms / 1e9, check="not checked (torch's own)")
             except Exception as e:  # noqa: BLE001
                 row["error"] = error_text(e)
             rows.append(row)
+            _save(args)
         try:
+            log(f"cp-bwd N={N}: acefuse on one GPU ...")
             full = [t.clone().requires_grad_(True) for t in (Q, K, V)]
-            base = one_gpu(fwd_bwd(lambda: k(q=full[0], k=full[1], v=full[2]), full, GO), args.reps, device)
+            base = baseline(args, N, fwd_bwd(lambda: k(q=full[0], k=full[1], v=full[2]), full, GO), device)
             for row in rows:
-                if "ms" in row:
+                if "ms" in row and base is not None:
                     row.update(one_gpu_acefuse_ms=base, speedup_vs_one_gpu=base / row["ms"],
                                scaling_eff=base / (world * row["ms"]))
+                elif "ms" in row:
+                    row["one_gpu_acefuse_ms"] = f"skipped (--one-gpu-max-len {args.one_gpu_max_len})"
+            log(f"cp-bwd N={N}: acefuse on one GPU: {base}")
         except Exception as e:  # noqa: BLE001
             rows.append({"impl": "acefuse on one GPU", "N": N, "error": error_text(e)})
+        _save(args)
     return rows
 
 
@@ -574,7 +656,11 @@ def main_rank(args):
     kernels = {n: af.compile(p) for n, p in progs.items()}
     parts = ["ce", "cp", "decode", "ce-bwd", "cp-bwd"] if args.part == "all" else [args.part]
     res = {"world": dist.get_world_size(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-           else "cpu (Triton interpreter)", "dtype": str(dtype), "torch": torch.__version__, "parts": {}}
+           else "cpu (Triton interpreter)", "dtype": str(dtype), "torch": torch.__version__, "parts": {},
+           "env": {v: os.environ.get(v) for v in ("ACEFUSE_RING_TILES", "TRITON_CACHE_DIR", "ACEFUSE_CACHE_DIR")}}
+    _RES.clear()
+    _RES.update(res)
+    res = _RES
     with warnings.catch_warnings(record=True) as wlist:
         warnings.simplefilter("always")
         if "ce" in parts:
@@ -655,6 +741,10 @@ def main():
     ap.add_argument("--cp-impls", default="gather,ring,gather-zigzag,ring-zigzag,torch",
                     help="context-parallel implementations to run (comma-separated; each acefuse one compiles "
                          "its kernels on its first call)")
+    ap.add_argument("--one-gpu-reps", type=int, default=None,
+                    help="timed calls of the one-GPU baseline (default: --reps)")
+    ap.add_argument("--one-gpu-max-len", type=int, default=None,
+                    help="cp, cp-bwd: skip the one-GPU baseline above this sequence length (reported as skipped)")
     ap.add_argument("--pg-timeout", type=int, default=300, help="seconds before a stuck collective aborts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true",

@@ -181,6 +181,7 @@ def _blocks_alone(sk, loc, world, rank, reps):
     kv_shapes = {t: loc[t].shape for t in ("k", "v")}
     plan = sk._ring_plan(pieces, sizes, rank, ("i",), {"j": n * world}, kv_shapes)
     fold = sk._fold_mode()
+    opts = dict(sk.block_launch or {})   # the ring's own launch options for its block kernels
     out, runs = [], [None] * len(pieces)
     last = {}
     for step, blocks in enumerate(plan):
@@ -194,10 +195,10 @@ def _blocks_alone(sk, loc, world, rank, reps):
             final = bool(fold == "final" and last[h] == (step, b))
             if fold:
                 def fn(run=runs[h], final=final):
-                    return sk._run_fold({**pin, **kv}, {}, offs, {"j": n * world}, run, final)
+                    return sk._run_fold({**pin, **kv}, opts, offs, {"j": n * world}, run, final)
             else:
                 def fn():
-                    return sk._partial_states({**pin, **kv}, {}, offs, {"j": n * world}, n_src)
+                    return sk._partial_states({**pin, **kv}, opts, offs, {"j": n * world}, n_src)
             ms = _events_ms(fn, reps)
             carried = fold and runs[h] is not None
             res = fn()
@@ -256,7 +257,16 @@ def gpu_main(args, cpu_dry=False):
     c = n // 2
     flops_step = 2 * 4.0 * B * H * c * c * D   # per step: two full (c x c) blocks' worth (step 0: 1 full + 2 halves)
     acc_bytes = B * H * c * D * 4
-    report = {"N": N, "world": world, "rank": rank, "modes": {}}
+    report = {"N": N, "world": world, "rank": rank, "modes": {}, "block_launch": dict(sk.block_launch or {})}
+    # the one-process causal kernel (constant offsets, bf16 output, its own timed launch) on the
+    # work of one diagonal block: this rank's first chunk against itself
+    diag = {t: loc[t][:, :, :c].contiguous() for t in "qkv"}
+    dist.barrier()
+    report["diagonal_block_by_the_one_gpu_kernel_ms"] = _events_ms(lambda: kern(**diag), args.reps)
+    if rank == 0:
+        print(f"ring block kernels launched with {report['block_launch'] or 'the launcher defaults'}; the one-GPU "
+              f"causal kernel on one diagonal block ({c} x {c}): {report['diagonal_block_by_the_one_gpu_kernel_ms']:.3f} ms",
+              flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for fold in (True, False):

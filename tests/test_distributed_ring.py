@@ -285,3 +285,45 @@ def test_backward_ring_skips_fully_masked_blocks(sizes, zigzag):
                                        msg=lambda m: f"grad {t} rank {rank}: skipping changed it (seed {SEED}): {m}")
             torch.testing.assert_close(r["True"][t], full[t].grad[:, :, r["idx"]], rtol=2e-5, atol=2e-5,
                                        msg=lambda m: f"grad {t} rank {rank} vs one process (seed {SEED}): {m}")
+
+
+def _tiles_on_rank(rank, world, sizes, ins):
+    from acefuse.distributed import sharded as sh
+    seen = []
+    run_fold = sh.ShardedKernel._run_fold
+
+    def spy(self, i, o, off, g, run, final):
+        seen.append(dict(o))
+        return run_fold(self, i, o, off, g, run, final)
+    sh.ShardedKernel._run_fold = spy
+    j0, n = sum(sizes[:rank]), sizes[rank]
+    kc = kern(PROGS["causal"])
+    loc = {t: ins[t][:, :, j0:j0 + n].contiguous() for t in PROGS["causal"].tensors}
+    r = kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring",
+           axis_offsets={"i": j0}, axis_sizes={"i": sum(sizes)}, shard_sizes=sizes)
+    return {"out": {o: x_.float() for o, x_ in r.items()}, "seen": seen}
+
+
+def test_ring_tiles_from_the_environment(monkeypatch):
+    """ACEFUSE_RING_TILES fixes the launch options of every block kernel of the ring (one choice
+    for all roles, nothing timed): each block saw them, and the result equals the one-process
+    kernel's."""
+    monkeypatch.setenv("ACEFUSE_RING_TILES", "block_i=16, block_j=16,num_warps=4,path=portable")
+    sizes = [7, 12, 9]
+    gen = torch.Generator().manual_seed(SEED + 12)
+    ins = _inputs(sum(sizes), torch.float32, gen)
+    full = kern(PROGS["causal"])(**{t: ins[t] for t in PROGS["causal"].tensors})
+    want_opts = dict(block_i=16, block_j=16, num_warps=4, path="portable")
+    for rank, (res, warns) in enumerate(run_ranks(_tiles_on_rank, len(sizes), sizes, ins)):
+        assert res["seen"] and all(o == want_opts for o in res["seen"]), res["seen"]
+        for o, got in res["out"].items():
+            torch.testing.assert_close(got, _want("contiguous", sizes, len(sizes), rank, full[o]), **TOL["float32"])
+
+
+@pytest.mark.parametrize("text,says", [("block_q=3", "block_i"), ("block_i=x", "not an integer"),
+                                       ("path=tma", "hopper or portable"), ("block_i", "key=value")])
+def test_ring_tiles_bad_setting_is_a_clear_error(text, says):
+    from acefuse.distributed.ring import _parse_tiles
+    from acefuse.distributed import DistributedError
+    with pytest.raises(DistributedError, match=says):
+        _parse_tiles(text, "p")

@@ -97,6 +97,8 @@ class Ring:
         pieces = self._pieces({t: v for t, v in inputs.items() if t not in shard_names}, zigzag, offsets, sizes, rank)
         plan = self._ring_plan(pieces, sizes, rank, zigzag, gsizes, {t: cur[t].shape for t in shard_names})
         fold = self._fold_mode()
+        opts = self._block_opts(opts, pieces, cur, shard_names, plan, offsets, gsizes, sizes, fold)
+        self.block_launch = dict(opts)   # (what the last call's block kernels were launched with)
         last = {}
         for step, blocks in enumerate(plan):
             for b, blk in enumerate(blocks):
@@ -138,6 +140,87 @@ class Ring:
                     st = self._layout_states(st, {**ins, **{t: cur[t] for t in shard_names}})
                 outs[h] = self._finish_states(st, ins, offs, gsizes)
         return self._concat(outs, zigzag)
+
+    # launch options every block kernel of the ring takes (the tiles, warps, stages and path)
+    TILE_KW = ("block_i", "block_j", "num_warps", "num_stages", "path")
+
+    def _block_opts(self, opts, pieces, cur, shard_names, plan, offsets, gsizes, sizes, fold):
+        """The launch options of the ring's block kernels: one choice for every role (first
+        block, folding block, last block), so that each role compiles one kernel and none
+        times candidates of its own (each role timing its own tiles compiled every candidate
+        for each: 4 x 8 compiles per shape on the first call of a 4-GPU causal ring). In order:
+        the caller's (any tile or schedule option given: those), ``ACEFUSE_RING_TILES`` (e.g.
+        ``block_i=128,block_j=128,num_warps=8,num_stages=2,path=hopper``: fixed, nothing
+        timed), else, on a GPU, the launcher's own timed choice (``_tuned``: its Hopper and
+        portable candidates) made once per block shape on the first block's kernel; when the
+        shards are equal, each rank first compiles its share of the candidates and the ranks
+        meet at a barrier, so the timing finds the others' compiles in Triton's cache (shared
+        by the processes of one host, TRITON_CACHE_DIR). Elsewhere: ``opts``."""
+        import os
+        given = [o for o in opts if o in self.TILE_KW + ("schedule", "nsplit")]
+        if given:
+            return opts
+        env = os.environ.get("ACEFUSE_RING_TILES", "").strip()
+        if env:
+            return {**opts, **_parse_tiles(env, self.program.name)}
+        if not plan or not plan[0]:
+            return opts
+        start, n_src, off, h = plan[0][0]
+        kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
+        ins, offs, _ = pieces[h]
+        offs = dict(offs)
+        offs[self.axis] = off
+        inputs = {**ins, **kv}
+        dev = _device(inputs)
+        if dev is None or dev.type != "cuda":
+            return opts
+        shapes = tuple((t, tuple(x.shape), str(x.dtype)) for t, x in sorted(inputs.items()))
+        key = ("block_opts", shapes, bool(fold))
+        if key not in self._kernels:
+            self._kernels[key] = self._timed_block_opts(inputs, offs, gsizes, len(set(sizes)) == 1)
+        return {**opts, **self._kernels[key]}
+
+    def _timed_block_opts(self, inputs, offsets, gsizes, same_shapes):
+        """The launcher's timed tile choice for the ring's first block kernel (see _block_opts);
+        {} when the launcher would not time (a small problem, float32) or cannot."""
+        import torch.distributed as dist
+        k = self._partial(offsets, gsizes)
+        mod = k.module
+        own = {**inputs, **gpos_inputs(offsets, _device(inputs))}
+        own = {t: v for t, v in own.items() if t in mod.TENSORS}
+        need = ("_tuned", "HOPPER_CANDIDATES", "CANDIDATES", "ROW_AXES", "GRID_AXES", "AXIS", "TENSORS")
+        if any(not hasattr(mod, n) for n in need):
+            return {}
+        ref = next((v for v in own.values() if v.dtype.is_floating_point), None)
+        if ref is None or ref.dtype not in (_torch().bfloat16, _torch().float16):
+            return {}
+        sizes = {}
+        for t, x in own.items():
+            for a, n in zip(mod.TENSORS[t], x.shape):
+                sizes.setdefault(a, n)
+        work = 1 << max(0, (int(sizes[mod.AXIS]) - 1).bit_length())
+        for a in set(mod.ROW_AXES + mod.GRID_AXES) - {mod.AXIS}:
+            work *= sizes[a]
+        if work < 1 << 26:   # (the launcher's own threshold: launch overhead dominates below)
+            return {}
+        path = "hopper" if mod.hopper_ok(own, ref.device, ref.dtype) else "portable"
+        cands = ([dict(c, path="hopper") for c in mod.HOPPER_CANDIDATES] if path == "hopper" else []) + \
+            [dict(c, path="portable") for c in mod.CANDIDATES]
+        if same_shapes and dist.is_initialized():
+            # each rank compiles its share of the candidates (one launch each), then the timing
+            # below loads the others' from Triton's cache instead of compiling all of them
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            for c in cands[rank::world]:
+                try:
+                    k(**own, **c)
+                except Exception:  # noqa: BLE001 - a candidate that does not fit: the timing skips it
+                    pass
+            dist.barrier(group=self.group)
+        try:
+            cfg = mod._tuned(own, None, path, both=path == "hopper")
+        except Exception:  # noqa: BLE001 - the launcher's own choice per kernel then
+            return {}
+        return {o: v for o, v in cfg.items() if o in self.TILE_KW and v is not None}
 
     def _fold_mode(self):
         """'final' (blocks fold in their kernel, the last one writes the outputs), 'states'
@@ -293,3 +376,32 @@ class Ring:
             za = [a for a in zigzag if a in axes]
             res[o] = torch.cat([d[o] for d in ds], dim=axes.index(za[0])) if za else ds[0][o]
         return res[names[0]] if len(res) == 1 else res
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _parse_tiles(text, name):
+    """``ACEFUSE_RING_TILES``: ``key=value`` pairs, comma-separated, keys among Ring.TILE_KW
+    (integers; ``path`` is 'hopper' or 'portable')."""
+    from acefuse.distributed.base import DistributedError
+    out = {}
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        k, _, v = part.partition("=")
+        k, v = k.strip(), v.strip()
+        if k not in Ring.TILE_KW or not v:
+            raise DistributedError(f"program {name!r}: ACEFUSE_RING_TILES={text!r}: {part!r} is not key=value with a key "
+                                   f"among {', '.join(Ring.TILE_KW)} (e.g. block_i=128,block_j=128,num_warps=8,"
+                                   "num_stages=2,path=hopper)")
+        if k == "path":
+            if v not in ("hopper", "portable"):
+                raise DistributedError(f"program {name!r}: ACEFUSE_RING_TILES: path={v!r}; use hopper or portable")
+            out[k] = v
+            continue
+        try:
+            out[k] = int(v)
+        except ValueError:
+            raise DistributedError(f"program {name!r}: ACEFUSE_RING_TILES: {k}={v!r} is not an integer") from None
+    return out
