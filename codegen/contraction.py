@@ -17,7 +17,9 @@ Axes of the program are classified, not named (``classify``):
   along positions, a page table's pages, the page pool): only their lengths are passed.
 
 Hooks, as in the row family: PROLOGUE (offsets; hoisted row-side operands), INIT
-(state definitions on the first key tile), ROLLING (the derived update, with a
+(state definitions on the first key tile; where the derived rolling update started from an
+empty block's states is that definition, ``empty_start``, the states start empty and no tile
+is peeled), ROLLING (the derived update, with a
 ``full`` variant for tiles the mask analysis proves fully visible and a skip for
 tiles it proves fully masked), MERGE (split-KV combine), FINALIZE (outputs).
 
@@ -387,17 +389,31 @@ class ContractionGen(MaskAnalysis):
             L.append(f"{ind}first = tl.where(first == BIG, {lo}, first)")
             L.append(f"{ind}end = tl.maximum(end, tl.minimum(first + BLOCK_J, {hi}))")
             L.append(f"{ind}f_lo = tl.minimum(f_lo, end)")
-        L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, first + BLOCK_J), end)")
+        empty = self.empty_start()
+        lo1 = "first" if empty else "first + BLOCK_J"
+        L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), end)")
         L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")
-        # peel: the first tile computes the states from their definitions
-        self.tile_setup(L, "first", ind, "end")
-        ctx, em = self.region("init", ind)
-        self.emit_states(p.init, em, L, ind, "",
-                         lambda s: f"{s.name}: its definition on the first tile:  {pretty(p.init[s.name])}")
-        if self.uses_counts():
-            L.append(f"{ind}n_a = n_b")
+        if empty:
+            # no peeled tile: the states start as those of an empty block, and every key tile is
+            # folded in by the rolling update (one copy of the loop body per kind of tile; a
+            # peeled tile's copies of the key and value tiles kept 64 KB of shared memory of
+            # their own on sm_90, which left no room for a third pipeline stage at 128 x 128)
+            for s_ in p.states:
+                e = {0.0: "0.0", float("-inf"): "float('-inf')", float("inf"): "float('inf')"}[empty[s_.name]]
+                shape = "[BLOCK_I, BLOCK_E]" if self._is_vec(s_) else "[BLOCK_I]"
+                L.append(f"{ind}# {s_.name}: on an empty block, {pretty(p.init[s_.name])} = {e}; the rolling update "
+                         f"from it is the definition on the first tile")
+                L.append(f"{ind}{s_.name} = tl.full({shape}, {e}, tl.float32)")
+        else:
+            # peel: the first tile computes the states from their definitions
+            self.tile_setup(L, "first", ind, "end")
+            ctx, em = self.region("init", ind)
+            self.emit_states(p.init, em, L, ind, "",
+                             lambda s: f"{s.name}: its definition on the first tile:  {pretty(p.init[s.name])}")
+            if self.uses_counts():
+                L.append(f"{ind}n_a = n_b")
         subst = self.unmasked(sites)
-        for lo_, hi_, full, what in (("first + BLOCK_J", "a", False, "masked"), ("a", "b", True, "fully visible"),
+        for lo_, hi_, full, what in ((lo1, "a", False, "masked"), ("a", "b", True, "fully visible"),
                                      ("b", "end", False, "masked")):
             if full and self.hopper:
                 # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
@@ -413,6 +429,32 @@ class ContractionGen(MaskAnalysis):
             if self.uses_counts():
                 body.append(f"{ind}    n_a = n_a + n_b")
             L.extend(_used_setup(setup, body) + body)
+
+    def empty_start(self):
+        """{state: its value on an empty block} when the key loop may start from those values
+        instead of peeling the first tile, else None. It may when every state is a plain block
+        reduction (``sum_B`` -> 0, ``max_B`` -> -inf, ``min_B`` -> +inf: their definitions on an
+        empty block) and each derived rolling update, with the A states at those values, folds
+        to the state's definition on B (_fold_empty): then folding the first tile into the empty
+        states computes what the peel computed. A subclass that hooks the first tile's
+        definitions (emit_states: the ring's carried states) keeps the peel, as do forms that
+        read counts."""
+        if type(self).emit_states is not ContractionGen.emit_states or self.uses_counts():
+            return None
+        p = self.p
+        empty = {}
+        for s in p.states:
+            t = p.init[s.name]
+            if t.op not in ("Sum", "RMax", "RMin") or t.args[0] != B:
+                return None
+            empty[s.name] = {"Sum": 0.0, "RMax": float("-inf"), "RMin": float("inf")}[t.op]
+        maxes = {q for q, v in empty.items() if v == float("-inf")}
+        mins = {q for q, v in empty.items() if v == float("inf")}
+        for s in p.states:
+            r = _fold_empty(p.rolling[s.name], empty, maxes, mins)
+            if r is None or _ab_to_b(r) != p.init[s.name]:
+                return None
+        return empty
 
     def store_outputs(self, L, ind="    "):
         ctx, em = self.region("final", ind)
@@ -543,6 +585,76 @@ class ContractionGen(MaskAnalysis):
 
     def launcher(self, split):
         return contraction_launch.launcher(self, split)
+
+
+def _num(t):
+    return float(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
+
+
+def _fold_empty(t: Term, empty: dict, maxes: set, mins: set):
+    """``t`` with the A states at their empty values ``empty`` (ContractionGen.empty_start), folded
+    by exact facts only: max(-inf, x) = x, min(+inf, x) = x, x + 0 = x, 0 * 0 = 0, and exp(u) = 0
+    when u is -inf whatever the other states are: an empty max (-inf) minus a max of AB or B
+    (the template reads an empty one as 0 there; a finite or +inf one leaves -inf), or a
+    positive multiple of such a difference. None when a
+    state of A is left over (the fold did not remove it)."""
+    def st(u, kinds):   # a state of AB or B of one of ``kinds``
+        return u.op == "St" and u.args[1] != A and u.args[0] in kinds
+
+    def neg_inf(u):   # u is -inf for every value of the other states
+        if _num(u) == float("-inf"):
+            return True
+        if u.op == "Sub":
+            x, y = u.args
+            return neg_inf(x) and st(y, maxes)
+        if u.op == "Mul":
+            x, y = u.args
+            return (neg_inf(x) and (_num(y) or 0) > 0) or (neg_inf(y) and (_num(x) or 0) > 0)
+        return False
+
+    def go(u):
+        if u.op == "St" and u.args[1] == A:
+            return Term("Num", (empty[u.args[0]],)) if u.args[0] in empty else u
+        if not u.children:
+            return u
+        ch = [go(c) for c in u.children]
+        args, n = [], 0
+        for a in u.args:
+            if isinstance(a, Term):
+                args.append(ch[n])
+                n += 1
+            else:
+                args.append(a)
+        v = Term(u.op, tuple(args))
+        if u.op == "Max2":
+            for x, y in (ch, ch[::-1]):
+                if _num(x) == float("-inf"):
+                    return y
+        if u.op == "Min2":
+            for x, y in (ch, ch[::-1]):
+                if _num(x) == float("inf"):
+                    return y
+        if u.op == "Exp" and neg_inf(ch[0]):
+            return Term("Num", (0.0,))
+        if u.op == "Add":
+            for x, y in (ch, ch[::-1]):
+                if _num(x) == 0.0:
+                    return y
+        if u.op == "Mul" and _num(ch[0]) == 0.0 and _num(ch[1]) == 0.0:
+            return Term("Num", (0.0,))
+        return v
+    r = go(t)
+    return None if any(u.op == "St" and u.args[1] == A for u in r.walk()) else r
+
+
+def _ab_to_b(t: Term) -> Term:
+    """``t`` with the states of AB read as those of B (equal when A is empty)."""
+    if t.op == "St" and t.args[1] == AB:
+        return Term("St", (t.args[0], B))
+    if not t.children:
+        return t
+    it = iter(_ab_to_b(c) for c in t.children)
+    return Term(t.op, tuple(next(it) if isinstance(a, Term) else a for a in t.args))
 
 
 def _used_setup(setup, body):
