@@ -316,6 +316,9 @@ class ShardedKernel(Ring):
         return names
 
     def _partial(self, offsets, gsizes):
+        quick = ("partialq", tuple(sorted(offsets)), tuple(sorted(gsizes.items())))
+        if quick in self._kernels:   # (the walk over the terms below: ~0.1 ms a call)
+            return self._kernels[quick]
         f = self.fusion
         enc = f.encoding
         terms = list(enc.leaves.values()) + [s.definition for s in enc.states] + \
@@ -326,6 +329,7 @@ class ShardedKernel(Ring):
         if key not in self._kernels:
             self._kernels[key] = partial_kernel(f, offs, gs, {s.name: n for s, n in
                                                               zip(enc.states, self._state_names().values())})
+        self._kernels[quick] = self._kernels[key]
         return self._kernels[key]
 
     def _run_partial(self, inputs, opts, offsets, gsizes):
