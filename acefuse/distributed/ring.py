@@ -173,20 +173,45 @@ class Ring:
             return {**opts, **_parse_tiles(env, self.program.name)}
         if not plan or not plan[0]:
             return opts
-        start, n_src, off, h = plan[0][0]
-        kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
-        ins, offs, _ = pieces[h]
-        offs = dict(offs)
-        offs[self.axis] = off
-        inputs = {**ins, **kv}
-        dev = _device(inputs)
+        dev = _device(cur)
         if dev is None or dev.type != "cuda":
             return opts
+
+        def block(blk):
+            start, n_src, off, h = blk
+            kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
+            ins, offs, _ = pieces[h]
+            return {**ins, **kv}, dict(offs, **{self.axis: off})
+        # timed on the block of step 0 (local data) with the most tiles the mask lets through
+        # (a causal ring's diagonal blocks skip half of theirs; most blocks skip none)
+        inputs, offs = max((block(b) for b in plan[0]), key=lambda io: self._visible(*io, gsizes))
         shapes = tuple((t, tuple(x.shape), str(x.dtype)) for t, x in sorted(inputs.items()))
         key = ("block_opts", shapes, bool(fold))
         if key not in self._kernels:
             self._kernels[key] = self._timed_block_opts(inputs, offs, gsizes, len(set(sizes)) == 1)
         return {**opts, **self._kernels[key]}
+
+    def _visible(self, inputs, offsets, gsizes):
+        """The (row tile x key tile) pairs of 128 x 128 that the mask analysis does not skip in
+        this block (codegen/masks.py tile_stats); every pair when it cannot tell."""
+        sizes = {}
+        for t, x in inputs.items():
+            for a, n in zip(self.program.tensors[t], x.shape):
+                sizes.setdefault(a, n)
+        tiles = -(-sizes[self.axis] // 128)
+        rows = [a for a in self._P() if a in sizes and all(a not in self.program.tensors[t] for t in inputs
+                                                             if self.axis in self.program.tensors[t])]
+        for a in rows:
+            tiles *= -(-sizes[a] // 128) if a == rows[0] else sizes[a]
+        try:
+            import numpy as np
+            from acefuse.codegen.masks import tile_stats
+            k = self._partial(offsets, gsizes)
+            st = tile_stats(k.fusion, sizes, block_i=128, block_j=128,
+                            data={n: np.array([v.item()]) for n, v in gpos_inputs(offsets).items()})
+            return tiles * (1.0 - st["skipped"])
+        except Exception:  # noqa: BLE001 - no analysis: count every tile
+            return float(tiles)
 
     def _timed_block_opts(self, inputs, offsets, gsizes, same_shapes):
         """The launcher's timed tile choice for the ring's first block kernel (see _block_opts);
