@@ -182,12 +182,12 @@ class Ring:
             kv = {t: cur[t].narrow(self.program.tensors[t].index(self.axis), start, n_src) for t in shard_names}
             ins, offs, _ = pieces[h]
             return {**ins, **kv}, dict(offs, **{self.axis: off})
-        # timed on the block of step 0 (local data) with the most tiles the mask lets through
-        # (a causal ring's diagonal blocks skip half of theirs; most blocks skip none)
-        inputs, offs = max((block(b) for b in plan[0]), key=lambda io: self._visible(*io, gsizes))
-        shapes = tuple((t, tuple(x.shape), str(x.dtype)) for t, x in sorted(inputs.items()))
-        key = ("block_opts", shapes, bool(fold))
+        first, _ = block(plan[0][0])
+        key = ("block_opts", tuple((t, tuple(x.shape), str(x.dtype)) for t, x in sorted(first.items())), bool(fold))
         if key not in self._kernels:
+            # timed on the block of step 0 (local data) with the most tiles the mask lets through
+            # (a causal ring's diagonal blocks skip half of theirs; most blocks skip none)
+            inputs, offs = max((block(b) for b in plan[0]), key=lambda io: self._visible(*io, gsizes))
             self._kernels[key] = self._timed_block_opts(inputs, offs, gsizes, len(set(sizes)) == 1)
         return {**opts, **self._kernels[key]}
 
