@@ -33,7 +33,8 @@ Parts (``--part ce|cp|decode|all``):
   states folded in with the derived merge inside the block's kernel; benchmarks/ring_profile.py
   breaks its time down per step), each with contiguous shards (the last rank has
   the most causal work) and with the zig-zag layout (``zigzag=("i",)``: rank r holds chunks
-  r and 2W-1-r, balanced), against PyTorch's
+  r and 2W-1-r, balanced; ``ring-zigzag-lookup``: the zig-zag ring with one block kernel per step,
+  global positions read from 1-D tensors, ACEFUSE_RING_POSITIONS=lookup), against PyTorch's
   ``torch.distributed.tensor.experimental.context_parallel`` (ring attention over SDPA,
   its default load balancing and rotate method). TFLOP/s count the causal forward's FLOPs,
   2*B*H*N*N*D (4*B*H*N*N*D / 2), over all ranks.
@@ -229,6 +230,21 @@ def share_compiles(kern, inputs, device):
     dist.barrier()
 
 
+def with_env(var, value, fn):
+    """``fn`` called with the environment variable ``var`` set to ``value`` (restored after)."""
+    def call():
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
+    return call
+
+
 def ring_launch(kern):
     """The launch options the ring's block kernels last ran with (None: no ring call yet)."""
     for key, sk in kern.__dict__.get("_acefuse_sharded", {}).items():
@@ -341,6 +357,11 @@ def part_cp(args, device, dtype, kernels, lens, shape):
                 impls[f"acefuse {ex} zig-zag"] = (lambda ex=ex: k(q=qz, k=kz, v=vz, process_group=dist.group.WORLD,
                                                                   sharded_axis="j", exchange=ex, zigzag=("i",),
                                                                   shard_sizes=[len(zidx)] * world), "zigzag")
+            if "ring-zigzag-lookup" in args.cp_impls:   # one block kernel per step (positions as lookups)
+                impls["acefuse ring zig-zag, one kernel per step"] = (with_env(
+                    "ACEFUSE_RING_POSITIONS", "lookup", lambda: k(q=qz, k=kz, v=vz, process_group=dist.group.WORLD,
+                                                                  sharded_axis="j", exchange="ring", zigzag=("i",),
+                                                                  shard_sizes=[len(zidx)] * world)), "zigzag")
         if "torch" in args.cp_impls:
             impls["torch context_parallel (SDPA ring)"] = (None, "torch")
         for name, (fn, kind) in impls.items():

@@ -327,3 +327,52 @@ def test_ring_tiles_bad_setting_is_a_clear_error(text, says):
     from acefuse.distributed import DistributedError
     with pytest.raises(DistributedError, match=says):
         _parse_tiles(text, "p")
+
+
+def _lookup_on_rank(rank, world, sizes, inputs, names):
+    res = {}
+    for dt, ins in inputs.items():
+        for name in names:
+            prog = PROGS[name]
+            kc = kern(prog)
+            C = sizes[rank] // 2
+            idx = torch.cat([torch.arange(rank * C, rank * C + C),
+                             torch.arange((2 * world - 1 - rank) * C, (2 * world - rank) * C)])
+            loc = {t: ins[t][:, :, idx].contiguous() for t in prog.tensors}
+            kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring", zigzag=("i",),
+               shard_sizes=sizes)   # (creates the sharded kernel)
+            sk = _ring_sk(kc)
+            sk.ring_positions = "lookup"
+            try:
+                r = kc(**loc, process_group=dist.group.WORLD, sharded_axis="j", exchange="ring", zigzag=("i",),
+                       shard_sizes=sizes)
+            finally:
+                sk.ring_positions = None
+            r = r if isinstance(r, dict) else {next(iter(prog.outputs)): r}
+            res[f"{name}/{dt}"] = {"out": {o: x_.float() for o, x_ in r.items()},
+                                   "lookup": sorted(str(key[1:3]) for key in sk._kernels if key[0] == "lfold"),
+                                   "skipped": sum(1 for key, v in sk._kernels.items() if key[0] == "lmasked" and v)}
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zigzag_ring_one_kernel_per_step_with_lookup_positions(world):
+    """``ring_positions = "lookup"``: one block kernel per ring step (every local query against
+    the whole visiting shard, global positions read from 1-D tensors) gives the one-process
+    result on every rank (fails with the visiting shard's positions replaced by this rank's:
+    checked by editing _ring_lookup)."""
+    sizes = [8] * world
+    N = sum(sizes)
+    gen = torch.Generator().manual_seed(SEED + 13)
+    base = _inputs(N, torch.float32, gen)
+    names = ["causal", "strict", "global"]
+    inputs = {str(dt).split(".")[-1]: {t: x_.to(dt) for t, x_ in base.items()} for dt in (torch.float32, torch.bfloat16)}
+    fulls = {f"{n}/{dt}": kern(PROGS[n])(**{t: inputs[dt][t] for t in PROGS[n].tensors}) for n in names for dt in inputs}
+    outs = run_ranks(_lookup_on_rank, world, sizes, inputs, names)
+    for rank, (res, warns) in enumerate(outs):
+        for key, r in res.items():
+            assert r["lookup"], key   # the lookup path ran
+            full = fulls[key] if isinstance(fulls[key], dict) else {next(iter(PROGS[key.split('/')[0]].outputs)): fulls[key]}
+            for o, got in r["out"].items():
+                want = _want("zigzag", sizes, world, rank, full[o])
+                torch.testing.assert_close(got, want.float(), **TOL[key.split("/")[1]])

@@ -28,6 +28,12 @@ def gpos(axis: str) -> str:
     return f"gpos_{axis}"
 
 
+def gpos_axis(axis: str) -> str:
+    """The axis of ``gpos(axis)`` when it holds one global position per local element
+    (``instantiate(..., runtime="lookup")``)."""
+    return f"gpos_{axis}_n"
+
+
 def gpos_inputs(offsets: dict, device=None) -> dict:
     """{gpos(a): 0-d float32 tensor holding offsets[a]}: the values a kernel instantiated with
     ``runtime=True`` reads. Exact: the mask analysis keeps integer bounds below 2**24 only."""
@@ -54,8 +60,14 @@ def instantiate(t: Term, offsets: dict, sizes: dict, count_j=None, runtime=False
     value unused), ``gpos_a`` a 0-d input tensor (``gpos``, ``gpos_inputs``): one kernel serves
     every offset (a ring visits W of them per rank, a zig-zag layout 2W), and the offset, one
     value per launch, is a point interval to the mask analysis (codegen/masks.py), so tiles a
-    causal mask excludes are still skipped."""
+    causal mask excludes are still skipped.
+
+    ``runtime="lookup"``: ``index(a)`` -> ``gpos_a.at(index(a))``, ``gpos_a`` a 1-D input holding
+    the global position of every local element (a zig-zag shard's two chunks in one kernel); the
+    mask analysis bounds a lookup over each tile from the values it loads."""
     if t.op == "Idx" and t.args[0] in offsets and (runtime or offsets[t.args[0]]):
+        if runtime == "lookup":   # the global position of each local element: a lookup (gpos_axis)
+            return Term("Take", (gpos(t.args[0]), t, gpos_axis(t.args[0])))
         if runtime:
             return Term("Add", (t, Term("In", (gpos(t.args[0]),))))
         return Term("Add", (t, num(int(offsets[t.args[0]]))))

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from acefuse.rewrite.terms import Term, pretty
-from acefuse.distributed.base import J, instantiate, gpos
+from acefuse.distributed.base import J, instantiate, gpos, gpos_axis
 
 
 # ---- kernels generated for the sharded flow ---------------------------------------------
@@ -44,9 +44,9 @@ def state_axes(fusion) -> dict:
     return {s.name: tuple(sorted(ax(s.source), key=order.__getitem__)) for s in enc.states}
 
 
-def _inst_pass(p, f, offsets, sizes, states=True):
+def _inst_pass(p, f, offsets, sizes, states=True, runtime=True):
     from acefuse.fuse import FusionPass
-    sub = (lambda t: instantiate(t, offsets, sizes, runtime=True))
+    sub = (lambda t: instantiate(t, offsets, sizes, runtime=runtime))
     if not states:
         return []
     st = [replace(s, definition=sub(s.definition)) for s in p.states]
@@ -76,7 +76,8 @@ def _link_fusion(f, outputs, out_axes, tensors, passes, role, extra, enc_states=
     axes_used |= {u.args[0] for t in terms for u in t.walk() if u.op == "Idx"}
     lenc = replace(enc, outputs=outputs, output_axes=out_axes, elementwise_outputs=tuple(
         o for o in outputs if enc.axis in out_axes[o]), tensors=dict(tensors), states=enc_states, leaves=leaves)
-    prog = _ShardProgram(f.program, [a for a in f.program.axes if a in axes_used], tensors, role, extra,
+    extra_axes = sorted(a for a in axes_used if a not in f.program.axes)   # (gpos_axis: positions as lookups)
+    prog = _ShardProgram(f.program, [a for a in f.program.axes if a in axes_used] + extra_axes, tensors, role, extra,
                          outputs={o: e for o, e in getattr(f.program, "outputs", {}).items() if o in outputs})
     note = f"sharded across ranks along {f.axis!r}: {role} ({extra})"
     lf = Fusion(prog, f.axis, lenc, passes, f.fusible, f.reason, list(f.blocked), list(f.rules),
@@ -111,8 +112,8 @@ def _load(lf, src, role, extra):
     return Kernel(lf, src, path, mod)
 
 
-def _with_gpos(tensors: dict, offsets) -> dict:
-    return {**tensors, **{gpos(a): () for a in sorted(offsets)}}
+def _with_gpos(tensors: dict, offsets, runtime=True) -> dict:
+    return {**tensors, **{gpos(a): (gpos_axis(a),) if runtime == "lookup" else () for a in sorted(offsets)}}
 
 
 def partial_kernel(f, offsets: dict, sizes: dict, names: dict):
@@ -344,7 +345,7 @@ def foldable(f) -> str | None:
     return None
 
 
-def fold_kernel(f, offsets: dict, sizes: dict, names: dict, carry: bool, final: bool, n_global=None):
+def fold_kernel(f, offsets: dict, sizes: dict, names: dict, carry: bool, final: bool, n_global=None, runtime=True):
     """A ring block's kernel: the partial kernel (``partial_kernel``) that, with ``carry``, takes
     the running states as inputs and starts its key loop from them (the derived rolling update
     from the block's first tile on; split-KV: its combine folds them in by the derived merge):
@@ -356,24 +357,24 @@ def fold_kernel(f, offsets: dict, sizes: dict, names: dict, carry: bool, final: 
     enc = f.encoding
     p = f.passes[0]
     sax = state_axes(f)
-    sub = (lambda t: instantiate(t, offsets, sizes, runtime=True))
+    sub = (lambda t: instantiate(t, offsets, sizes, runtime=runtime))
     if final:
-        outputs = {o: instantiate(t, offsets, sizes, n_global, runtime=True) for o, t in enc.outputs.items()}
+        outputs = {o: instantiate(t, offsets, sizes, n_global, runtime=runtime) for o, t in enc.outputs.items()}
         out_axes = dict(enc.output_axes)
     else:
         outputs = {names[s.name]: Term("St", (s.name, J)) for s in p.states}
         out_axes = {names[s.name]: sax[s.name] for s in p.states}
     states = [replace(s, definition=sub(s.definition)) for s in enc.states]
     leaves = {k: sub(v) for k, v in enc.leaves.items()}
-    tensors = _with_gpos(enc.tensors, offsets)
+    tensors = _with_gpos(enc.tensors, offsets, runtime)
     cn, nn = fold_names(f, set(tensors) | set(outputs)) if carry else ({}, None)
     for q, t in cn.items():
         tensors[t] = sax[q]
     if nn is not None:
         tensors[nn] = ()
     role = "fold" + ("final" if final else "") if carry else "final1"
-    extra = (sorted(offsets), sorted(sizes.items()), n_global if final else None)
-    lf = _link_fusion(f, outputs, out_axes, tensors, _inst_pass(p, f, offsets, sizes), role, extra,
+    extra = (sorted(offsets), sorted(sizes.items()), n_global if final else None) + (("lookup",) if runtime == "lookup" else ())
+    lf = _link_fusion(f, outputs, out_axes, tensors, _inst_pass(p, f, offsets, sizes, runtime=runtime), role, extra,
                       enc_states=states, leaves=leaves, given=list(cn.values()) + ([nn] if nn else []))
     lf.encoding = replace(lf.encoding, elementwise_outputs=())
     src = _fold_gen()(lf, cn, nn).module()

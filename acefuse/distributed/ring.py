@@ -91,6 +91,8 @@ class Ring:
         ``DistributedFallbackWarning`` once. ``ring_fold = False`` on the ShardedKernel (or
         ACEFUSE_RING_FOLD=0) forces the torch merge."""
         import torch
+        if zigzag and self._positions_mode(offsets, zigzag) == "lookup":
+            return self._ring_lookup(inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag)
         f = self.fusion
         p = f.passes[0]
         world = len(sizes)
@@ -149,6 +151,127 @@ class Ring:
                 outs[h] = self._finish_states(st, ins, offs, gsizes)
         return self._concat(outs, zigzag)
 
+    # -- the zig-zag ring with global positions as lookups: one block kernel per step ----------
+    def _positions_mode(self, offsets, zigzag):
+        """'lookup' when the zig-zag ring runs one block kernel per step, its global positions
+        read from 1-D tensors (``instantiate(runtime="lookup")``): asked for by
+        ``ring_positions = "lookup"`` on the ShardedKernel or ACEFUSE_RING_POSITIONS=lookup, for
+        a program whose blocks fold in their kernels and whose last block writes the outputs,
+        with offsets on the sharded and zig-zag axes only. Else None (one kernel per pair of
+        chunks, 0-d offsets)."""
+        import os
+        want = self.ring_positions or os.environ.get("ACEFUSE_RING_POSITIONS") or None
+        if want != "lookup" or set(offsets) - {self.axis} - set(zigzag) or self._fold_mode() != "final":
+            return None
+        return "lookup"
+
+    def _ring_lookup(self, inputs, opts, offsets, gsizes, sizes, rank, shard_names, zigzag):
+        """The zig-zag ring with one block kernel per step: every local query against the
+        whole visiting shard, the global position of each element a lookup (this rank's along
+        the zig-zag axes, the visiting rank's along the sharded axis), so the mask analysis
+        skips and unmasks tiles per tile as with 0-d offsets, and a row tile runs the key
+        tiles of both visiting chunks in one loop."""
+        import torch
+        from acefuse.distributed.kernels import fold_kernel
+        from acefuse.distributed.base import gpos
+        world = len(sizes)
+        dev = _device(inputs)
+        names = [self.axis] + list(zigzag)
+        pkey = ("lpos", tuple(sizes), str(dev))
+        if pkey not in self._kernels:
+            self._kernels[pkey] = [torch.cat([torch.arange(off, off + n) for _, n, off in self._chunks(r, sizes, True)])
+                                   .to(device=dev, dtype=torch.float32) for r in range(world)]
+        pos = self._kernels[pkey]
+        gs = {a: v for a, v in gsizes.items()
+              if _uses([s.definition for s in self.fusion.encoding.states] + list(self.fusion.encoding.leaves.values())
+                       + list(self.fusion.encoding.outputs.values()), lambda u, a=a: u.op == "Size" and u.args[0] == a)}
+
+        def kern(carry, final):
+            key = ("lfold", carry, final, tuple(sorted(gs.items())), gsizes[self.axis])
+            if key not in self._kernels:
+                self._kernels[key] = fold_kernel(self.fusion, {a: 0 for a in names}, gs, self._state_names(), carry,
+                                                 final, gsizes[self.axis], runtime="lookup")
+            return self._kernels[key]
+        cur = {t: inputs[t].contiguous() for t in shard_names}
+        rest = {t: v for t, v in inputs.items() if t not in shard_names}
+        mine = {gpos(a): pos[rank] for a in zigzag}
+        fixed = self._fixed_opts(opts)
+        if fixed is not None:
+            opts = fixed
+        elif dev is not None and dev.type == "cuda":   # one timed choice for every role (see _block_opts)
+            key = ("lblock_opts", tuple((t, tuple(x.shape), str(x.dtype)) for t, x in sorted(inputs.items())))
+            if key not in self._kernels:
+                self._kernels[key] = self._timed_block_opts(
+                    kern(False, False), {**rest, **cur, **mine, gpos(self.axis): pos[rank]}, True)
+            opts = {**opts, **self._kernels[key]}
+        self.block_launch = dict(opts)
+        steps = []
+        for step in range(world):
+            src = (rank - step) % world
+            if step == 0 or not self._all_masked_lookup(rest, cur, mine, gpos(self.axis), pos[src], kern):
+                steps.append(step)
+        nxt_rank, prv_rank = ring_peers(self.group, rank, world)
+        run, n_run, out = None, 0, None
+        for step in range(world):
+            src = (rank - step) % world
+            reqs, nxt = [], {}
+            if step < world - 1:
+                nxt, reqs = ring_shift(cur, nxt_rank, prv_rank, self.group)
+            if step in steps:
+                final = step == steps[-1]
+                k = kern(run is not None, final)
+                own = {**rest, **cur, **mine, gpos(self.axis): pos[src]}
+                own = {t: v for t, v in own.items() if t in k.module.TENSORS}
+                if run is not None:
+                    own.update({t: run[q] for q, t in k.carry.items()})
+                    if k.carry_n is not None:
+                        own[k.carry_n] = count_input(n_run, dev)
+                n_blk = sizes[src]
+                if final:
+                    dts = {o: torch.float32 for o in self.keep_wide if o in self.fusion.encoding.outputs}
+                    out = k(**own, **opts, **({"out_dtypes": dts} if dts else {}))
+                else:
+                    st_names = self._state_names()
+                    p = self.fusion.passes[0]
+                    res = k(**own, **opts, out_dtypes={st_names[s.name]: torch.float32 for s in p.states})
+                    res = res if isinstance(res, dict) else {st_names[p.states[0].name]: res}
+                    run = {s.name: res[st_names[s.name]] for s in p.states}
+                    n_run += n_blk
+            for r in reqs:
+                r.wait()
+            if step < world - 1:
+                cur = nxt
+        return self._finish_staged(out, inputs)
+
+    def _all_masked_lookup(self, rest, cur, mine, jname, jpos, kern):
+        """True when the mask analysis proves the whole block (every local query, the whole
+        visiting shard, with their positions) excluded and a fully masked block changes no
+        state; False when it cannot tell."""
+        key = ("lmasked", tuple(sorted((t, tuple(x.shape)) for t, x in {**rest, **cur}.items())),
+               float(jpos[0].item()), tuple(float(v[0].item()) for v in mine.values()))
+        if key not in self._kernels:
+            masked = False
+            try:
+                import numpy as np
+                from acefuse.codegen.masks import tile_stats
+                k = kern(False, False)
+                sizes = {}
+                for t, x in {**rest, **cur}.items():
+                    for a, n in zip(self.program.tensors[t], x.shape):
+                        sizes.setdefault(a, n)
+                data = {n: v.detach().cpu().numpy() for n, v in mine.items()}
+                data[jname] = jpos.detach().cpu().numpy()
+                for n, v in data.items():
+                    sizes[k.module.TENSORS[n][0]] = len(v)
+                rows = [a for a in k.module.ROW_AXES]
+                if len(rows) == 1:
+                    st = tile_stats(k.fusion, sizes, block_i=sizes[rows[0]], block_j=sizes[self.axis], data=data)
+                    masked = st["skipped"] == 1.0
+            except Exception:  # noqa: BLE001 - no proof: run the block
+                masked = False
+            self._kernels[key] = masked
+        return self._kernels[key]
+
     # launch options every block kernel of the ring takes (the tiles, warps, stages and path)
     TILE_KW = ("block_i", "block_j", "num_warps", "num_stages", "path")
 
@@ -164,13 +287,9 @@ class Ring:
         shards are equal, each rank first compiles its share of the candidates and the ranks
         meet at a barrier, so the timing finds the others' compiles in Triton's cache (shared
         by the processes of one host, TRITON_CACHE_DIR). Elsewhere: ``opts``."""
-        import os
-        given = [o for o in opts if o in self.TILE_KW + ("schedule", "nsplit")]
-        if given:
-            return opts
-        env = os.environ.get("ACEFUSE_RING_TILES", "").strip()
-        if env:
-            return {**opts, **_parse_tiles(env, self.program.name)}
+        fixed = self._fixed_opts(opts)
+        if fixed is not None:
+            return fixed
         if not plan or not plan[0]:
             return opts
         dev = _device(cur)
@@ -188,8 +307,21 @@ class Ring:
             # timed on the block of step 0 (local data) with the most tiles the mask lets through
             # (a causal ring's diagonal blocks skip half of theirs; most blocks skip none)
             inputs, offs = max((block(b) for b in plan[0]), key=lambda io: self._visible(*io, gsizes))
-            self._kernels[key] = self._timed_block_opts(inputs, offs, gsizes, len(set(sizes)) == 1)
+            k = self._partial(offs, gsizes)
+            own = {**inputs, **gpos_inputs(offs, _device(inputs))}
+            self._kernels[key] = self._timed_block_opts(k, own, len(set(sizes)) == 1)
         return {**opts, **self._kernels[key]}
+
+    def _fixed_opts(self, opts):
+        """The block kernels' launch options when the caller gave tiles or a schedule (``opts``)
+        or ACEFUSE_RING_TILES sets them; None when they are to be chosen."""
+        import os
+        if any(o in self.TILE_KW + ("schedule", "nsplit") for o in opts):
+            return opts
+        env = os.environ.get("ACEFUSE_RING_TILES", "").strip()
+        if env:
+            return {**opts, **_parse_tiles(env, self.program.name)}
+        return None
 
     def _visible(self, inputs, offsets, gsizes):
         """The (row tile x key tile) pairs of 128 x 128 that the mask analysis does not skip in
@@ -213,13 +345,11 @@ class Ring:
         except Exception:  # noqa: BLE001 - no analysis: count every tile
             return float(tiles)
 
-    def _timed_block_opts(self, inputs, offsets, gsizes, same_shapes):
-        """The launcher's timed tile choice for the ring's first block kernel (see _block_opts);
-        {} when the launcher would not time (a small problem, float32) or cannot."""
+    def _timed_block_opts(self, k, own, same_shapes):
+        """The launcher's timed tile choice for block kernel ``k`` on inputs ``own`` (see
+        _block_opts); {} when the launcher would not time (a small problem, float32) or cannot."""
         import torch.distributed as dist
-        k = self._partial(offsets, gsizes)
         mod = k.module
-        own = {**inputs, **gpos_inputs(offsets, _device(inputs))}
         own = {t: v for t, v in own.items() if t in mod.TENSORS}
         need = ("_tuned", "HOPPER_CANDIDATES", "CANDIDATES", "ROW_AXES", "GRID_AXES", "AXIS", "TENSORS")
         if any(not hasattr(mod, n) for n in need):

@@ -81,6 +81,7 @@ class ShardedKernel(Ring):
         self.keep_wide = frozenset()    # outputs written in float32 whatever the inputs' type (saved values)
         self.ring_fold = True           # the ring folds states in its kernels where it can (_ring)
         self.block_launch = None        # the launch options of the last ring call's block kernels
+        self.ring_positions = None      # "lookup": the zig-zag ring runs one block kernel per step (_ring_lookup)
 
     # -- planning --------------------------------------------------------------------------
     def _plan(self):
