@@ -5,8 +5,9 @@
     python benchmarks/ring_profile.py --cpu-count       # 4 gloo ranks, Triton's interpreter: ops and bytes
 
 On GPUs (bf16, B=1, H=32, D=128) it reports, for the folding ring (each block's kernel takes
-the running states and folds its block into them; the last block writes the outputs) and for
-the torch-merge ring (``ring_fold = False``: the partial kernel writes the block's states and
+the running states and folds its block into them; the last block writes the outputs), the
+lookup ring (``ring_positions = "lookup"``: one block kernel per step, global positions as
+lookups; its blocks are not timed alone) and for the torch-merge ring (``ring_fold = False``: the partial kernel writes the block's states and
 the derived merge runs in torch):
 
 1. the call's time (CUDA events, median of ``--reps``, slowest rank) and the host's time to
@@ -269,15 +270,16 @@ def gpu_main(args, cpu_dry=False):
               flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for fold in (True, False):
-        sk.ring_fold = fold
-        mode = "fold" if fold else "torch-merge"
+    for mode, fold, positions in (("fold", True, None), ("torch-merge", False, None), ("lookup", True, "lookup")):
+        sk.ring_fold, sk.ring_positions = fold, positions
         dist.barrier()
+        call()   # (the lookup ring's first call compiles its kernels)
         ms = _slowest(_events_ms(call, args.reps), device)
         dist.barrier()
         host = _slowest(_host_ms(call, args.reps), device)
         dist.barrier()
-        blocks = _blocks_alone(sk, loc, world, rank, max(5, args.reps // 2))
+        # (the lookup ring: one kernel per step; its blocks are not timed alone here)
+        blocks = _blocks_alone(sk, loc, world, rank, max(5, args.reps // 2)) if positions is None else []
         comp = sum(b[-1] for b in blocks)
         comp_max = _slowest(comp, device)
         report["modes"][mode] = {"ms": ms, "host_ms": host, "blocks_alone_ms_this_rank": comp,
@@ -313,7 +315,7 @@ def gpu_main(args, cpu_dry=False):
             busy = sum(d for _, d, _, name, _ in rows if "nccl" not in name.lower())
             span = (rows[-1][0] + rows[-1][1]) if rows else 0.0
             print(f"  compute-stream busy {busy / 1e3:.3f} ms of a {span / 1e3:.3f} ms span")
-    sk.ring_fold = True
+    sk.ring_fold, sk.ring_positions = True, None
     if rank == 0:
         report["modes"] = {m: {k: v for k, v in r.items()} for m, r in report["modes"].items()}
         (out_dir / f"ring_profile_N{N}.json").write_text(json.dumps(report, indent=1))
