@@ -208,7 +208,7 @@ class Ring:
         steps = []
         for step in range(world):
             src = (rank - step) % world
-            if step == 0 or not self._all_masked_lookup(rest, cur, mine, gpos(self.axis), pos[src], kern):
+            if step == 0 or not self._all_masked_lookup(rest, cur, zigzag, rank, src, sizes, kern):
                 steps.append(step)
         nxt_rank, prv_rank = ring_peers(self.group, rank, world)
         run, n_run, out = None, 0, None
@@ -243,29 +243,35 @@ class Ring:
                 cur = nxt
         return self._finish_staged(out, inputs)
 
-    def _all_masked_lookup(self, rest, cur, mine, jname, jpos, kern):
+    def _all_masked_lookup(self, rest, cur, zigzag, rank, src, sizes, kern):
         """True when the mask analysis proves the whole block (every local query, the whole
         visiting shard, with their positions) excluded and a fully masked block changes no
-        state; False when it cannot tell."""
-        key = ("lmasked", tuple(sorted((t, tuple(x.shape)) for t, x in {**rest, **cur}.items())),
-               float(jpos[0].item()), tuple(float(v[0].item()) for v in mine.values()))
+        state; False when it cannot tell. Decided on the host (positions from the layout, no
+        read of a device tensor), once per (layout, rank, visiting rank)."""
+        from acefuse.distributed.base import gpos
+        key = ("lmasked", tuple(sorted((t, tuple(x.shape)) for t, x in {**rest, **cur}.items())), tuple(sizes),
+               rank, src, tuple(zigzag))
         if key not in self._kernels:
             masked = False
             try:
                 import numpy as np
                 from acefuse.codegen.masks import tile_stats
                 k = kern(False, False)
-                sizes = {}
+
+                def pos(r):
+                    return np.concatenate([np.arange(off, off + n, dtype=np.float64)
+                                           for _, n, off in self._chunks(r, sizes, True)])
+                data = {gpos(a): pos(rank) for a in zigzag}
+                data[gpos(self.axis)] = pos(src)
+                shp = {}
                 for t, x in {**rest, **cur}.items():
                     for a, n in zip(self.program.tensors[t], x.shape):
-                        sizes.setdefault(a, n)
-                data = {n: v.detach().cpu().numpy() for n, v in mine.items()}
-                data[jname] = jpos.detach().cpu().numpy()
+                        shp.setdefault(a, n)
                 for n, v in data.items():
-                    sizes[k.module.TENSORS[n][0]] = len(v)
-                rows = [a for a in k.module.ROW_AXES]
+                    shp[k.module.TENSORS[n][0]] = len(v)
+                rows = list(k.module.ROW_AXES)
                 if len(rows) == 1:
-                    st = tile_stats(k.fusion, sizes, block_i=sizes[rows[0]], block_j=sizes[self.axis], data=data)
+                    st = tile_stats(k.fusion, shp, block_i=shp[rows[0]], block_j=shp[self.axis], data=data)
                     masked = st["skipped"] == 1.0
             except Exception:  # noqa: BLE001 - no proof: run the block
                 masked = False
