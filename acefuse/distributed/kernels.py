@@ -229,6 +229,7 @@ def final_kernel(f, offsets: dict, sizes: dict, names: dict, takes: dict, n_glob
 # ---- the ring's folding kernels -----------------------------------------------------------
 def _fold_gen():
     from acefuse.codegen.chain import LinkGen
+    from acefuse.codegen.emit import CodegenError
 
     class FoldGen(LinkGen):
         """The contraction template of the partial kernel with one hook: the running states of
@@ -280,6 +281,40 @@ def _fold_gen():
                 L.append(f"{ind}{s.name} = {s.name}_new")
             if self.uses_counts():   # (the template then sets n_a = n_b: the count so far)
                 L.append(f"{ind}n_b = n_a + n_b")
+
+        def empty_start(self):
+            # a folding block's loop starts from the running states: no peeled first tile (the
+            # template's empty-start branch, whose initial values key_loop replaces by the carry)
+            if self.carry and not self.split_mode:
+                return {s.name: 0.0 for s in self.p.states}
+            return super().empty_start()
+
+        def key_loop(self, L, lo, hi):
+            """The template's key loop; for a folding block whose loop starts without a peeled
+            tile, its initial states (an empty block's values) are replaced by the carry's."""
+            if not self.carry or self.split_mode:
+                return super().key_loop(L, lo, hi)
+            import re
+            sub = []
+            super().key_loop(sub, lo, hi)
+            names = {s.name for s in self.p.states}
+            out, seen, ind = [], set(), "    "
+            for ln in sub:
+                m = re.match(r"(\s*)(\w+) = tl\.full\(", ln)
+                c = re.match(r"\s*# (\w+): on an empty block", ln)
+                if c and c.group(1) in names:
+                    continue
+                if m and m.group(2) in names and m.group(2) not in seen:
+                    if not seen:
+                        self.load_carry(out, m.group(1))
+                    seen.add(m.group(2))
+                    continue
+                out.append(ln)
+            if seen and seen != names:
+                raise CodegenError(f"program {self.name!r}: the ring's folding kernel found the initial values of "
+                                   f"{sorted(seen)} but not of {sorted(names - seen)} in the contraction template's "
+                                   "key loop (the template changed: update kernels.FoldGen.key_loop)")
+            L.extend(out)
 
         def kernel_split(self):
             # split-KV (a launch whose programs cannot fill the device): the chunks start from
