@@ -1,0 +1,206 @@
+"""The EXPERIMENTAL Gluon Hopper kernel of the contraction family (codegen/contraction_gluon.py).
+
+CPU: the generated source is deterministic, names no workload, compiles for sm_90 offline
+(when this Triton ships Gluon), and programs outside phase 1 get a clear error.
+GPU (sm_90, marked gpu): the kernel against float64 torch on fresh random bfloat16 inputs,
+plain and masked scores at odd and power-of-two lengths, and derived score variants.
+
+    python -m pytest -q tests/test_contraction_gluon.py -p no:cacheprovider
+"""
+import importlib.util
+import math
+import re
+
+import pytest
+import torch
+
+import acefuse as af
+from acefuse.codegen.emit import CodegenError
+from acefuse.codegen.contraction_gluon import gluon_source
+
+D = 128
+SCALE = 1.0 / math.sqrt(D)
+CAP = 20.0
+q = af.tensor("q", "b h i d")
+k = af.tensor("k", "b h j d")
+v = af.tensor("v", "b h j e")
+slope = af.tensor("slope", "h")
+i, j = af.index("i"), af.index("j")
+
+
+def _prog(name, s):
+    m = af.max(s, "j")
+    p = af.exp(s - m)
+    return af.program(name, o=af.sum(p * v, "j") / af.sum(p, "j"))
+
+
+score = af.sum(q * k, "d") * SCALE
+PROGS = {   # neutral names: the source must not get a workload's name from the program
+    "p_plain": lambda: _prog("p_plain", score),
+    "p_lower": lambda: _prog("p_lower", af.where(j <= i, score, af.NEG_INF)),
+    "p_cap": lambda: _prog("p_cap", CAP * af.tanh(score / CAP)),
+    "p_slope": lambda: _prog("p_slope", af.where(j <= i, score + slope * (j - i), af.NEG_INF)),
+}
+WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softcap", "window", "welford",
+             "decode", "prefill")
+
+
+@pytest.fixture(scope="module")
+def sources():
+    return {n: gluon_source(mk()) for n, mk in PROGS.items()}
+
+
+def test_source_is_deterministic(sources):
+    for n in ("p_plain", "p_lower"):
+        assert gluon_source(PROGS[n]()) == sources[n], n
+
+
+def test_source_names_no_workload(sources):
+    for n, src in sources.items():
+        low = src.lower()
+        hits = [w for w in WORKLOADS if w in low]
+        assert not hits, f"{n}: the Gluon source names {hits}"
+
+
+def test_source_structure(sources):
+    src = sources["p_lower"]
+    # both contractions are warpgroup MMAs, operands come by TMA, nothing Triton-only is left
+    assert src.count("warpgroup_mma(q_smem") == 3 and "warpgroup_mma(gl.convert_layout(" in src
+    assert "_tma_load(" in src and "tl.dot(" not in src and "tl.trans(" not in src
+    assert not re.search(r"\btl\.(?!constexpr)", src.split("def p_lower_gluon")[1])
+    # the masked score: the mask analysis' loops and the mask where() kept, the full loop has none
+    full = src.split("# fully visible tiles")[1].split("# masked tiles")[0]
+    assert "tmask" not in full and "where(" not in full.split("_fin_max")[0]
+
+
+def test_outside_phase_one_is_refused():
+    qg = af.tensor("q", "b g r i d")
+    kg = af.tensor("k", "b g j d")
+    vg = af.tensor("v", "b g j e")
+    s = af.sum(qg * kg, "d") * SCALE
+    m = af.max(s, "j")
+    p = af.exp(s - m)
+    prog = af.program("p_grouped", o=af.sum(p * vg, "j") / af.sum(p, "j"))
+    with pytest.raises(CodegenError, match="one query axis"):
+        gluon_source(prog)
+
+
+_COMPILE = r"""
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+path, name = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location("gluon_offline", path)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+fn = getattr(mod, name + "_gluon")
+
+
+class Base:   # what TensorDescriptor reads of a tensor
+    dtype = "bfloat16"
+
+    def data_ptr(self):
+        return 0
+
+
+def desc(rows):
+    lay = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+    return mangle_type(TensorDescriptor(Base(), [4096, 128], [128, 1], [rows, 128], lay))
+
+
+const = dict(BLOCK_I=128, BLOCK_J=128, BLOCK_E=128, BLOCK_D=128, DOT_T=gl.bfloat16, SCAN=16, INSTR_N=128,
+             num_warps=8)
+sig = {a: ("constexpr" if a in const else desc(128) if a.endswith("_desc")
+           else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options={"num_warps": 8})
+ptx = kern.asm["ptx"]
+print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.tensor"))
+"""
+
+
+@pytest.mark.parametrize("name", ["p_plain", "p_lower"])
+def test_compiles_for_sm90_offline(sources, tmp_path, name):
+    """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
+    Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
+    the warpgroup MMAs and the TMA copies in the PTX."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton.experimental.gluon")
+    src, script = tmp_path / f"{name}.py", tmp_path / "compile.py"
+    src.write_text(sources[name])
+    script.write_text(_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    r = subprocess.run([sys.executable, str(script), str(src), name], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"WGMMA (\d+) TMA (\d+)", r.stdout)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, r.stdout
+
+
+# ---- GPU --------------------------------------------------------------------------------
+def _ref(qx, kx, vx, lower=False, cap=None, slopes=None):
+    qd, kd, vd = qx.double(), kx.double(), vx.double()
+    s = qd @ kd.transpose(-1, -2) * SCALE
+    n, nk = qx.shape[2], kx.shape[2]
+    ii = torch.arange(n, device=qx.device, dtype=torch.float64)[:, None]
+    jj = torch.arange(nk, device=qx.device, dtype=torch.float64)[None, :]
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    if slopes is not None:
+        s = s + slopes.double()[None, :, None, None] * (jj - ii)
+    if lower:
+        s = s.masked_fill(jj > ii, -math.inf)
+    return torch.softmax(s, -1) @ vd
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _on_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1000, 4096])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_cap", "p_slope"])
+def test_gpu_against_float64(name, N):
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    kern = compile_gluon(PROGS[name]())
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + len(name))
+    B, H = 2, 3
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
+    qx, kx, vx = x(B, H, N, D), x(B, H, N, D), x(B, H, N, D)
+    ins = dict(q=qx, k=kx, v=vx)
+    kw = {}
+    if name == "p_slope":
+        ins["slope"] = torch.rand(H, device="cuda", generator=g) * 0.1
+        kw["slopes"] = ins["slope"]
+    out = kern(**ins)["o"]
+    ref = _ref(qx, kx, vx, lower=name in ("p_lower", "p_slope"), cap=CAP if name == "p_cap" else None, **kw)
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{name} N={N}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_bad_input_is_refused():
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    kern = compile_gluon(PROGS["p_plain"]())
+    qx = torch.randn(1, 2, 64, D, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-bit"):
+        kern(q=qx.float(), k=qx.float(), v=qx.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        kern(q=qx.transpose(1, 2).contiguous().transpose(1, 2), k=qx, v=qx)
