@@ -92,7 +92,7 @@ def _gluonize(src: str) -> str:
         shape, dt = m.group(1), m.group(2)
         return f"gl.zeros({shape}, {dt}, layout={_shape_layout(shape)})"
     src = re.sub(r"tl\.zeros\((\[[^\]]*\]), (tl\.\w+)\)", zeros, src)
-    if "tl.trans(" in src or "tl.dot(" in src or "tl.range(" in src or "make_tensor_descriptor" in src:
+    if "tl.trans(" in src or "tl.dot(" in src or "tl.range(" in src or "tl.make_tensor_descriptor" in src:
         _fail("a Triton-only construct (tl.dot / tl.trans / tl.range / device descriptors) left in the text")
     return re.sub(r"\btl\.", "gl.", src)
 
@@ -194,9 +194,10 @@ class GluonGen(ContractionGen):
         self.hoisting, self._hoisted = [], {}
         qn, kn, vn = self.q_name, self.k_name, self.v_name
         L = ["@gluon.jit",
-             f"def {self.name}_gluon({', '.join(self.sig())}, {qn}_desc, {kn}_desc, {vn}_desc, "
+             f"def {self.name}_gluon({', '.join(self.sig())}, "
              "BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
-             "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, num_warps: gl.constexpr):",
+             "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, Q_SL: gl.constexpr, "
+             "K_SL: gl.constexpr, V_SL: gl.constexpr, num_warps: gl.constexpr):",
              "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state.",
              "    # Operands: TMA copies into shared memory (key/value tiles in two stages, one mbarrier each);",
              "    # contractions: warpgroup MMAs; the score and the rolling state live in the MMA layout.",
@@ -209,7 +210,15 @@ class GluonGen(ContractionGen):
         pro = []
         self.prologue(pro)
         L += pro
-        L += [f"    # the query tile, once; key and value tiles: two stages",
+        (r,), (c,), (e,) = self.R, self.C, self.E
+        L += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
+              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[len_{r}, len_{c}], "
+              f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+              f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
+              f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
+              f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
+              f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
+              f"    # the query tile, once; key and value tiles: two stages",
               f"    q_smem = gl.allocate_shared_memory(DOT_T, [BLOCK_I, BLOCK_D], {qn}_desc.layout)",
               f"    k_smem = gl.allocate_shared_memory(DOT_T, [2, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
               f"    v_smem = gl.allocate_shared_memory(DOT_T, [2, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
@@ -219,11 +228,8 @@ class GluonGen(ContractionGen):
               "    mbarrier.init(kv_bar.index(0), count=1)",
               "    mbarrier.init(kv_bar.index(1), count=1)",
               "    fence_async_shared()",
-              f"    # rows of the flattened (grid axes x rows) matrices this program reads",
-              f"    q_row0 = pid_g * len_{self.R[0]} + pid_r * BLOCK_I",
-              "    kv_row0 = pid_g * n_j",
               f"    mbarrier.expect(q_bar, {qn}_desc.block_type.nbytes)",
-              f"    _tma_load({qn}_desc, [q_row0, 0], q_bar, q_smem)",
+              f"    _tma_load({qn}_desc, [pid_r * BLOCK_I, 0], q_bar, q_smem)",
               "    mbarrier.wait(q_bar, 0)"]
         body = []
         self.key_loop(body, "0", "n_j")
@@ -247,9 +253,9 @@ class GluonGen(ContractionGen):
         def copy(ind, tile, stage):
             return [f"{ind}mbarrier.expect(kv_bar.index({stage}), {kn}_desc.block_type.nbytes + "
                     f"{vn}_desc.block_type.nbytes)",
-                    f"{ind}_tma_load({kn}_desc, [kv_row0 + {tile}, 0], kv_bar.index({stage}), "
+                    f"{ind}_tma_load({kn}_desc, [{tile}, 0], kv_bar.index({stage}), "
                     f"k_smem.index({stage}))",
-                    f"{ind}_tma_load({vn}_desc, [kv_row0 + {tile}, 0], kv_bar.index({stage}), "
+                    f"{ind}_tma_load({vn}_desc, [{tile}, 0], kv_bar.index({stage}), "
                     f"v_smem.index({stage}))"]
         for ln in body:
             out.append(ln)
@@ -338,7 +344,6 @@ class GluonKernel:
         import torch
         import triton
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         missing = [n for n in self.tensors if n not in inputs]
         if missing:
             raise TypeError(f"program {self.name!r}: missing inputs {missing}")
@@ -351,16 +356,23 @@ class GluonKernel:
             for a, s in zip(axes, t.shape):
                 if lens.setdefault(a, s) != s:
                     raise ValueError(f"program {self.name!r}: axis {a!r} has length {lens[a]} and {s}")
+        empty = sorted(a for a, n in lens.items() if n == 0)
+        if empty:
+            raise ValueError(f"program {self.name!r}: axes {empty} are empty; the Gluon kernel needs at least "
+                             "one row and one key (af.compile handles empty inputs)")
         q, k, v = inputs[self.q], inputs[self.k], inputs[self.v]
         if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"program {self.name!r}: the Gluon kernel takes 16-bit {self.q}, {self.k}, {self.v} "
                              f"of one dtype (got {q.dtype}, {k.dtype}, {v.dtype}); use af.compile")
         if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
             raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only; use af.compile")
-        for n in (self.q, self.k, self.v):
-            if not inputs[n].is_contiguous():
-                raise ValueError(f"program {self.name!r}: the Gluon kernel reads {n!r} through a TMA descriptor "
-                                 f"over its flattened rows: pass it contiguous ({n}.contiguous())")
+        for n in (self.q, self.k, self.v):   # what a TMA descriptor over (keys or rows, inner axis) needs
+            t = inputs[n]
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+                raise ValueError(f"program {self.name!r}: the Gluon kernel reads {n!r} through TMA descriptors, "
+                                 f"which need its last axis contiguous, its other strides multiples of 16 bytes "
+                                 f"and a 16-byte aligned start (strides {tuple(t.stride())}); pass "
+                                 f"{n}.contiguous() or use af.compile")
         (c,), (e,), (r,) = self.C, self.E, self.R
         D, Ev, n_j, n_rows = lens[c], lens[e], lens[self.axis], lens[r]
         BLOCK_D = max(16, triton.next_power_of_2(D))
@@ -368,15 +380,10 @@ class GluonKernel:
         BLOCK_J = BLOCK_J or min(128, max(64, BLOCK_E))
         if BLOCK_D > 256 or BLOCK_E > 256:
             raise ValueError(f"program {self.name!r}: the Gluon kernel takes {c!r} and {e!r} up to 256")
-        if (D * q.element_size()) % 16:
-            raise ValueError(f"program {self.name!r}: TMA needs rows of 16-byte multiples ({c!r} = {D})")
         instr_n = math.gcd(BLOCK_J, BLOCK_E, 256)
         dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-        def desc(t, rows, cols):
-            lay = gl.NVMMASharedLayout.get_default_for([rows, cols], dt)
-            t2 = t.view(-1, t.shape[-1])
-            return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [rows, cols], lay)
+        sl = lambda rows, cols: gl.NVMMASharedLayout.get_default_for([rows, cols], dt)   # noqa: E731
+        _allocator()
         out = {}
         for o, axes in self.out_axes.items():
             out[o] = torch.empty([lens[a] for a in axes], device=q.device, dtype=q.dtype)
@@ -389,11 +396,25 @@ class GluonKernel:
             args += [out[o].stride(i) for i in range(len(axes))]
         args += [lens[a] for a in self.G + self.R + self.E + self.C + self.L]
         args += [n_rows, n_j]
-        args += [desc(q, BLOCK_I, BLOCK_D), desc(k, BLOCK_J, BLOCK_D), desc(v, BLOCK_J, BLOCK_E)]
         grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         self.fn[grid](*args, BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, DOT_T=dt,
-                      SCAN=16, INSTR_N=instr_n, num_warps=num_warps)
+                      SCAN=16, INSTR_N=instr_n, Q_SL=sl(BLOCK_I, BLOCK_D), K_SL=sl(BLOCK_J, BLOCK_D),
+                      V_SL=sl(BLOCK_J, BLOCK_E), num_warps=num_warps)
         return out
+
+
+def _allocator():
+    """Device-side TMA descriptors need a global scratch allocation: torch's, unless the
+    caller set an allocator already."""
+    import torch
+    import triton
+    from triton.runtime import _allocation
+    try:
+        cur = _allocation._allocator.get()
+    except Exception:
+        cur = None
+    if cur is None or isinstance(cur, getattr(_allocation, "NullAllocator", ())):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
 def compile_gluon(prog, **fuse_kw) -> GluonKernel:

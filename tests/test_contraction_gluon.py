@@ -91,8 +91,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.jit import mangle_type
 path, name = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("gluon_offline", path)
 mod = importlib.util.module_from_spec(spec)
@@ -100,22 +98,10 @@ spec.loader.exec_module(mod)
 fn = getattr(mod, name + "_gluon")
 
 
-class Base:   # what TensorDescriptor reads of a tensor
-    dtype = "bfloat16"
-
-    def data_ptr(self):
-        return 0
-
-
-def desc(rows):
-    lay = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
-    return mangle_type(TensorDescriptor(Base(), [4096, 128], [128, 1], [rows, 128], lay))
-
-
+SL = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
 const = dict(BLOCK_I=128, BLOCK_J=128, BLOCK_E=128, BLOCK_D=128, DOT_T=gl.bfloat16, SCAN=16, INSTR_N=128,
-             num_warps=8)
-sig = {a: ("constexpr" if a in const else desc(128) if a.endswith("_desc")
-           else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+             Q_SL=SL, K_SL=SL, V_SL=SL, num_warps=8)
+sig = {a: ("constexpr" if a in const else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
 kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options={"num_warps": 8})
 ptx = kern.asm["ptx"]
 print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.tensor"))
