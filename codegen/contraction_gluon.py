@@ -49,7 +49,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 # the TMA copy into shared memory (Triton 3.6 names it async_copy_global_to_shared, later ones async_load)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -113,9 +113,11 @@ class GContext(CContext):
         if len(with_ax) != 2 or names != sorted((g.q_name, g.k_name)):
             raise CodegenError(f"`{pretty(t)}`: the Gluon kernel lowers one contraction, of its query and "
                                f"key operands ({g.q_name!r}, {g.k_name!r}); use the Triton paths")
-        # the zero accumulator is made at the call (a hoisted one stays live across the loop)
-        out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_I, BLOCK_J], gl.float32, "
-                          "layout=MMA), use_acc=False)", "tile", "dot_")
+        if g.overlap:   # the tile's score, issued one tile ahead by the loop (GluonGen._pipeline)
+            out, sh = "s_cur", "tile"
+        else:   # the zero accumulator is made at the call (a hoisted one stays live across the loop)
+                out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_I, BLOCK_J], gl.float32, "
+                              "layout=MMA), use_acc=False)", "tile", "dot_")
         for f in rest:
             e, s = em.emit(f)
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
@@ -144,19 +146,25 @@ class GContext(CContext):
             raise CodegenError(f"`{pretty(t)}`: unexpected lowering of a key reduction: {line.strip()}")
         ind, name, p, a = m.groups()
         pa = f"gl.convert_layout({p}.to(DOT_T), DOT_A)"
-        if a:
-            em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {a})")
+        acc = a or "gl.zeros([BLOCK_I, BLOCK_E], gl.float32, layout=MMA)"
+        use = "" if a else ", use_acc=False"
+        if self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
+            em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
+            em.lines.append(f"{ind}{name}, s_next = warpgroup_mma_wait(0, deps=({name}, s_next))")
         else:
-            em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, gl.zeros([BLOCK_I, BLOCK_E], gl.float32, "
-                            "layout=MMA), use_acc=False)")
+            em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use})")
         return e, sh
 
 
 class GluonGen(ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
-    def __init__(self, fusion):
+    def __init__(self, fusion, overlap=False):
         super().__init__(fusion)
+        # overlap: the score MMA of tile t+1 is issued (asynchronously) before the elementwise
+        # math of tile t and waited on with tile t's P @ V (FlashAttention-3's intra-warpgroup
+        # overlap); off: every MMA is waited on where it is issued
+        self.overlap = bool(overlap)
         if len(self.R) != 1 or len(self.C) != 1 or len(self.E) != 1:
             raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one query axis, one contraction "
                                f"axis and one value axis (got rows {self.R}, contractions {self.C}, values "
@@ -277,10 +285,67 @@ class GluonGen(ContractionGen):
                 out += copy(ind + "    ", "start + BLOCK_J", "1 - stage")
                 out += [f"{ind}k_cur = k_smem.index(stage)",
                         f"{ind}v_cur = v_smem.index(stage)"]
+        if self.overlap:
+            out = self._overlap(out)
         if loops != 3:
             raise CodegenError(f"the contraction template's key loop changed shape ({loops} tile loops, "
                                "expected 3); codegen/contraction_gluon.py needs updating")
         return out
+
+    def _overlap(self, out):
+        """The overlapped pipeline (``overlap``), from the plain one's text: tiles t and t+1 are
+        copied before the loops and the score of the first tile computed there; at the top of
+        tile t the score MMA of tile t+1 is issued (``s_next``; past the last tile it reads a
+        stale stage and is discarded), the body reads ``s_cur``; at the end of tile t, where
+        every MMA of tile t and the score of t+1 are complete, the copy of tile t+2 is issued
+        into tile t's stage (its readers, S_t and P_t @ V_t, are done)."""
+        kn, vn = self.k_name, self.v_name
+        nbytes = f"{kn}_desc.block_type.nbytes + {vn}_desc.block_type.nbytes"
+
+        def copy(ind, tile, stage, pred):
+            return [f"{ind}mbarrier.expect(kv_bar.index({stage}), {nbytes}, pred={pred})",
+                    f"{ind}_tma_load({kn}_desc, [{tile}, 0], kv_bar.index({stage}), k_smem.index({stage}), pred={pred})",
+                    f"{ind}_tma_load({vn}_desc, [{tile}, 0], kv_bar.index({stage}), v_smem.index({stage}), pred={pred})"]
+        res, i = [], 0
+        while i < len(out):
+            ln = out[i]
+            if ln.startswith("    # the first visible key tile's copy (stage 0)"):
+                res.append("    # the first two visible key tiles' copies (stages 0, 1), the first tile's score")
+                res += copy("    ", "first", 0, "True")
+                res += copy("    ", "first + BLOCK_J", 1, "first + BLOCK_J < end")
+                res += ["    mbarrier.wait(kv_bar.index(0), 0)",
+                        "    s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), "
+                        "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False)"]
+                i += 4
+                continue
+            m = re.match(r"(\s*)for start in range\(", ln)
+            if not m:
+                res.append(ln)
+                i += 1
+                continue
+            ind = m.group(1) + "    "
+            res.append(ln)
+            # the plain pipeline's 9 lines at the top of the loop: replaced
+            assert out[i + 1].strip().startswith("t_i = ") and out[i + 9].strip().startswith("v_cur = "), out[i:i + 10]
+            res += [f"{ind}t_i = (start - first) // BLOCK_J",
+                    f"{ind}stage = t_i % 2",
+                    f"{ind}v_cur = v_smem.index(stage)",
+                    f"{ind}more = start + BLOCK_J < end",
+                    f"{ind}# the next tile's score MMA runs while this tile's math does",
+                    f"{ind}mbarrier.wait(kv_bar.index(1 - stage), ((t_i + 1) // 2) & 1, pred=more)",
+                    f"{ind}s_next = warpgroup_mma(q_smem, k_smem.index(1 - stage).permute((1, 0)), "
+                    "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False, is_async=True)"]
+            i += 10
+            while i < len(out) and (not out[i].strip() or len(out[i]) - len(out[i].lstrip()) >= len(ind)):
+                res.append(out[i])
+                i += 1
+            res += [f"{ind}s_cur = warpgroup_mma_wait(0, deps=(s_next,))",
+                    f"{ind}# tile t+2 into this tile's stage, whose readers have completed"]
+            res += copy(ind, "start + 2 * BLOCK_J", "stage", "start + 2 * BLOCK_J < end")
+        if any("k_cur" in ln for ln in res):
+            raise CodegenError("the overlapped Gluon pipeline left a read of k_cur; "
+                               "codegen/contraction_gluon.py needs updating")
+        return res
 
     def module(self) -> str:
         f = self.f
@@ -315,14 +380,14 @@ def _helpers(kern: str) -> list:
     return [re.sub(r"\btl\.", "gl.", defs[n].replace("@triton.jit", "@gluon.jit")) for n in defs if n in need]
 
 
-def gluon_source(prog_or_fusion, **fuse_kw) -> str:
+def gluon_source(prog_or_fusion, overlap=False, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     f = prog_or_fusion if hasattr(prog_or_fusion, "passes") else af.fuse(prog_or_fusion, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    return GluonGen(f).module()
+    return GluonGen(f, overlap=overlap).module()
 
 
 class GluonKernel:
@@ -417,7 +482,7 @@ def _allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
-def compile_gluon(prog, **fuse_kw) -> GluonKernel:
+def compile_gluon(prog, overlap=False, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -428,7 +493,7 @@ def compile_gluon(prog, **fuse_kw) -> GluonKernel:
     f = prog if hasattr(prog, "passes") else af.fuse(prog, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    gen = GluonGen(f)
+    gen = GluonGen(f, overlap=overlap)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)

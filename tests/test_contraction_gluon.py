@@ -47,7 +47,9 @@ WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softca
 
 @pytest.fixture(scope="module")
 def sources():
-    return {n: gluon_source(mk()) for n, mk in PROGS.items()}
+    src = {n: gluon_source(mk()) for n, mk in PROGS.items()}
+    src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower")})
+    return src
 
 
 def test_source_is_deterministic(sources):
@@ -71,6 +73,18 @@ def test_source_structure(sources):
     # the masked score: the mask analysis' loops and the mask where() kept, the full loop has none
     full = src.split("# fully visible tiles")[1].split("# masked tiles")[0]
     assert "tmask" not in full and "where(" not in full.split("_fin_max")[0]
+
+
+def test_overlap_structure(sources):
+    """The overlapped pipeline: the tile's score is read from s_cur, the next score is issued
+    asynchronously before the math and completed with P @ V; no synchronous score MMA in a loop."""
+    src = sources["p_lower_ov"]
+    loops = src.split("for start in range(")[1:]
+    assert len(loops) == 3
+    for body in loops:
+        assert "s_next = warpgroup_mma(q_smem" in body and "is_async=True" in body
+        assert body.index("s_next = warpgroup_mma(") < body.index("gl.exp2(") < body.index("warpgroup_mma_wait(")
+        assert "k_cur" not in body
 
 
 def test_outside_phase_one_is_refused():
@@ -108,7 +122,7 @@ print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.ten
 """
 
 
-@pytest.mark.parametrize("name", ["p_plain", "p_lower"])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov"])
 def test_compiles_for_sm90_offline(sources, tmp_path, name):
     """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
     Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
@@ -122,7 +136,7 @@ def test_compiles_for_sm90_offline(sources, tmp_path, name):
     script.write_text(_COMPILE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    r = subprocess.run([sys.executable, str(script), str(src), name], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(script), str(src), name.removesuffix("_ov")], env=env, capture_output=True, text=True,
                        timeout=600)
     if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
@@ -155,15 +169,25 @@ def _on_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+_KERNS = {}
+
+
+def _kernel(name, overlap):
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    if (name, overlap) not in _KERNS:
+        _KERNS[name, overlap] = compile_gluon(PROGS[name](), overlap=overlap)
+    return _KERNS[name, overlap]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [1000, 4096])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("N,BJ", [(1000, 128), (4096, 128), (1000, 64), (200, 64)])
 @pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_cap", "p_slope"])
-def test_gpu_against_float64(name, N):
+def test_gpu_against_float64(name, N, BJ, overlap):
     if not _on_hopper():
         pytest.skip("the Gluon kernel needs an sm_90+ GPU")
-    from acefuse.codegen.contraction_gluon import compile_gluon
-    kern = compile_gluon(PROGS[name]())
-    g = torch.Generator(device="cuda").manual_seed(N * 7 + len(name))
+    kern = _kernel(name, overlap)
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + BJ + len(name) + overlap)
     B, H = 2, 3
     x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
     qx, kx, vx = x(B, H, N, D), x(B, H, N, D), x(B, H, N, D)
@@ -172,11 +196,37 @@ def test_gpu_against_float64(name, N):
     if name == "p_slope":
         ins["slope"] = torch.rand(H, device="cuda", generator=g) * 0.1
         kw["slopes"] = ins["slope"]
-    out = kern(**ins)["o"]
+    out = kern(BLOCK_J=BJ, **ins)["o"]
     ref = _ref(qx, kx, vx, lower=name in ("p_lower", "p_slope"), cap=CAP if name == "p_cap" else None, **kw)
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
-    assert err < 2e-2, f"{name} N={N}: relative error {err:.3e}"
+    assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} overlap={overlap}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_strided_and_unequal_lengths(overlap):
+    """Operands in (batch, position, head, dim) memory order (strided views, as torch models
+    keep them), fewer queries than keys, a masked score; and a non-finite value in one head's
+    keys and values stays in that head."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    kern = _kernel("p_lower", overlap)
+    g = torch.Generator(device="cuda").manual_seed(11 + overlap)
+    B, H, NQ, NK = 2, 4, 333, 517
+    x = lambda n: torch.randn(B, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa
+    qx, kx, vx = x(NQ), x(NK), x(NK)
+    # the first key of head 1 (in memory right after the keys of head 0 of that position):
+    # head 0's last, partial key tile must read zeros past its end, never head 1's values
+    kx[0, 1, 0, 0] = float("inf")
+    vx[0, 1, 0, 0] = float("nan")
+    out = kern(q=qx, k=kx, v=vx)["o"]
+    ref = _ref(qx, kx, vx, lower=True)
+    ok = torch.ones(B, H, dtype=torch.bool)
+    ok[0, 1] = False
+    assert torch.isfinite(out[ok]).all()
+    err = _rel(out[ok], ref[ok])
+    assert err < 2e-2, f"overlap={overlap}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
@@ -188,5 +238,5 @@ def test_gpu_bad_input_is_refused():
     qx = torch.randn(1, 2, 64, D, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit"):
         kern(q=qx.float(), k=qx.float(), v=qx.float())
-    with pytest.raises(ValueError, match="contiguous"):
-        kern(q=qx.transpose(1, 2).contiguous().transpose(1, 2), k=qx, v=qx)
+    with pytest.raises(ValueError, match="TMA"):
+        kern(q=qx[..., :100], k=qx, v=qx)   # rows of 200 bytes: not a multiple of 16
