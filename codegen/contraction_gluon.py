@@ -407,20 +407,36 @@ class GluonKernel:
 
     def __call__(self, BLOCK_I=128, BLOCK_J=None, num_warps=8, **inputs):
         import torch
+        q = inputs.get(self.q)
+        if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
+            raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only (CUDA tensors "
+                             "there); use af.compile")
+        grid, args, kw, out = self.launch_args(inputs, BLOCK_I, BLOCK_J, num_warps)
+        _allocator()
+        with torch.cuda.device(q.device):
+            self.fn[grid](*args, **kw)
+        return out
+
+    def launch_args(self, inputs, BLOCK_I=128, BLOCK_J=None, num_warps=8):
+        """(grid, positional arguments, constexpr keywords, outputs) of one launch; the checks
+        of the inputs (any device: the CPU tests call this without launching)."""
+        import torch
         import triton
         from triton.experimental.gluon import language as gl
         missing = [n for n in self.tensors if n not in inputs]
-        if missing:
-            raise TypeError(f"program {self.name!r}: missing inputs {missing}")
+        extra = [n for n in inputs if n not in self.tensors]
+        if missing or extra:
+            raise TypeError(f"program {self.name!r}: inputs {list(self.tensors)} expected"
+                            + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
         lens = {}
         for n, axes in self.tensors.items():
             t = inputs[n]
-            if t.dim() != len(axes):
-                raise ValueError(f"program {self.name!r}: input {n!r} is over {' '.join(axes)!r} "
-                                 f"({len(axes)} axes) but has shape {tuple(t.shape)}")
-            for a, s in zip(axes, t.shape):
-                if lens.setdefault(a, s) != s:
-                    raise ValueError(f"program {self.name!r}: axis {a!r} has length {lens[a]} and {s}")
+            if not isinstance(t, torch.Tensor) or t.dim() != len(axes):
+                raise ValueError(f"program {self.name!r}: input {n!r} must be a tensor over {' '.join(axes)!r} "
+                                 f"({len(axes)} axes), got {getattr(t, 'shape', type(t).__name__)}")
+            for a, sz in zip(axes, t.shape):
+                if lens.setdefault(a, sz) != sz:
+                    raise ValueError(f"program {self.name!r}: axis {a!r} has length {lens[a]} and {sz}")
         empty = sorted(a for a, n in lens.items() if n == 0)
         if empty:
             raise ValueError(f"program {self.name!r}: axes {empty} are empty; the Gluon kernel needs at least "
@@ -429,8 +445,6 @@ class GluonKernel:
         if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"program {self.name!r}: the Gluon kernel takes 16-bit {self.q}, {self.k}, {self.v} "
                              f"of one dtype (got {q.dtype}, {k.dtype}, {v.dtype}); use af.compile")
-        if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
-            raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only; use af.compile")
         for n in (self.q, self.k, self.v):   # what a TMA descriptor over (keys or rows, inner axis) needs
             t = inputs[n]
             if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
@@ -445,13 +459,13 @@ class GluonKernel:
         BLOCK_J = BLOCK_J or min(128, max(64, BLOCK_E))
         if BLOCK_D > 256 or BLOCK_E > 256:
             raise ValueError(f"program {self.name!r}: the Gluon kernel takes {c!r} and {e!r} up to 256")
-        instr_n = math.gcd(BLOCK_J, BLOCK_E, 256)
+        if BLOCK_I % (16 * num_warps) or BLOCK_J % 16:
+            raise ValueError(f"program {self.name!r}: BLOCK_I must be a multiple of 16 * num_warps and "
+                             f"BLOCK_J of 16 (got {BLOCK_I}, {BLOCK_J}, {num_warps} warps)")
         dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         sl = lambda rows, cols: gl.NVMMASharedLayout.get_default_for([rows, cols], dt)   # noqa: E731
-        _allocator()
-        out = {}
-        for o, axes in self.out_axes.items():
-            out[o] = torch.empty([lens[a] for a in axes], device=q.device, dtype=q.dtype)
+        out = {o: torch.empty([lens[a] for a in axes], device=q.device, dtype=q.dtype)
+               for o, axes in self.out_axes.items()}
         args = []
         for n, axes in self.tensors.items():
             args.append(inputs[n])
@@ -462,10 +476,10 @@ class GluonKernel:
         args += [lens[a] for a in self.G + self.R + self.E + self.C + self.L]
         args += [n_rows, n_j]
         grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
-        self.fn[grid](*args, BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, DOT_T=dt,
-                      SCAN=16, INSTR_N=instr_n, Q_SL=sl(BLOCK_I, BLOCK_D), K_SL=sl(BLOCK_J, BLOCK_D),
-                      V_SL=sl(BLOCK_J, BLOCK_E), num_warps=num_warps)
-        return out
+        kw = dict(BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, DOT_T=dt, SCAN=16,
+                  INSTR_N=math.gcd(BLOCK_J, BLOCK_E, 256), Q_SL=sl(BLOCK_I, BLOCK_D), K_SL=sl(BLOCK_J, BLOCK_D),
+                  V_SL=sl(BLOCK_J, BLOCK_E), num_warps=num_warps)
+        return grid, args, kw, out
 
 
 def _allocator():

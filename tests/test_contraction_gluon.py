@@ -99,6 +99,31 @@ def test_outside_phase_one_is_refused():
         gluon_source(prog)
 
 
+def test_launch_arguments_match_the_kernel():
+    """The launcher's arguments against the generated signature (CPU tensors: no launch), and
+    its refusals: wrong inputs, dtypes, strides TMA cannot read, empty axes, and no GPU."""
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    kern = compile_gluon(PROGS["p_slope"]())
+    g = torch.Generator().manual_seed(5)
+    qx = torch.randn(2, 3, 100, D, dtype=torch.bfloat16, generator=g)
+    ins = dict(q=qx, k=qx, v=qx, slope=torch.rand(3, generator=g))
+    grid, args, kw, out = kern.launch_args(ins, BLOCK_J=64)
+    params = [p.strip() for p in re.search(r"def p_slope_gluon\((.*?)\):", kern.source).group(1).split(",")]
+    assert len(args) == len([p for p in params if "constexpr" not in p])
+    assert sorted(kw) == sorted(p.split(":")[0] for p in params if "constexpr" in p)
+    assert grid == (1, 6) and out["o"].shape == (2, 3, 100, D) and kw["BLOCK_J"] == 64
+    with pytest.raises(TypeError, match="missing"):
+        kern.launch_args(dict(q=qx, k=qx, v=qx))
+    with pytest.raises(ValueError, match="16-bit"):
+        kern.launch_args(dict(ins, v=qx.float()))
+    with pytest.raises(ValueError, match="TMA"):
+        kern.launch_args(dict(ins, q=torch.zeros(2, 3, 100, D + 4, dtype=torch.bfloat16)[..., :D]))   # 264-byte rows
+    with pytest.raises(ValueError, match="empty"):
+        kern.launch_args(dict(ins, q=qx[:, :, :0], k=qx[:, :, :0], v=qx[:, :, :0]))
+    with pytest.raises(ValueError, match="sm_90"):
+        kern(**ins)
+
+
 _COMPILE = r"""
 import importlib.util, sys
 import triton
@@ -238,5 +263,5 @@ def test_gpu_bad_input_is_refused():
     qx = torch.randn(1, 2, 64, D, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit"):
         kern(q=qx.float(), k=qx.float(), v=qx.float())
-    with pytest.raises(ValueError, match="TMA"):
-        kern(q=qx[..., :100], k=qx, v=qx)   # rows of 200 bytes: not a multiple of 16
+    with pytest.raises(ValueError, match="TMA"):   # rows 264 bytes apart: not a multiple of 16
+        kern(q=torch.zeros(1, 2, 64, D + 4, device="cuda", dtype=torch.bfloat16)[..., :D], k=qx, v=qx)
