@@ -21,6 +21,8 @@ from acefuse.codegen.contraction_gluon import gluon_source
 D = 128
 SCALE = 1.0 / math.sqrt(D)
 CAP = 20.0
+BAND = 300
+LAG = 700
 q = af.tensor("q", "b h i d")
 k = af.tensor("k", "b h j d")
 v = af.tensor("v", "b h j e")
@@ -40,6 +42,10 @@ PROGS = {   # neutral names: the source must not get a workload's name from the 
     "p_lower": lambda: _prog("p_lower", af.where(j <= i, score, af.NEG_INF)),
     "p_cap": lambda: _prog("p_cap", CAP * af.tanh(score / CAP)),
     "p_slope": lambda: _prog("p_slope", af.where(j <= i, score + slope * (j - i), af.NEG_INF)),
+    # a band: tiles skipped before and after it (the loop starts past key 0)
+    "p_band": lambda: _prog("p_band", af.where((j <= i) & (i - j < BAND), score, af.NEG_INF)),
+    # rows below LAG see no key: their output is 0 (the template's empty-row convention)
+    "p_lag": lambda: _prog("p_lag", af.where(j <= i - LAG, score, af.NEG_INF)),
 }
 WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softcap", "window", "welford",
              "decode", "prefill")
@@ -171,7 +177,7 @@ def test_compiles_for_sm90_offline(sources, tmp_path, name):
 
 
 # ---- GPU --------------------------------------------------------------------------------
-def _ref(qx, kx, vx, lower=False, cap=None, slopes=None):
+def _ref(qx, kx, vx, lower=False, cap=None, slopes=None, band=None, lag=None):
     qd, kd, vd = qx.double(), kx.double(), vx.double()
     s = qd @ kd.transpose(-1, -2) * SCALE
     n, nk = qx.shape[2], kx.shape[2]
@@ -183,11 +189,18 @@ def _ref(qx, kx, vx, lower=False, cap=None, slopes=None):
         s = s + slopes.double()[None, :, None, None] * (jj - ii)
     if lower:
         s = s.masked_fill(jj > ii, -math.inf)
-    return torch.softmax(s, -1) @ vd
+    if band is not None:
+        s = s.masked_fill((jj > ii) | (ii - jj >= band), -math.inf)
+    if lag is not None:
+        s = s.masked_fill(jj > ii - lag, -math.inf)
+    o = torch.softmax(s, -1) @ vd
+    return torch.where(torch.isinf(s).all(-1, keepdim=True), 0.0, o)   # a row that sees no key: 0
 
 
 def _rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
+    """Norm-wise relative error; the largest absolute error where the reference is all zeros."""
+    n = b.norm()
+    return ((a.double() - b).norm() / n).item() if n > 0 else (a.double() - b).abs().max().item()
 
 
 def _on_hopper():
@@ -207,7 +220,7 @@ def _kernel(name, overlap):
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("N,BJ", [(1000, 128), (4096, 128), (1000, 64), (200, 64)])
-@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_cap", "p_slope"])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_cap", "p_slope", "p_band", "p_lag"])
 def test_gpu_against_float64(name, N, BJ, overlap):
     if not _on_hopper():
         pytest.skip("the Gluon kernel needs an sm_90+ GPU")
@@ -222,7 +235,8 @@ def test_gpu_against_float64(name, N, BJ, overlap):
         ins["slope"] = torch.rand(H, device="cuda", generator=g) * 0.1
         kw["slopes"] = ins["slope"]
     out = kern(BLOCK_J=BJ, **ins)["o"]
-    ref = _ref(qx, kx, vx, lower=name in ("p_lower", "p_slope"), cap=CAP if name == "p_cap" else None, **kw)
+    ref = _ref(qx, kx, vx, lower=name in ("p_lower", "p_slope"), cap=CAP if name == "p_cap" else None,
+               band=BAND if name == "p_band" else None, lag=LAG if name == "p_lag" else None, **kw)
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
     assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} overlap={overlap}: relative error {err:.3e}"
