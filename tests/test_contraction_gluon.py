@@ -54,7 +54,7 @@ WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softca
 @pytest.fixture(scope="module")
 def sources():
     src = {n: gluon_source(mk()) for n, mk in PROGS.items()}
-    src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower")})
+    src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower", "p_band")})
     return src
 
 
@@ -153,7 +153,7 @@ print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.ten
 """
 
 
-@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov"])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov"])
 def test_compiles_for_sm90_offline(sources, tmp_path, name):
     """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
     Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
@@ -240,6 +240,22 @@ def test_gpu_against_float64(name, N, BJ, overlap):
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
     assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} overlap={overlap}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("name", ["p_lower", "p_band"])
+def test_gpu_small_tiles(name, overlap):
+    """64 x 64 tiles on one warpgroup (4 warps): the other launch shape the launcher takes."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    kern = _kernel(name, overlap)
+    g = torch.Generator(device="cuda").manual_seed(23 + overlap + len(name))
+    qx, kx, vx = (torch.randn(1, 2, 777, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    out = kern(q=qx, k=kx, v=vx, BLOCK_I=64, BLOCK_J=64, num_warps=4)["o"]
+    ref = _ref(qx, kx, vx, lower=name == "p_lower", band=BAND if name == "p_band" else None)
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{name} overlap={overlap}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
