@@ -45,9 +45,7 @@ Hopper kernel (codegen/contraction_gluon.py). Do not edit.
 {explain}
 """
 import triton
-import triton.language as tl
-from triton.language.extra import libdevice
-from triton.experimental import gluon
+{libdevice}from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
@@ -116,8 +114,8 @@ class GContext(CContext):
         if g.overlap:   # the tile's score, issued one tile ahead by the loop (GluonGen._pipeline)
             out, sh = "s_cur", "tile"
         else:   # the zero accumulator is made at the call (a hoisted one stays live across the loop)
-                out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_I, BLOCK_J], gl.float32, "
-                              "layout=MMA), use_acc=False)", "tile", "dot_")
+            out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), "
+                              "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False)", "tile", "dot_")
         for f in rest:
             e, s = em.emit(f)
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
@@ -352,8 +350,12 @@ class GluonGen(ContractionGen):
         if len(f.passes) != 1:
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes; the Gluon kernel is one pass")
         kern = self.kernel()
-        parts = [KERNEL_HEADER.format(name=self.name, axis=self.axis, explain=f.explain().replace('"""', "'''"))]
-        parts += _helpers(kern)
+        helpers = _helpers(kern)
+        uses_ld = any("libdevice." in x for x in helpers + [kern])
+        lib = "from triton.language.extra import libdevice\n" if uses_ld else ""
+        explain = f.explain().replace('"""', "'''")
+        parts = [KERNEL_HEADER.format(name=self.name, axis=self.axis, explain=explain, libdevice=lib)]
+        parts += helpers
         parts.append(kern)
         return "\n\n".join(parts) + "\n"
 
