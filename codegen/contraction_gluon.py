@@ -202,8 +202,7 @@ class GluonGen(ContractionGen):
         L = ["@gluon.jit",
              f"def {self.name}_gluon({', '.join(self.sig())}, "
              "BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
-             "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, Q_SL: gl.constexpr, "
-             "K_SL: gl.constexpr, V_SL: gl.constexpr, num_warps: gl.constexpr):",
+             "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, num_warps: gl.constexpr):",
              "    # grid: (query row tiles, grid axes); loop over key tiles carrying the derived state.",
              "    # Operands: TMA copies into shared memory (key/value tiles in two stages, one mbarrier each);",
              "    # contractions: warpgroup MMAs; the score and the rolling state live in the MMA layout.",
@@ -212,7 +211,11 @@ class GluonGen(ContractionGen):
              "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)   # one value per query row",
              "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
              "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
-             "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])"]
+             "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])",
+             "    # shared-memory layouts of the query, key and value tiles (TMA destinations, MMA operands)",
+             "    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_D], DOT_T)",
+             "    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_D], DOT_T)",
+             "    V_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_E], DOT_T)"]
         pro = []
         self.prologue(pro)
         L += pro
@@ -465,7 +468,6 @@ class GluonKernel:
             raise ValueError(f"program {self.name!r}: BLOCK_I must be a multiple of 16 * num_warps and "
                              f"BLOCK_J of 16 (got {BLOCK_I}, {BLOCK_J}, {num_warps} warps)")
         dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        sl = lambda rows, cols: gl.NVMMASharedLayout.get_default_for([rows, cols], dt)   # noqa: E731
         out = {o: torch.empty([lens[a] for a in axes], device=q.device, dtype=q.dtype)
                for o, axes in self.out_axes.items()}
         args = []
@@ -479,8 +481,7 @@ class GluonKernel:
         args += [n_rows, n_j]
         grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         kw = dict(BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, DOT_T=dt, SCAN=16,
-                  INSTR_N=math.gcd(BLOCK_J, BLOCK_E, 256), Q_SL=sl(BLOCK_I, BLOCK_D), K_SL=sl(BLOCK_J, BLOCK_D),
-                  V_SL=sl(BLOCK_J, BLOCK_E), num_warps=num_warps)
+                  INSTR_N=math.gcd(BLOCK_J, BLOCK_E, 256), num_warps=num_warps)
         return grid, args, kw, out
 
 

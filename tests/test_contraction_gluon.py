@@ -143,9 +143,8 @@ spec.loader.exec_module(mod)
 fn = getattr(mod, name + "_gluon")
 
 
-SL = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
 const = dict(BLOCK_I=128, BLOCK_J=128, BLOCK_E=128, BLOCK_D=128, DOT_T=gl.bfloat16, SCAN=16, INSTR_N=128,
-             Q_SL=SL, K_SL=SL, V_SL=SL, num_warps=8)
+             num_warps=8)
 sig = {a: ("constexpr" if a in const else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
 kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options={"num_warps": 8})
 ptx = kern.asm["ptx"]
