@@ -24,7 +24,9 @@ of the states (``ContractionGen.empty_start``), 16-bit inputs, on sm_90. Warp sp
 (a TMA producer warp, two consumer warpgroups alternating softmax and MMA) is phase 2.
 
 Selected only explicitly: ``compile_gluon(prog)`` returns a callable (``GluonKernel``); the
-portable and Triton-Hopper paths of ``af.compile`` are unchanged. Gluon has no interpreter:
+portable and Triton-Hopper paths of ``af.compile`` are unchanged. ``call_gluon`` is the hook
+for ``af.compile``'s kernels (``path='gluon'`` or ``ACEFUSE_GLUON=1``), to be called from
+codegen/compile.py's ``Kernel.__call__`` before ``run_module``; it is not wired in yet. Gluon has no interpreter:
 the kernel runs on a Hopper GPU only; on the CPU this module can only generate its source
 (``gluon_source``), which the tests check for determinism and for workload names.
 """
@@ -518,4 +520,27 @@ def compile_gluon(prog, overlap=False, **fuse_kw) -> GluonKernel:
     return GluonKernel(f, src, mod, gen)
 
 
-__all__ = ["GluonGen", "GluonKernel", "compile_gluon", "gluon_source"]
+def call_gluon(kernel, inputs: dict, explicit: bool):
+    """The hook for ``af.compile``'s kernels (not wired in yet: see the module docstring): run
+    the Gluon kernel of ``kernel.fusion`` (made once, kept on ``kernel``) on ``inputs`` and
+    return the outputs as ``af.compile`` does (one output: the tensor). ``explicit``: asked
+    for by ``path='gluon'``, so a program or inputs outside it raise; otherwise
+    (``ACEFUSE_GLUON=1``) they return None with a warning that names the reason, and the
+    caller runs its Triton path."""
+    import warnings
+    try:
+        g = getattr(kernel, "_gluon", None)
+        if g is None:
+            g = compile_gluon(kernel.fusion)
+            kernel._gluon = g
+        out = g(**inputs)
+    except (CodegenError, ValueError, TypeError) as exc:
+        if explicit:
+            raise
+        warnings.warn(f"ACEFUSE_GLUON=1: program {kernel.fusion.program.name!r} runs its Triton kernel, "
+                      f"not the Gluon one: {exc}", stacklevel=3)
+        return None
+    return next(iter(out.values())) if len(out) == 1 else out
+
+
+__all__ = ["GluonGen", "GluonKernel", "call_gluon", "compile_gluon", "gluon_source"]

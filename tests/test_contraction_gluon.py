@@ -294,3 +294,15 @@ def test_gpu_bad_input_is_refused():
         kern(q=qx.float(), k=qx.float(), v=qx.float())
     with pytest.raises(ValueError, match="TMA"):   # rows 264 bytes apart: not a multiple of 16
         kern(q=torch.zeros(1, 2, 64, D + 4, device="cuda", dtype=torch.bfloat16)[..., :D], k=qx, v=qx)
+
+
+def test_hook_falls_back_with_a_warning_or_raises():
+    """call_gluon (the hook for af.compile's kernels): asked for explicitly, inputs it cannot
+    take raise; under ACEFUSE_GLUON=1 they warn and return None (the Triton path runs)."""
+    from acefuse.codegen.contraction_gluon import call_gluon
+    kern = af.compile(PROGS["p_plain"]())
+    qx = torch.randn(1, 2, 64, D)
+    with pytest.raises(ValueError, match="sm_90|16-bit"):   # float32 CPU tensors: refused (why: the device)
+        call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=True)
+    with pytest.warns(UserWarning, match="runs its Triton kernel"):
+        assert call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=False) is None
