@@ -249,6 +249,9 @@ def run_module(module, args, inputs):
     return module.run(*args, **inputs)
 
 
+_GLUON = os.environ.get("ACEFUSE_GLUON") == "1"   # opt in to the Gluon contraction kernel (experimental)
+
+
 class Kernel:
     """A compiled program: call it with the inputs by name (or position)."""
 
@@ -266,6 +269,13 @@ class Kernel:
         names = requires_grad_inputs(args, inputs, getattr(self.module, "TENSORS", self.program.tensors))
         if names:
             return grad_hook(self, names, args, inputs)
+        if inputs.get("path") == "gluon" or (_GLUON and "path" not in inputs and not args):
+            # the experimental Gluon (Hopper) variant of the contraction family: codegen/contraction_gluon.py
+            from acefuse.codegen.contraction_gluon import call_gluon
+            explicit = inputs.pop("path", None) == "gluon"
+            out = call_gluon(self, inputs, explicit=explicit)
+            if out is not None:
+                return out
         try:
             return run_module(self.module, args, inputs)
         except (TypeError, ValueError) as exc:

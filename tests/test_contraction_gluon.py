@@ -308,3 +308,24 @@ def test_hook_falls_back_with_a_warning_or_raises():
         call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=True)
     with pytest.warns(UserWarning, match="runs its Triton kernel"):
         assert call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=False) is None
+
+
+def test_af_compile_takes_path_gluon_and_refuses_it_clearly_off_the_gpu():
+    """``af.compile(prog)(..., path='gluon')`` reaches the Gluon variant (codegen/compile.py); with no
+    sm_90 GPU it raises a ValueError naming the program, and the default call is unaffected."""
+    import torch
+    import acefuse as af
+    if torch.cuda.is_available():
+        pytest.skip("off-GPU behaviour")
+    q, k, v = (af.tensor(n, a) for n, a in (("q", "i d"), ("k", "j d"), ("v", "j e")))
+    s = af.sum(q * k, "d")
+    p = af.exp(s - af.max(s, "j"))
+    prog = af.program("gluon_path_probe", o=af.sum(p * v, "j") / af.sum(p, "j"))
+    kern = af.compile(prog)
+    g = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(33, 16, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match="gluon_path_probe"):
+        kern(q=Q, k=K, v=V, path="gluon")
+    sc = (Q.double() @ K.double().T)
+    want = torch.softmax(sc, -1) @ V.double()
+    torch.testing.assert_close(kern(q=Q, k=K, v=V).double(), want, rtol=1e-4, atol=1e-5)
