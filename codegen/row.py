@@ -765,6 +765,67 @@ class RowGen:
         epi = "\n".join(L)
         return part, comb, epi
 
+    def kernel_onepass(self):
+        """One HBM read of rows too long for one program's registers: NSPLIT programs share a
+        block of rows, each holding one chunk of the fused axis in registers (one tile). Each
+        writes its chunk's states (their definitions on the chunk) to the workspace, counts
+        itself in (release), waits until the block's NSPLIT programs have (acquire), folds the
+        NSPLIT partial states with the derived merge (as the split schedule's combine) and
+        writes the outputs from the chunk it still holds.
+
+        PHASE 0 (a GPU): one launch; programs take tickets in launch order (``tick_ptr``), so
+        a program only waits for partners that have started or will start: no deadlock
+        whatever the number of programs resident. Triton's interpreter runs programs one
+        after another, so there the launcher runs PHASE 1 (states and count only) and then
+        PHASE 2 (the same chunk read and states, the wait already satisfied, merge, outputs)."""
+        p = self.f.passes[0]
+        names = [s.name for s in p.states]
+        ws = [f"ws_{q}" for q in names]
+        L = ["@triton.jit", f"def {self.name}_onepass({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, tick_ptr, "
+             "CHUNK, NSPLIT: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
+             "    # NSPLIT programs per block of rows, one chunk of the fused axis each, held in registers",
+             "    if PHASE == 0:",
+             "        tk = tl.atomic_add(tick_ptr, 1)   # launch order: the partners waited for have started",
+             "    else:",
+             "        tk = tl.program_id(0)",
+             "    blk = tk // NSPLIT",
+             "    sid = tk % NSPLIT"]
+        self.prologue(L, grid_rows="blk")
+        L.append("    chunk_lo = sid * CHUNK")
+        L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
+        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi")
+        ctx, em = self.region("init", "    ")
+        self.emit_init(p, em, L, "    ")
+        held = {k: v for k, v in em.cache.items() if isinstance(k, tuple) and isinstance(k[0], Term)
+                and k[0].op == "In"}   # the chunk's loaded inputs, reused by the outputs below
+        L.append("    if PHASE != 2:")
+        for q in names:
+            L.append(f"        tl.store(ws_{q} + sid * n_rows + rows, {q}, mask=rmask)")
+        L.append("        tl.debug_barrier()   # every thread's partial states written before the count")
+        L.append("        tl.atomic_add(cnt_ptr + blk, 1, sem='release')")
+        L.append("    if PHASE != 1:")
+        L.append("        arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
+        L.append("        while arrived < NSPLIT:")
+        L.append("            arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
+        L.append("        tl.debug_barrier()")
+        L.append("        # fold the NSPLIT partial states with the derived merge")
+        for q in names:
+            L.append(f"        {q} = tl.load(ws_{q} + rows, mask=rmask, other=0.0, volatile=True)")
+        L.append("        n_a = tl.minimum(CHUNK, n_j) * 1.0")
+        L.append("        for part in range(1, NSPLIT):")
+        for q in names:
+            L.append(f"            {q}_b = tl.load(ws_{q} + part * n_rows + rows, mask=rmask, other=0.0, volatile=True)")
+        L.append("            n_b = (tl.minimum(part * CHUNK + CHUNK, n_j) - part * CHUNK) * 1.0")
+        ctx, em = self.region("merge", "            ")
+        self.emit_update(p, p.merge, em, L, "            ", "merge")
+        L.append("            n_a = n_a + n_b")
+        ctx, em = self.region("final", "        ")
+        em.cache.update(held)
+        self.emit_refs(p, em, L)
+        self.emit_row_outputs(em, L)   # (every program of the block writes the same values)
+        self.emit_elem_outputs(em, L)
+        return "\n".join(L)
+
     # -- the module -------------------------------------------------------------------------------
     def module(self) -> str:
         f = self.f
@@ -777,6 +838,8 @@ class RowGen:
         split = len(f.passes) == 1 and f.passes[0].split_ok
         if split:
             parts.extend(self.kernel_split())
+            if not self.stacks:
+                parts.append(self.kernel_onepass())
         parts.append(self.launcher(split))
         return "\n\n\n".join(parts) + "\n"
 
@@ -799,6 +862,7 @@ class RowGen:
             "FLOAT8_OK = (torch.float8_e4m3fn, torch.float8_e5m2)   # float8 inputs: decoded in the kernel (_widen)",
             "MAX_SINGLE = 65536   # longest fused axis kept as one tile (one HBM read); measured on H200",
             "RIDER_PROGRAMS_PER_SM = 2   # programs of the persistent riders schedule, per SM",
+            "ONEPASS_CHUNK = 16384   # elements per program of the onepass schedule (explicit schedule='onepass' only, until measured)",
             "LOOP_PER_SM = None   # programs per SM of the loop schedule's persistent grid (None: one per row block; off until measured)",
             "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "NUM_WARPS = None   # warps per program when the call gives none (None: by the tile's size)",
@@ -996,8 +1060,10 @@ class RowGen:
             "    if schedule is None and on_gpu and 16384 < n_j <= MAX_SINGLE and not _TUNING and not timed:",
             "        schedule = _tuned(n_rows, n_j, ref.dtype, inputs, block_j, block_r, nsplit, num_warps)",
             "    schedule = schedule or choose_schedule(n_rows, n_j, programs)",
-            "    if schedule == 'split' and not SPLIT:",
-            f"        raise ValueError(\"program {self.name!r} has no split schedule (a state without a derived merge, or several passes)\")",
+            "    if schedule in ('split', 'onepass') and not SPLIT:",
+            f"        raise ValueError(f\"program {self.name!r} has no {{schedule}} schedule (a state without a derived merge, or several passes)\")",
+            "    if schedule == 'onepass' and STACKED:",
+            f"        raise ValueError(\"program {self.name!r}: the onepass schedule does not write stacked outputs; use 'split'\")",
             "    if schedule == 'single':",
             "        bj = _np2(n_j)",
             "        if bj > MAX_SINGLE and block_j is None:",
@@ -1032,8 +1098,21 @@ class RowGen:
             "        p.ns = triton.cdiv(n_j, p.chunk)",
             "        p.grid = (rb, p.ns)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8), **fp)",
+            "    elif schedule == 'onepass':",
+            "        # NSPLIT programs per block of rows, each holding one chunk of the fused axis in",
+            "        # registers; partial states merged in the kernel: one HBM read (kernel_onepass)",
+            "        br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))",
+            "        ns = nsplit or max(1, triton.cdiv(n_j, ONEPASS_CHUNK))",
+            "        p.chunk = triton.cdiv(n_j, ns)",
+            "        p.ns = triton.cdiv(n_j, p.chunk)",
+            "        bj = block_j or max(16, _np2(p.chunk))",
+            "        if bj < p.chunk:",
+            f"            raise ValueError(f\"program {self.name!r}: onepass chunk of {{p.chunk}} elements does not fit block_j={{bj}}; \"",
+            "                             \"give a larger block_j or more splits (nsplit)\")",
+            "        p.grid = (triton.cdiv(n_rows, br) * p.ns,)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)), **fp)",
             "    else:",
-            "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop' or 'split'\")",
+            "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop', 'split' or 'onepass'\")",
             "    if (stages or NUM_STAGES) is not None and on_gpu:",
             "        p.kw['num_stages'] = stages or NUM_STAGES",
             "    p.schedule = schedule",
@@ -1061,6 +1140,13 @@ class RowGen:
             "        outs.update(ws)",
             "    elif p.schedule == 'loop':",
             f"        {self.name}_loop[p.grid](*argv, **p.kw)",
+            "    elif p.schedule == 'onepass':",
+            "        ws = [torch.empty(p.ns * p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
+            "        cnt = torch.zeros(p.grid[0] // p.ns + 1, device=p.dev, dtype=torch.int32)   # counts; the last: tickets",
+            "        # Triton's interpreter runs one program after another: a program would wait forever",
+            "        # for its partners, so there the states and counts come first (PHASE 1), then the rest",
+            "        for phase in ((1, 2) if _interpreted() else (0,)):",
+            f"            {self.name}_onepass[p.grid](*argv, *ws, cnt, cnt[-1:], p.chunk, NSPLIT=p.ns, PHASE=phase, **p.kw)",
             "    else:   # split: partial states per chunk, their merge, then the elementwise outputs",
             "        ws = [torch.empty(p.ns * p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
             "        wf = [torch.empty(p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",

@@ -104,3 +104,45 @@ def test_per_sm_must_be_positive(bad):
     x = torch.randn(2, 100)
     with pytest.raises(ValueError, match="per_sm"):
         mod.run(x=x, schedule="loop", per_sm=bad)
+
+
+# ---- the onepass schedule (kernel_onepass): NSPLIT programs per block of rows, each holding one
+# chunk; partial states merged in the kernel with the derived merge. The interpreter runs it as
+# two launches (states and counts, then merge and outputs): the same kernel, PHASE 1 and 2.
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("R,N", [(3, 70001), (5, 16411)])
+def test_onepass_matches_float64(name, R, N):
+    mod = _module(name)
+    ins = _inputs(name, R, N, seed=R * 7919 + N + 3 * len(name))
+    ref = _reference(name, ins)
+    for kw in (dict(), dict(nsplit=3, block_r=1)):
+        got = mod.run(**ins, schedule="onepass", **kw)
+        _check(got, ref, rtol=2e-5, stol=2e-6)
+        plan = [p for k, p in mod._PLANS.items() if k[0][0] == "onepass" and k[0][3] == kw.get("nsplit")
+                and k[1][0] == ins["x"].shape]
+        ns = kw.get("nsplit") or -(-N // mod.ONEPASS_CHUNK)
+        assert plan and plan[-1].ns == ns and plan[-1].grid[0] == -(-R // plan[-1].kw["BLOCK_R"]) * ns
+
+
+def test_onepass_bfloat16_and_masked_rows():
+    """bfloat16 softmax with rows that are entirely -inf in some chunks and one row -inf
+    everywhere (a fully masked row: 0, as the single-tile schedule gives), 4 splits."""
+    mod = _module("softmax")
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(6, 20011, generator=g, dtype=torch.float64) * 5
+    x[1, :15000] = float("-inf")      # chunks 0-2 of row 1 hold no finite element
+    x[4] = float("-inf")
+    xb = x.to(torch.bfloat16)
+    got = mod.run(x=xb, schedule="onepass", nsplit=4, block_r=2).double()
+    ref = torch.softmax(xb.double(), -1)
+    ref[4] = 0.0
+    single = mod.run(x=xb, schedule="single").double()
+    assert torch.equal(single[4], ref[4])
+    _check(got, ref, rtol=8e-3, stol=1e-6)
+
+
+def test_onepass_refuses_a_chunk_larger_than_its_tile():
+    mod = _module("softmax")
+    with pytest.raises(ValueError, match="block_j"):
+        mod.run(x=torch.randn(2, 5000), schedule="onepass", nsplit=2, block_j=1024)
