@@ -700,6 +700,20 @@ class RowGen:
         outer.extend("    " + ln for ln in "\n".join(L).split("\n"))
         return "\n".join(outer)
 
+    def emit_chunk_fold(self, p, names, L, ind, it, load_kw):
+        """Fold the NSPLIT chunks' partial states of a block of rows, read from the workspace, with
+        the derived merge (chunk ``it`` has ``n_b`` elements; ``n_a`` counts the folded ones)."""
+        for q in names:
+            L.append(f"{ind}{q} = tl.load(ws_{q} + rows, mask=rmask, other=0.0{load_kw})")
+        L.append(f"{ind}n_a = tl.minimum(CHUNK, n_j) * 1.0")
+        L.append(f"{ind}for {it} in range(1, NSPLIT):")
+        for q in names:
+            L.append(f"{ind}    {q}_b = tl.load(ws_{q} + {it} * n_rows + rows, mask=rmask, other=0.0{load_kw})")
+        L.append(f"{ind}    n_b = (tl.minimum({it} * CHUNK + CHUNK, n_j) - {it} * CHUNK) * 1.0")
+        ctx, em = self.region("merge", ind + "    ")
+        self.emit_update(p, p.merge, em, L, ind + "    ", "merge")
+        L.append(f"{ind}    n_a = n_a + n_b")
+
     def kernel_split(self):
         """Partial states per chunk -> workspace; combine with the merge; epilogue."""
         p = self.f.passes[0]
@@ -730,16 +744,7 @@ class RowGen:
              "BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
              "    # fold the partial states of every chunk with the derived merge"]
         self.prologue(L)
-        for q in names:
-            L.append(f"    {q} = tl.load(ws_{q} + rows, mask=rmask, other=0.0)")
-        L.append("    n_a = tl.minimum(CHUNK, n_j) * 1.0")
-        L.append("    for sid in range(1, NSPLIT):")
-        for q in names:
-            L.append(f"        {q}_b = tl.load(ws_{q} + sid * n_rows + rows, mask=rmask, other=0.0)")
-        L.append("        n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0")
-        ctx, em = self.region("merge", "        ")
-        self.emit_update(p, p.merge, em, L, "        ", "merge")
-        L.append("        n_a = n_a + n_b")
+        self.emit_chunk_fold(p, names, L, "    ", "sid", "")
         ctx, em = self.region("final", "    ")
         self.emit_refs(p, em, L)
         self.emit_row_outputs(em, L)
@@ -809,16 +814,7 @@ class RowGen:
         L.append("            arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
         L.append("        tl.debug_barrier()")
         L.append("        # fold the NSPLIT partial states with the derived merge")
-        for q in names:
-            L.append(f"        {q} = tl.load(ws_{q} + rows, mask=rmask, other=0.0, volatile=True)")
-        L.append("        n_a = tl.minimum(CHUNK, n_j) * 1.0")
-        L.append("        for part in range(1, NSPLIT):")
-        for q in names:
-            L.append(f"            {q}_b = tl.load(ws_{q} + part * n_rows + rows, mask=rmask, other=0.0, volatile=True)")
-        L.append("            n_b = (tl.minimum(part * CHUNK + CHUNK, n_j) - part * CHUNK) * 1.0")
-        ctx, em = self.region("merge", "            ")
-        self.emit_update(p, p.merge, em, L, "            ", "merge")
-        L.append("            n_a = n_a + n_b")
+        self.emit_chunk_fold(p, names, L, "        ", "part", ", volatile=True")
         ctx, em = self.region("final", "        ")
         em.cache.update(held)
         self.emit_refs(p, em, L)
