@@ -271,14 +271,8 @@ def _fold_gen():
                 return super().emit_states(forms, em, L, ind, suffix, comment)
             # the block's first tile: the rolling update of the running states (not the states'
             # definitions on it, as in a kernel that starts from nothing)
-            p, chain = self.p, self.f.rule_chain
             self.load_carry(L, ind)
-            ctx, em = self.region("roll", ind)
-            super().emit_states(p.rolling, em, L, ind, "_new",
-                                lambda s: f"{s.name}_AB = {pretty(p.rolling[s.name])}\n  derived by: "
-                                          f"{' -> '.join(chain(s.name, 'rolling')) or 'definition'}")
-            for s in p.states:
-                L.append(f"{ind}{s.name} = {s.name}_new")
+            self._update_from_carry("rolling", "roll", L, ind)
             if self.uses_counts():   # (the template then sets n_a = n_b: the count so far)
                 L.append(f"{ind}n_b = n_a + n_b")
 
@@ -328,16 +322,22 @@ def _fold_gen():
         def fold_end(self, L, ind):
             """The combine's fold: the running states (A) and the merged chunks' (B), by the
             derived merge."""
-            p, chain = self.p, self.f.rule_chain
-            for s in p.states:
+            for s in self.p.states:
                 L.append(f"{ind}{s.name}_b = {s.name}")
             self.load_carry(L, ind)
             if self.carry_n is not None:
                 L.append(f"{ind}n_b = nj_f")
-            ctx, em = self.region("merge", ind)
-            super().emit_states(p.merge, em, L, ind, "_new",
-                                lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
-                                          f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
+            self._update_from_carry("merge", "merge", L, ind)
+
+        def _update_from_carry(self, form, region, L, ind):
+            """The states updated by the derived ``form`` ('rolling' or 'merge') from the running
+            (carried) states, each with its rule chain in a comment."""
+            p, chain = self.p, self.f.rule_chain
+            forms = getattr(p, form)
+            ctx, em = self.region(region, ind)
+            super().emit_states(forms, em, L, ind, "_new",
+                                lambda s: f"{s.name}_AB = {pretty(forms[s.name])}\n  derived by: "
+                                          f"{' -> '.join(chain(s.name, form)) or 'definition'}")
             for s in p.states:
                 L.append(f"{ind}{s.name} = {s.name}_new")
 
