@@ -31,6 +31,9 @@ class CContext(Context):
         super().__init__(gen, mode)
         self.full = full
         self.tile_mask = None if full else "tmask"
+        # a masked tile joins the tile mask into a where(c, x, -inf)'s condition once, so that
+        # the max and the exp2 (whose 0 the sums need) of it select nothing more (emit.py)
+        self.fold_tile_mask = not full
 
     def join(self, a, b):
         return _cjoin(a, b)
@@ -263,7 +266,7 @@ class CContext(Context):
                 pe = f"{em._bcast(pe, ps, 'tile')} + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
         else:
             pe = "tl.full([BLOCK_I, BLOCK_J], 1.0, tl.float32)"
-        if self.tile_mask:
+        if self.tile_mask and not em.masked_off(pe, "0"):
             pe, _ = em.bind(f"tl.where({self.tile_mask}, {pe}, 0.0)", "tile", "p")
         accs = ""
         if acc is not None:

@@ -72,6 +72,14 @@ class Emitter:
         # > 0 while lowering the operand of a rounding (cast, round, floor, ceil): square roots
         # there are correctly rounded too, so the rounding sees the value torch computes
         self._rn = 0
+        # masked tiles of a family that asks for it (ctx.fold_tile_mask): names of tile values
+        # proven -inf (``_ninf``) or 0 (``_zero``) wherever the tile mask is false, so that a
+        # reduction or a p @ v of them needs no select of its own; ``_finrow``: per-row shifts
+        # bound by _fin_max (never -inf)
+        self._ninf: set = set()
+        self._zero: set = set()
+        self._finrow: set = set()
+        self._fold_conds: dict = {}
 
     def _is_ext(self, q) -> bool:
         """State q is a max/min, or a reference value built from one (``m + log(l)``)."""
@@ -104,7 +112,18 @@ class Emitter:
             return expr, shape
         name = self.fresh(hint)
         self.assign(name, expr)
+        if expr.startswith("_fin_max(") and shape in ("row", "scalar"):
+            self._finrow.add(name)
         return name, shape
+
+    def _fold_mask(self):
+        """The tile mask that a masked tile's -inf selects absorb (module docstring of
+        contraction_ctx: ``fold_tile_mask``), or None."""
+        return self.ctx.tile_mask if getattr(self.ctx, "fold_tile_mask", False) else None
+
+    def masked_off(self, name, value):
+        """Whether the tile value ``name`` is ``value`` (-inf or 0) wherever the tile mask is false."""
+        return name in (self._ninf if value == "-inf" else self._zero)
 
     # -- the lowering ----------------------------------------------------------------
     def emit(self, t: Term, raw_state=False, pol=None):
@@ -192,7 +211,14 @@ class Emitter:
                 if z:
                     return self.bind(f"_div0({a2}, {b2})", s)
                 return self.bind(f"tl.div_rn({a2}, {b2})", s)
-            return self.bind(f"{a2} {_BIN[op]} {b2}", s)
+            out = self.bind(f"{a2} {_BIN[op]} {b2}", s)
+            if self._fold_mask() and s == "tile" and a in self._ninf:
+                # -inf * c = -inf for a constant 0 < c < inf; -inf - f = -inf for a shift f bound
+                # by _fin_max (never -inf; a NaN or +inf f makes the row's every exp NaN or 0 alike)
+                cb = _literal_pos(t.args[1])
+                if (op == "Mul" and cb) or (op == "Sub" and b in self._finrow and sb in ("row", "scalar")):
+                    self._ninf.add(out[0])
+            return out
         if op in _CMP:
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
@@ -218,7 +244,10 @@ class Emitter:
             # exp(x) = exp2(x * log2(e)), with the constant folded into the operands so that
             # (s * c - m) * log2(e) becomes one fused multiply-add per element
             a, sa = self.emit(_scale_log2e(t.args[0], ctx))
-            return self.bind(f"tl.exp2({a})", sa)
+            out = self.bind(f"tl.exp2({a})", sa)
+            if a in self._ninf:
+                self._zero.add(out[0])
+            return out
         if op in _FN:
             a, sa = self.emit(t.args[0])
             if self._rn and op in ("Sqrt", "Rsqrt"):
@@ -245,8 +274,27 @@ class Emitter:
             nan = ", propagate_nan=tl.PropagateNan.ALL" if getattr(ctx, "nan_extrema", False) else ""
             return self.bind(f"{fn}({self._bcast(a, sa, s)}, {self._bcast(b, sb, s)}{nan})", s)
         if op == "Where":
+            if self._fold_mask() and _literal_value(t.args[2]) == float("-inf"):
+                x = t.args[1]
+                while x.op == "Elm":
+                    x = ctx.leaf(x.args[0])
+                if x.op == "Mul" and _literal_pos(x.args[1]):
+                    # where(c, x * k, -inf) = where(c, x, -inf) * k for 0 < k < inf, exactly: the
+                    # select of a max's operand is reused by the exp's (the score scaled once)
+                    return self._emit(Term("Mul", (Term("Where", (t.args[0], x.args[0], t.args[2])), x.args[1])), pol)
             (c, sc), (a, sa), (b, sb) = self.cond(t.args[0]), self.emit(t.args[1]), self.emit(t.args[2])
             s = self.join(self.join(sc, sa), sb)
+            mask = self._fold_mask()
+            if mask and s == "tile" and b == "float('-inf')":
+                # a masked tile: the tile mask joins the condition once, so that the value is
+                # -inf wherever the tile mask is false and the reductions of it select nothing
+                cb = self._bcast(c, sc, s)
+                if cb not in self._fold_conds:
+                    self._fold_conds[cb] = self.bind(f"{cb} & {mask}", "tile", "c")[0]
+                args = ", ".join((self._fold_conds[cb], self._bcast(a, sa, s), b))
+                out = self.bind(f"tl.where({args})", s)
+                self._ninf.add(out[0])
+                return out
             args = ", ".join(self._bcast(e, se, s) for e, se in ((c, sc), (a, sa), (b, sb)))
             return self.bind(f"tl.where({args})", s)
         raise CodegenError(f"no Triton lowering for `{pretty(t)}` (operator {op}) in the row kernel "
@@ -449,6 +497,8 @@ class Emitter:
             if sb != "tile":
                 body = f"({body}) + tl.zeros([BLOCK_I, BLOCK_J], tl.float32)"
             return self.bind(self._red_call(t.op, body), "row", "r")
+        if (t.op == "Sum" and body in self._zero) or (t.op == "RMax" and body in self._ninf):
+            return self.bind(self._red_call(t.op, body), "row", "r")   # masked off already
         if t.op == "Sum":
             return self.bind(f"tl.sum(tl.where({mask}, {body}, 0.0), axis=1)", "row", "r")
         if t.op == "RMax":
@@ -495,6 +545,17 @@ def pow_expr(a: str, p) -> str:
         m = f"tl.exp({p!r} * tl.log(tl.abs({a})))"
         return f"tl.where({a} < 0, -{m}, {m})" if int(p) % 2 else m
     return f"tl.exp({p!r} * tl.log({a}))"
+
+
+def _literal_value(t: Term):
+    """The value of a float literal, else None."""
+    return float(t.args[0]) if t.op == "Num" and not isinstance(t.args[0], Term) else None
+
+
+def _literal_pos(t: Term) -> bool:
+    """``t`` is a literal constant with 0 < t < inf."""
+    v = _literal_value(t)
+    return v is not None and 0 < v < float("inf")
 
 
 def _literal(t: Term):
