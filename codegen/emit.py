@@ -643,6 +643,14 @@ def _scale_log2e(t: Term, ctx) -> Term:
     if op == "Mul" and t.args[0].op == "Num":
         return Term("Mul", (Term("Num", (float(t.args[0].args[0]) * LOG2E,)), t.args[1]))
     if op == "Where":
+        if getattr(ctx, "fold_tile_mask", False) and _literal_value(t.args[2]) == float("-inf"):
+            x = t.args[1]
+            while x.op == "Elm":
+                x = ctx.leaf(x.args[0])
+            if not (x.op == "Mul" and _literal_pos(x.args[1])):
+                # a masked tile: the select the max read is reused, scaled after it (where(c, y,
+                # -inf) * log2(e) is where(c, y * log2(e), -inf) exactly), not selected again
+                return Term("Mul", (t, Term("Num", (LOG2E,))))
         return Term(op, (t.args[0], _scale_log2e(t.args[1], ctx), _scale_log2e(t.args[2], ctx)))
     if op == "Elm":
         return _scale_log2e(ctx.leaf(t.args[0]), ctx)

@@ -100,3 +100,17 @@ def test_bounds_mask_still_zeroes_sums_without_an_inf_select(monkeypatch):
     o = kern(q=q, k=k, v=v)
     ref = _ref(q, k, v, EX["SCALE"], torch.ones(37, 77, dtype=torch.bool))
     assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["alibi", "sliding_window"])
+def test_variant_masked_tile_selects_once(name):
+    """A score that is no scaled dot (ALiBi's bias added) is selected once too: the exp2 reads the
+    max's selected tile times log2(e), not a second select of the scaled sum."""
+    kern = _kernel_src(af.compile(EX[name]).source, f"{name}_attn")
+    bodies = _masked_loops(kern)
+    assert bodies
+    for body in bodies:
+        assert body.count("tl.where(") == 1, body
+        sel = re.search(r"(_t\d+) = tl\.where\(_c\d+, ", body).group(1)
+        assert re.search(rf"tl\.max\({sel}, axis=1\)", body)
+        assert "tl.sum(tl.where(" not in body
