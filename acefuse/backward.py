@@ -122,7 +122,9 @@ class BackwardProgram(Program):
 
     def __init__(self, name, outputs, forward, augmented, saved, saved_kind, cotangents, grads,
                  zero_grads, index_inputs, stages, input_axes):
-        super().__init__(name, outputs)
+        # the forward's axis order, not one re-derived from the tensors' latest declarations
+        # (lang.axis_order: another program declaring k "b h j d" again would reorder d and j)
+        super().__init__(name, outputs, order=forward.axes)
         self.forward = forward
         self.augmented = augmented
         self.saved = saved                # saved input name -> axes

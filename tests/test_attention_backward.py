@@ -68,8 +68,11 @@ def _derived_grads(prog, ins, cot):
     out = evaluate(bwd, {n: vals[n] for n in bwd.tensors})
     res = {}
     for name, gname in bwd.grads.items():
-        assert bwd.outputs[gname].axes == bwd.input_axes[name]
-        res[name] = torch.as_tensor(out[gname])
+        # the program's axis order may lay a gradient out as (b h d j) for k (b h j d): the
+        # declarations of other programs move it (lang.axis_order); read it in k's own order
+        have, want = bwd.outputs[gname].axes, bwd.input_axes[name]
+        assert sorted(have) == sorted(want), (have, want)
+        res[name] = torch.as_tensor(out[gname]).permute([have.index(a) for a in want])
     return res
 
 
