@@ -109,9 +109,13 @@ def write_atomic(path: Path, data: bytes) -> None:
 def cached_source(name: str, key: str, src: str) -> Path:
     """The cache file holding ``src`` under ``key``: written when absent; when present
     but not byte-identical to ``src`` (truncated, garbage, written by a broken run), it
-    is reported with a CacheWarning and rewritten."""
-    path = cache_dir() / f"{name}_{key}.py"
+    is reported with a CacheWarning and rewritten. The file name carries a digest of
+    ``src`` too: processes sharing a cache that generate different sources under one key
+    (a generator input outside the key, such as an environment switch) each get their
+    own file, instead of one replacing the module another is importing (seen as
+    "corrupt" warnings between the gloo ranks of a parallel test run)."""
     data = src.encode()
+    path = cache_dir() / f"{name}_{key}_{hashlib.sha256(data).hexdigest()[:8]}.py"
     try:
         old = path.read_bytes()
     except FileNotFoundError:
