@@ -5,14 +5,18 @@ epilogue's second read of a row just folded comes from L2. Here (Triton's interp
 several rows one after another: each output is checked against float64 torch on fresh
 random inputs at odd sizes (softmax, log-softmax, layernorm, RMSNorm, cross-entropy),
 one program for every row and two programs sharing the rows, next to the full grid."""
-import os
-
 import pytest
 import torch
 
 import acefuse as af
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    # CPU tensors through Triton's interpreter, set per test: a module-level
+    # os.environ.setdefault leaked into every test of a GPU worker that collected this file
+    # and ran them all through the interpreter.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _programs():
