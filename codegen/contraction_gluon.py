@@ -115,6 +115,14 @@ class GContext(CContext):
                                f"key operands ({g.q_name!r}, {g.k_name!r}); use the Triton paths")
         if g.overlap:   # the tile's score, issued one tile ahead by the loop (GluonGen._pipeline)
             out, sh = "s_cur", "tile"
+        elif g.ws and g.pingpong:
+            # warp-specialised, ping-pong: this warpgroup's score MMA waits for its turn and
+            # hands the turn over once issued and complete, so the other warpgroup's MMAs run
+            # during this one's elementwise math (the turn barriers: GluonGen.kernel_ws)
+            em.lines.append(f"{em.indent}mbarrier.wait(turn.index(WG), (t_i + 1 - WG) & 1)")
+            out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), "
+                              "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False)", "tile", "dot_")
+            em.lines.append(f"{em.indent}mbarrier.arrive(turn.index(1 - WG), count=1)")
         else:   # the zero accumulator is made at the call (a hoisted one stays live across the loop)
             out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), "
                               "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False)", "tile", "dot_")
@@ -148,6 +156,8 @@ class GContext(CContext):
         pa = f"gl.convert_layout({p}.to(DOT_T), DOT_A)"
         acc = a or "gl.zeros([BLOCK_I, BLOCK_E], gl.float32, layout=MMA)"
         use = "" if a else ", use_acc=False"
+        if self.g.ws:   # the value tile has its own barrier (the key tile's was waited on at the top)
+            em.lines.append(f"{ind}mbarrier.wait(v_bar.index(stage), ph)")
         if self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
             em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
             em.lines.append(f"{ind}{name}, s_next = warpgroup_mma_wait(0, deps=({name}, s_next))")
@@ -159,8 +169,15 @@ class GContext(CContext):
 class GluonGen(ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
-    def __init__(self, fusion, overlap=False):
+    def __init__(self, fusion, overlap=False, ws=False, pingpong=False):
         super().__init__(fusion)
+        # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
+        # warpgroups, each with its own query tile; pingpong: the consumers' score MMAs take
+        # turns (ws only)
+        self.ws, self.pingpong = bool(ws), bool(pingpong) and bool(ws)
+        if overlap and ws:
+            raise CodegenError("the warp-specialised Gluon kernel has no intra-warpgroup overlap (yet): "
+                               "use ws=True or overlap=True, not both")
         # overlap: the score MMA of tile t+1 is issued (asynchronously) before the elementwise
         # math of tile t and waited on with tile t's P @ V (FlashAttention-3's intra-warpgroup
         # overlap); off: every MMA is waited on where it is issued
@@ -295,6 +312,180 @@ class GluonGen(ContractionGen):
                                "expected 3); codegen/contraction_gluon.py needs updating")
         return out
 
+    def _layouts(self, nw):
+        """The register and shared-memory layouts of a function run by ``nw`` warps."""
+        return [f"    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[{nw}, 1], "
+                "instr_shape=[16, INSTR_N, 16])",
+                "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)   # one value per query row",
+                "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
+                "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
+                f"    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [{nw}], [0])"]
+
+    def kernel_ws(self) -> str:
+        """The warp-specialised kernel (FlashAttention-3's structure, issue 15 phase 2): one
+        program owns ``2 * BLOCK_I`` query rows. The parent region runs the template's
+        prologue and mask analysis over all of them (so every partition walks the same key
+        tiles), makes the TMA descriptors and the shared-memory ring, and forks:
+        - a load partition (one warp) copies the two query tiles, then each visible key tile's
+          key and value tiles into stage ``t % NS`` of the ring (``k_bar`` / ``v_bar`` signal
+          them complete), after both consumers released that stage's previous tile
+          (``kv_free``, two arrivals);
+        - two consumer partitions (one warpgroup each; the first is the default partition)
+          each own ``BLOCK_I`` rows and run the template's key loop on them: the derived
+          rolling update of every state, unchanged, with the score MMA on the key tile of the
+          current stage and the P @ V MMA on its value tile; each releases the stage after
+          its P @ V. With ``pingpong`` their score MMAs take turns (``turn`` barriers).
+        """
+        self.p = self.f.passes[0]
+        if self.empty_start() is None:
+            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
+                               "first key tile would be peeled; the Gluon kernel does not peel")
+        self.hopper, self.tma = False, {}
+        self.hoisting, self._hoisted = [], {}
+        qn, kn, vn = self.q_name, self.k_name, self.v_name
+        (r,), (c,), (e,) = self.R, self.C, self.E
+        pro, body, store = [], [], []
+        self.prologue(pro)
+        self.key_loop(body, "0", "n_j")
+        self.store_outputs(store)
+        cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
+        rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
+        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
+        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2:
+            raise CodegenError("the contraction template's prologue or key loop changed shape; "
+                               "codegen/contraction_gluon.py (kernel_ws) needs updating")
+        analysis, loops = body[:cut[0] + 1], body[cut[0] + 1:]
+        # the program's rows: its one query axis (n_rows = len_r, idx_r = rows); the mask
+        # analysis of the parent covers both consumers' rows
+        par_pro = list(pro)
+        par_pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
+        par_pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
+        con_pro = list(pro)
+        con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
+        sig = ", ".join(self.sig())
+        consts = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
+                  "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
+        # the consumers' constexprs (the element type: their query buffers' own)
+        ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
+                 "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
+        cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS"
+        ring = "q_bufs, k_smem, v_smem, q_bar, k_bar, v_bar, kv_free, turn"
+
+        # -- parent ------------------------------------------------------------------
+        P = ["@gluon.jit",
+             f"def {self.name}_gluon({sig}, {consts}, REGS: gl.constexpr, num_warps: gl.constexpr):",
+             "    # grid: (pairs of query row tiles, grid axes). Warp-specialised: a load partition feeds",
+             "    # a ring of NS key/value stages; two consumer warpgroups fold the key tiles into the",
+             "    # derived states of their own BLOCK_I rows (kernel_ws in codegen/contraction_gluon.py).",
+             ] + self._layouts("num_warps") + [
+             "    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_D], DOT_T)",
+             "    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_D], DOT_T)",
+             "    V_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_E], DOT_T)"]
+        P += par_pro + analysis
+        P += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
+              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[len_{r}, len_{c}], "
+              f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+              f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
+              f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
+              f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
+              f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
+              "    # the two consumers' query tiles; the key/value ring of NS stages",
+              f"    q_bufs = gl.allocate_shared_memory(DOT_T, [2, BLOCK_I, BLOCK_D], {qn}_desc.layout)",
+              f"    k_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
+              f"    v_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
+              "    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+              "    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+              "    k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+              "    v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+              "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+              "    for w in gl.static_range(2):",
+              "        mbarrier.init(q_bar.index(w), count=1)",
+              "        mbarrier.init(turn.index(w), count=1)",
+              "    for st in gl.static_range(NS):",
+              "        mbarrier.init(k_bar.index(st), count=1)",
+              "        mbarrier.init(v_bar.index(st), count=1)",
+              "        mbarrier.init(kv_free.index(st), count=2)   # released by both consumers",
+              "    fence_async_shared()",
+              "    gl.warp_specialize([",
+              f"        (_{self.name}_consume0, ({sig}, first, a, b, end, {ring}, {cargs})),",
+              f"        (_{self.name}_consume1, ({sig}, first, a, b, end, {ring}, {cargs})),",
+              f"        (_{self.name}_load, (pid_r, first, end, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, BLOCK_I, "
+              "BLOCK_J, NS)),",
+              "    ], [4, 1], [REGS, 24])",
+              "    for w in gl.static_range(2):",
+              "        mbarrier.invalidate(q_bar.index(w))",
+              "        mbarrier.invalidate(turn.index(w))",
+              "    for st in gl.static_range(NS):",
+              "        mbarrier.invalidate(k_bar.index(st))",
+              "        mbarrier.invalidate(v_bar.index(st))",
+              "        mbarrier.invalidate(kv_free.index(st))"]
+
+        # -- load partition ------------------------------------------------------------
+        Ld = ["@gluon.jit",
+              f"def _{self.name}_load(pid_r, first, end, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, "
+              "BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, NS: gl.constexpr):",
+              "    # the load partition: the two query tiles, then the visible key tiles in order,",
+              "    # stage t % NS once both consumers released its previous tile (a fresh barrier",
+              "    # counts as released: its wait for the phase before the first passes)",
+              "    for w in gl.static_range(2):",
+              f"        mbarrier.expect(q_bar.index(w), {qn}_desc.block_type.nbytes)",
+              f"        _tma_load({qn}_desc, [(pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), q_bufs.index(w))",
+              "    for start in range(first, end, BLOCK_J):",
+              "        t_i = (start - first) // BLOCK_J",
+              "        stage = t_i % NS",
+              "        mbarrier.wait(kv_free.index(stage), ((t_i // NS) & 1) ^ 1)",
+              f"        mbarrier.expect(k_bar.index(stage), {kn}_desc.block_type.nbytes)",
+              f"        _tma_load({kn}_desc, [start, 0], k_bar.index(stage), k_smem.index(stage))",
+              f"        mbarrier.expect(v_bar.index(stage), {vn}_desc.block_type.nbytes)",
+              f"        _tma_load({vn}_desc, [start, 0], v_bar.index(stage), v_smem.index(stage))"]
+
+        # -- consumer partitions ---------------------------------------------------------
+        C = ["@gluon.jit",
+             f"def _{self.name}_consume(WG: gl.constexpr, {sig}, first, a, b, end, {ring}, {ccons}):",
+             "    # a consumer warpgroup: the template's key loop over the ring, on rows WG of the pair",
+             "    DOT_T: gl.constexpr = q_bufs.dtype"
+             ] + self._layouts(4) + con_pro
+        C += ["    q_smem = q_bufs.index(WG)",
+              "    mbarrier.wait(q_bar.index(WG), 0)"]
+        C += self.hoisting + self._ws_pipeline(loops) + store
+        wrappers = []
+        for w in (0, 1):
+            wrappers += ["@gluon.jit",
+                         f"def _{self.name}_consume{w}({sig}, first, a, b, end, {ring}, {ccons}):",
+                         f"    _{self.name}_consume({w}, {sig}, first, a, b, end, {ring}, {cargs})", ""]
+        funcs = [_drop_dead("\n".join(C)), "\n".join(wrappers).rstrip(), "\n".join(Ld), _drop_dead("\n".join(P))]
+        return _gluonize("\n\n\n".join(funcs))
+
+    def _ws_pipeline(self, loops):
+        """The consumers' key loops: at the top of each tile, wait for its key tile in stage
+        ``t % NS`` (the value tile is waited on just before the P @ V MMA: GContext), and at
+        the bottom release the stage to the load partition."""
+        out, n = [], 0
+        i = 0
+        while i < len(loops):
+            ln = loops[i]
+            out.append(ln)
+            i += 1
+            m = re.match(r"(\s*)for start in range\(", ln)
+            if not m:
+                continue
+            n += 1
+            ind = m.group(1) + "    "
+            out += [f"{ind}t_i = (start - first) // BLOCK_J",
+                    f"{ind}stage = t_i % NS",
+                    f"{ind}ph = (t_i // NS) & 1",
+                    f"{ind}mbarrier.wait(k_bar.index(stage), ph)",
+                    f"{ind}k_cur = k_smem.index(stage)",
+                    f"{ind}v_cur = v_smem.index(stage)"]
+            while i < len(loops) and (not loops[i].strip() or len(loops[i]) - len(loops[i].lstrip()) >= len(ind)):
+                out.append(loops[i])
+                i += 1
+            out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1)   # this tile's MMAs are complete")
+        if n != 3:
+            raise CodegenError(f"the contraction template's key loop changed shape ({n} tile loops, "
+                               "expected 3); codegen/contraction_gluon.py needs updating")
+        return out
+
     def _overlap(self, out):
         """The overlapped pipeline (``overlap``), from the plain one's text: tiles t and t+1 are
         copied before the loops and the score of the first tile computed there; at the top of
@@ -354,7 +545,7 @@ class GluonGen(ContractionGen):
         f = self.f
         if len(f.passes) != 1:
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes; the Gluon kernel is one pass")
-        kern = self.kernel()
+        kern = self.kernel_ws() if self.ws else self.kernel()
         helpers = _helpers(kern)
         uses_ld = any("libdevice." in x for x in helpers + [kern])
         lib = "from triton.language.extra import libdevice\n" if uses_ld else ""
@@ -387,14 +578,14 @@ def _helpers(kern: str) -> list:
     return [re.sub(r"\btl\.", "gl.", defs[n].replace("@triton.jit", "@gluon.jit")) for n in defs if n in need]
 
 
-def gluon_source(prog_or_fusion, overlap=False, **fuse_kw) -> str:
+def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     f = prog_or_fusion if hasattr(prog_or_fusion, "passes") else af.fuse(prog_or_fusion, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    return GluonGen(f, overlap=overlap).module()
+    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong).module()
 
 
 class GluonKernel:
@@ -410,23 +601,26 @@ class GluonKernel:
         self.axis = gen.axis
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
+        self.ws = gen.ws
         self.fn = getattr(module, f"{gen.name}_gluon")
 
-    def __call__(self, BLOCK_I=128, BLOCK_J=None, num_warps=8, **inputs):
+    def __call__(self, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None, **inputs):
         import torch
         q = inputs.get(self.q)
         if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
             raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only (CUDA tensors "
                              "there); use af.compile")
-        grid, args, kw, out = self.launch_args(inputs, BLOCK_I, BLOCK_J, num_warps)
+        grid, args, kw, out = self.launch_args(inputs, BLOCK_I, BLOCK_J, num_warps, stages)
         _allocator()
         with torch.cuda.device(q.device):
             self.fn[grid](*args, **kw)
         return out
 
-    def launch_args(self, inputs, BLOCK_I=128, BLOCK_J=None, num_warps=8):
+    def launch_args(self, inputs, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None):
         """(grid, positional arguments, constexpr keywords, outputs) of one launch; the checks
-        of the inputs (any device: the CPU tests call this without launching)."""
+        of the inputs (any device: the CPU tests call this without launching). The
+        warp-specialised kernel: BLOCK_I rows per consumer warpgroup (two per program, 4 warps
+        each; ``num_warps`` is theirs: 4), ``stages`` key/value stages in its ring."""
         import torch
         import triton
         from triton.experimental.gluon import language as gl
@@ -464,11 +658,23 @@ class GluonKernel:
         BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_E = max(16, triton.next_power_of_2(Ev))
         BLOCK_J = BLOCK_J or min(128, max(64, BLOCK_E))
+        BLOCK_I = BLOCK_I or (64 if self.ws else 128)
+        num_warps = num_warps or (4 if self.ws else 8)
         if BLOCK_D > 256 or BLOCK_E > 256:
             raise ValueError(f"program {self.name!r}: the Gluon kernel takes {c!r} and {e!r} up to 256")
+        if self.ws and num_warps != 4:
+            raise ValueError(f"program {self.name!r}: the warp-specialised Gluon kernel's consumers are one "
+                             f"warpgroup each (num_warps=4, got {num_warps})")
         if BLOCK_I % (16 * num_warps) or BLOCK_J % 16:
             raise ValueError(f"program {self.name!r}: BLOCK_I must be a multiple of 16 * num_warps and "
                              f"BLOCK_J of 16 (got {BLOCK_I}, {BLOCK_J}, {num_warps} warps)")
+        if self.ws:   # shared memory: two query tiles and the ring; 227 KB per program on sm_90
+            per_stage = BLOCK_J * (BLOCK_D + BLOCK_E) * 2
+            stages = stages or max(2, min(4, (SMEM_SM90 - 2 * BLOCK_I * BLOCK_D * 2 - 1024) // per_stage))
+            if 2 * BLOCK_I * BLOCK_D * 2 + stages * per_stage + 1024 > SMEM_SM90 or stages < 2:
+                raise ValueError(f"program {self.name!r}: {stages} key/value stages of {BLOCK_J} keys and two "
+                                 f"query tiles of {BLOCK_I} rows do not fit sm_90's shared memory (or fewer "
+                                 "than 2 stages); use fewer stages or smaller tiles")
         dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         out = {o: torch.empty([lens[a] for a in axes], device=q.device, dtype=q.dtype)
                for o, axes in self.out_axes.items()}
@@ -481,10 +687,21 @@ class GluonKernel:
             args += [out[o].stride(i) for i in range(len(axes))]
         args += [lens[a] for a in self.G + self.R + self.E + self.C + self.L]
         args += [n_rows, n_j]
-        grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         kw = dict(BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, DOT_T=dt, SCAN=16,
                   INSTR_N=math.gcd(BLOCK_J, BLOCK_E, 256), num_warps=num_warps)
+        if self.ws:
+            # 12 warps (the load partition's warpgroup included) at WS_MAXNREG registers each on
+            # average: each consumer warpgroup gets WS_REGS, the load partition 24
+            grid = (triton.cdiv(n_rows, 2 * BLOCK_I), math.prod(lens[a] for a in self.G))
+            kw.update(NS=stages, REGS=WS_REGS, maxnreg=WS_MAXNREG)
+        else:
+            grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         return grid, args, kw, out
+
+
+SMEM_SM90 = 232448   # bytes of shared memory one program may use on sm_90 (227 KB)
+WS_REGS = 240        # registers per thread of a consumer warpgroup (setmaxnreg)
+WS_MAXNREG = 168     # the kernel's register limit: 3 warpgroups x 128 threads x 168 = the 64K file
 
 
 def _allocator():
@@ -501,7 +718,7 @@ def _allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
-def compile_gluon(prog, overlap=False, **fuse_kw) -> GluonKernel:
+def compile_gluon(prog, overlap=False, ws=False, pingpong=False, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -512,7 +729,7 @@ def compile_gluon(prog, overlap=False, **fuse_kw) -> GluonKernel:
     f = prog if hasattr(prog, "passes") else af.fuse(prog, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    gen = GluonGen(f, overlap=overlap)
+    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)

@@ -55,6 +55,8 @@ WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softca
 def sources():
     src = {n: gluon_source(mk()) for n, mk in PROGS.items()}
     src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower", "p_band")})
+    src.update({n + "_ws": gluon_source(PROGS[n](), ws=True) for n in ("p_plain", "p_lower", "p_band")})
+    src.update({n + "_wspp": gluon_source(PROGS[n](), ws=True, pingpong=True) for n in ("p_plain", "p_lower")})
     return src
 
 
@@ -93,6 +95,45 @@ def test_overlap_structure(sources):
         assert "k_cur" not in body
 
 
+def _partition(src, fn):
+    """The text of one generated Gluon function."""
+    return src.split(f"def {fn}(")[1].split("@gluon.jit")[0]
+
+
+def test_ws_structure(sources):
+    """The warp-specialised kernel: a load partition and two consumer warpgroups forked by
+    gl.warp_specialize; the consumers run the same derived updates as the one-partition kernel
+    (the same rule chains, the same exponentials), wait for each stage's key tile at the top of
+    a tile and its value tile just before P @ V, and release the stage after it; only the load
+    partition copies key and value tiles."""
+    src, one = sources["p_lower_ws"], sources["p_lower"]
+    assert src.count("gl.warp_specialize(") == 1 and "], [4, 1], [REGS, 24])" in src
+    con = _partition(src, "_p_lower_consume")
+    load = _partition(src, "_p_lower_load")
+    chains = lambda t: sorted(re.findall(r"#\s+derived by: .*", t))   # noqa: E731
+    assert chains(con) == chains(one) and len(chains(con)) == 9   # 3 states x 3 tile loops
+    assert con.count("gl.exp2(") == one.count("gl.exp2(") and "_tma_load(" not in con
+    loops = con.split("for start in range(")[1:]
+    assert len(loops) == 3
+    for body in loops:
+        assert body.index("mbarrier.wait(k_bar.index(stage), ph)") < body.index("warpgroup_mma(q_smem, k_cur")
+        assert body.index("mbarrier.wait(v_bar.index(stage), ph)") < body.index("warpgroup_mma(gl.convert_layout(")
+        assert body.index("warpgroup_mma(gl.convert_layout(") < body.index("mbarrier.arrive(kv_free.index(stage)")
+    assert load.count("_tma_load(") == 3 and "mbarrier.wait(kv_free.index(stage), ((t_i // NS) & 1) ^ 1)" in load
+    # each consumer's own rows; the parent's mask analysis over both
+    assert "rows = (pid_r * 2 + WG) * BLOCK_I" in con
+    assert "i_lo = (pid_r * (2 * BLOCK_I)) * 1.0" in _partition(src, "p_lower_gluon")
+    assert "turn.index" not in con
+    pp = _partition(sources["p_lower_wspp"], "_p_lower_consume")
+    for body in pp.split("for start in range(")[1:]:
+        w, d, a = (body.index(x) for x in ("mbarrier.wait(turn.index(WG)", "warpgroup_mma(q_smem, k_cur",
+                                           "mbarrier.arrive(turn.index(1 - WG)"))
+        assert w < d < a
+    assert gluon_source(PROGS["p_lower"](), ws=True) == src
+    with pytest.raises(CodegenError, match="not both"):
+        gluon_source(PROGS["p_lower"](), ws=True, overlap=True)
+
+
 def test_outside_phase_one_is_refused():
     qg = af.tensor("q", "b g r i d")
     kg = af.tensor("k", "b g j d")
@@ -128,6 +169,18 @@ def test_launch_arguments_match_the_kernel():
         kern.launch_args(dict(ins, q=qx[:, :, :0], k=qx[:, :, :0], v=qx[:, :, :0]))
     with pytest.raises(ValueError, match="sm_90"):
         kern(**ins)
+    # the warp-specialised kernel: programs of 2 x BLOCK_I rows, its ring's stages, its registers
+    ws = compile_gluon(PROGS["p_slope"](), ws=True)
+    grid, args, kw, out = ws.launch_args(dict(ins, q=torch.randn(2, 3, 300, D, dtype=torch.bfloat16)))
+    params = [p.strip() for p in re.search(r"def p_slope_gluon\((.*?)\):", ws.source).group(1).split(",")]
+    assert len(args) == len([p for p in params if "constexpr" not in p])
+    assert sorted(k_ for k_ in kw if k_ != "maxnreg") == sorted(p.split(":")[0] for p in params if "constexpr" in p)
+    assert grid == (3, 6) and kw["BLOCK_I"] == 64 and kw["num_warps"] == 4 and kw["NS"] == 3
+    assert ws.launch_args(ins, BLOCK_J=64)[2]["NS"] == 4
+    with pytest.raises(ValueError, match="shared memory"):
+        ws.launch_args(ins, stages=4)
+    with pytest.raises(ValueError, match="warpgroup"):
+        ws.launch_args(ins, num_warps=8)
 
 
 _COMPILE = r"""
@@ -141,18 +194,21 @@ spec = importlib.util.spec_from_file_location("gluon_offline", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 fn = getattr(mod, name + "_gluon")
-
-
-const = dict(BLOCK_I=128, BLOCK_J=128, BLOCK_E=128, BLOCK_D=128, DOT_T=gl.bfloat16, SCAN=16, INSTR_N=128,
-             num_warps=8)
+ws = "NS" in fn.arg_names
+const = dict(BLOCK_I=64 if ws else 128, BLOCK_J=128, BLOCK_E=128, BLOCK_D=128, DOT_T=gl.bfloat16, SCAN=16,
+             INSTR_N=128, num_warps=4 if ws else 8)
+opts = {"num_warps": const["num_warps"]}
+if ws:
+    const.update(NS=3, REGS=240)
+    opts["maxnreg"] = 168
 sig = {a: ("constexpr" if a in const else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
-kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options={"num_warps": 8})
+kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options=opts)
 ptx = kern.asm["ptx"]
 print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.tensor"))
 """
 
 
-@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov"])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov", "p_lower_ws", "p_plain_wspp"])
 def test_compiles_for_sm90_offline(sources, tmp_path, name):
     """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
     Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
@@ -168,8 +224,8 @@ def test_compiles_for_sm90_offline(sources, tmp_path, name):
     script.write_text(_COMPILE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    r = subprocess.run([sys.executable, str(script), str(src), name.removesuffix("_ov")], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, str(script), str(src), name.split("_")[0] + "_" + name.split("_")[1]],
+                       env=env, capture_output=True, text=True, timeout=600)
     if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -209,24 +265,28 @@ def _on_hopper():
 
 
 _KERNS = {}
+# the kernel variants: one partition (plain; overlap: the next score MMA during this tile's math);
+# warp-specialised (ws: a load partition and two consumer warpgroups; wspp: their score MMAs
+# take turns)
+MODES = {"plain": {}, "ov": dict(overlap=True), "ws": dict(ws=True), "wspp": dict(ws=True, pingpong=True)}
 
 
-def _kernel(name, overlap):
+def _kernel(name, mode):
     from acefuse.codegen.contraction_gluon import compile_gluon
-    if (name, overlap) not in _KERNS:
-        _KERNS[name, overlap] = compile_gluon(PROGS[name](), overlap=overlap)
-    return _KERNS[name, overlap]
+    if (name, mode) not in _KERNS:
+        _KERNS[name, mode] = compile_gluon(PROGS[name](), **MODES[mode])
+    return _KERNS[name, mode]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("N,BJ", [(1000, 128), (4096, 64), (200, 64)])
 @pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_cap", "p_slope", "p_band", "p_lag"])
-def test_gpu_against_float64(name, N, BJ, overlap):
+def test_gpu_against_float64(name, N, BJ, mode):
     if not _on_hopper():
         pytest.skip("the Gluon kernel needs an sm_90+ GPU")
-    kern = _kernel(name, overlap)
-    g = torch.Generator(device="cuda").manual_seed(N * 7 + BJ + len(name) + overlap)
+    kern = _kernel(name, mode)
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + BJ + len(name) + len(mode))
     B, H = 2, 3
     x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
     qx, kx, vx = x(B, H, N, D), x(B, H, N, D), x(B, H, N, D)
@@ -240,35 +300,37 @@ def test_gpu_against_float64(name, N, BJ, overlap):
                band=BAND if name == "p_band" else None, lag=LAG if name == "p_lag" else None, **kw)
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
-    assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} overlap={overlap}: relative error {err:.3e}"
+    assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} mode={mode}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["p_lower", "p_band"])
-def test_gpu_small_tiles(name, overlap):
-    """64 x 64 tiles on one warpgroup (4 warps): the other launch shape the launcher takes."""
+def test_gpu_small_tiles(name, mode):
+    """64 x 64 tiles on one warpgroup (4 warps): the other launch shape the launcher takes
+    (warp-specialised: 64 rows per consumer; 777 rows leave the last program's second
+    consumer no row at all)."""
     if not _on_hopper():
         pytest.skip("the Gluon kernel needs an sm_90+ GPU")
-    kern = _kernel(name, overlap)
-    g = torch.Generator(device="cuda").manual_seed(23 + overlap + len(name))
+    kern = _kernel(name, mode)
+    g = torch.Generator(device="cuda").manual_seed(23 + len(mode) + len(name))
     qx, kx, vx = (torch.randn(1, 2, 777, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     out = kern(q=qx, k=kx, v=vx, BLOCK_I=64, BLOCK_J=64, num_warps=4)["o"]
     ref = _ref(qx, kx, vx, lower=name == "p_lower", band=BAND if name == "p_band" else None)
     err = _rel(out, ref)
-    assert err < 2e-2, f"{name} overlap={overlap}: relative error {err:.3e}"
+    assert err < 2e-2, f"{name} mode={mode}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_strided_and_unequal_lengths(overlap):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_strided_and_unequal_lengths(mode):
     """Operands in (batch, position, head, dim) memory order (strided views, as torch models
     keep them), fewer queries than keys, a masked score; and a non-finite value in one head's
     keys and values stays in that head."""
     if not _on_hopper():
         pytest.skip("the Gluon kernel needs an sm_90+ GPU")
-    kern = _kernel("p_lower", overlap)
-    g = torch.Generator(device="cuda").manual_seed(11 + overlap)
+    kern = _kernel("p_lower", mode)
+    g = torch.Generator(device="cuda").manual_seed(11 + len(mode))
     B, H, NQ, NK = 2, 4, 333, 517
     x = lambda n: torch.randn(B, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa
     qx, kx, vx = x(NQ), x(NK), x(NK)
@@ -282,7 +344,7 @@ def test_gpu_strided_and_unequal_lengths(overlap):
     ok[0, 1] = False
     assert torch.isfinite(out[ok]).all()
     err = _rel(out[ok], ref[ok])
-    assert err < 2e-2, f"overlap={overlap}: relative error {err:.3e}"
+    assert err < 2e-2, f"mode={mode}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
