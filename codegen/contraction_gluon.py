@@ -116,10 +116,10 @@ class GContext(CContext):
         if g.overlap:   # the tile's score, issued one tile ahead by the loop (GluonGen._pipeline)
             out, sh = "s_cur", "tile"
         elif g.ws and g.pingpong:
-            # warp-specialised, ping-pong: this warpgroup's score MMA waits for its turn and
-            # hands the turn over once issued and complete, so the other warpgroup's MMAs run
-            # during this one's elementwise math (the turn barriers: GluonGen.kernel_ws)
-            em.lines.append(f"{em.indent}mbarrier.wait(turn.index(WG), (t_i + 1 - WG) & 1)")
+            # warp-specialised, ping-pong: a warpgroup's MMAs run as one block, P @ V of tile t
+            # then the score of tile t+1, while the other warpgroup does its elementwise math;
+            # the block ends here, handing the turn to the other warpgroup (its start: the wait
+            # before P @ V in reduce_tile; the turn barriers: GluonGen.kernel_ws)
             out, sh = em.bind("warpgroup_mma(q_smem, k_cur.permute((1, 0)), "
                               "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA), use_acc=False)", "tile", "dot_")
             em.lines.append(f"{em.indent}mbarrier.arrive(turn.index(1 - WG), count=1)")
@@ -158,6 +158,8 @@ class GContext(CContext):
         use = "" if a else ", use_acc=False"
         if self.g.ws:   # the value tile has its own barrier (the key tile's was waited on at the top)
             em.lines.append(f"{ind}mbarrier.wait(v_bar.index(stage), ph)")
+        if self.g.pingpong:   # this warpgroup's turn: the other one issued its score MMA of this tile
+            em.lines.append(f"{ind}mbarrier.wait(turn.index(WG), (t_i + WG) & 1)")
         if self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
             em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
             em.lines.append(f"{ind}{name}, s_next = warpgroup_mma_wait(0, deps=({name}, s_next))")
@@ -175,9 +177,9 @@ class GluonGen(ContractionGen):
         # warpgroups, each with its own query tile; pingpong: the consumers' score MMAs take
         # turns (ws only)
         self.ws, self.pingpong = bool(ws), bool(pingpong) and bool(ws)
-        if overlap and ws:
-            raise CodegenError("the warp-specialised Gluon kernel has no intra-warpgroup overlap (yet): "
-                               "use ws=True or overlap=True, not both")
+        if overlap and self.pingpong:
+            raise CodegenError("the warp-specialised Gluon kernel takes ping-pong or the intra-warpgroup overlap, "
+                               "not both")
         # overlap: the score MMA of tile t+1 is issued (asynchronously) before the elementwise
         # math of tile t and waited on with tile t's P @ V (FlashAttention-3's intra-warpgroup
         # overlap); off: every MMA is waited on where it is issued
@@ -334,7 +336,11 @@ class GluonGen(ContractionGen):
           each own ``BLOCK_I`` rows and run the template's key loop on them: the derived
           rolling update of every state, unchanged, with the score MMA on the key tile of the
           current stage and the P @ V MMA on its value tile; each releases the stage after
-          its P @ V. With ``pingpong`` their score MMAs take turns (``turn`` barriers).
+          its P @ V. With ``pingpong`` (FlashAttention-3's inter-warpgroup schedule) their MMAs
+          alternate in blocks, P @ V of tile t and the score of tile t+1, so one warpgroup's
+          exponentials run during the other's MMAs (``turn`` barriers: warpgroup w waits on
+          ``turn[w]`` before its block, and arrives on ``turn[1 - w]`` after it). With
+          ``overlap`` each consumer issues the next tile's score MMA before this tile's math.
         """
         self.p = self.f.passes[0]
         if self.empty_start() is None:
@@ -462,6 +468,15 @@ class GluonGen(ContractionGen):
         the bottom release the stage to the load partition."""
         out, n = [], 0
         i = 0
+        zeros = "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA)"
+        if self.pingpong:
+            out += ["    # ping-pong: the second warpgroup's first score MMA waits for the first one's",
+                    "    if WG == 1:",
+                    "        mbarrier.wait(turn.index(1), 0)"]
+        if self.overlap:   # the first tile's score, before the loops
+            out += ["    # the first tile's score (stage 0); each tile issues the next one's",
+                    "    mbarrier.wait(k_bar.index(0), 0)",
+                    f"    s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), {zeros}, use_acc=False)"]
         while i < len(loops):
             ln = loops[i]
             out.append(ln)
@@ -474,16 +489,29 @@ class GluonGen(ContractionGen):
             out += [f"{ind}t_i = (start - first) // BLOCK_J",
                     f"{ind}stage = t_i % NS",
                     f"{ind}ph = (t_i // NS) & 1",
-                    f"{ind}mbarrier.wait(k_bar.index(stage), ph)",
-                    f"{ind}k_cur = k_smem.index(stage)",
                     f"{ind}v_cur = v_smem.index(stage)"]
+            if self.overlap:
+                # the next tile's score MMA runs during this tile's math (past the last tile
+                # it reads a stage no copy is writing, and is discarded)
+                out += [f"{ind}more = start + BLOCK_J < end",
+                        f"{ind}mbarrier.wait(k_bar.index((t_i + 1) % NS), ((t_i + 1) // NS) & 1, pred=more)",
+                        f"{ind}s_next = warpgroup_mma(q_smem, k_smem.index((t_i + 1) % NS).permute((1, 0)), "
+                        f"{zeros}, use_acc=False, is_async=True)"]
+            else:
+                out += [f"{ind}mbarrier.wait(k_bar.index(stage), ph)",
+                        f"{ind}k_cur = k_smem.index(stage)"]
             while i < len(loops) and (not loops[i].strip() or len(loops[i]) - len(loops[i].lstrip()) >= len(ind)):
                 out.append(loops[i])
                 i += 1
             out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1)   # this tile's MMAs are complete")
+            if self.overlap:
+                out.append(f"{ind}s_cur = warpgroup_mma_wait(0, deps=(s_next,))")
         if n != 3:
             raise CodegenError(f"the contraction template's key loop changed shape ({n} tile loops, "
                                "expected 3); codegen/contraction_gluon.py needs updating")
+        if self.overlap and any("k_cur" in ln for ln in out):
+            raise CodegenError("the overlapped Gluon pipeline left a read of k_cur; "
+                               "codegen/contraction_gluon.py needs updating")
         return out
 
     def _overlap(self, out):

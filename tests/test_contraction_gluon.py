@@ -57,6 +57,7 @@ def sources():
     src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower", "p_band")})
     src.update({n + "_ws": gluon_source(PROGS[n](), ws=True) for n in ("p_plain", "p_lower", "p_band")})
     src.update({n + "_wspp": gluon_source(PROGS[n](), ws=True, pingpong=True) for n in ("p_plain", "p_lower")})
+    src.update({n + "_wsov": gluon_source(PROGS[n](), ws=True, overlap=True) for n in ("p_plain", "p_lower")})
     return src
 
 
@@ -124,14 +125,28 @@ def test_ws_structure(sources):
     assert "rows = (pid_r * 2 + WG) * BLOCK_I" in con
     assert "i_lo = (pid_r * (2 * BLOCK_I)) * 1.0" in _partition(src, "p_lower_gluon")
     assert "turn.index" not in con
+    # ping-pong: a warpgroup's turn spans P @ V of tile t and the score of tile t+1 (the second
+    # warpgroup's first turn starts after the first one's first score)
     pp = _partition(sources["p_lower_wspp"], "_p_lower_consume")
+    assert "if WG == 1:\n        mbarrier.wait(turn.index(1), 0)" in pp.split("for start in range(")[0]
     for body in pp.split("for start in range(")[1:]:
-        w, d, a = (body.index(x) for x in ("mbarrier.wait(turn.index(WG)", "warpgroup_mma(q_smem, k_cur",
-                                           "mbarrier.arrive(turn.index(1 - WG)"))
-        assert w < d < a
+        seq = [body.index(x) for x in ("warpgroup_mma(q_smem, k_cur", "mbarrier.arrive(turn.index(1 - WG), count=1)",
+                                       "gl.exp2(", "mbarrier.wait(turn.index(WG), (t_i + WG) & 1)",
+                                       "warpgroup_mma(gl.convert_layout(")]
+        assert seq == sorted(seq) and body.count("turn.index") == 2
     assert gluon_source(PROGS["p_lower"](), ws=True) == src
+    # with the overlap: the next tile's score is issued (after its key tile's wait) before this
+    # tile's math and completed with its P @ V; the stage is released after that
+    ov = _partition(sources["p_lower_wsov"], "_p_lower_consume")
+    assert chains(ov) == chains(one) and "k_cur" not in ov
+    for body in ov.split("for start in range(")[1:]:
+        seq = [body.index(x) for x in ("mbarrier.wait(k_bar.index((t_i + 1) % NS)", "s_next = warpgroup_mma(q_smem",
+                                       "gl.exp2(", "mbarrier.wait(v_bar.index(stage), ph)",
+                                       "warpgroup_mma_wait(0, deps=(_pv", "mbarrier.arrive(kv_free.index(stage)",
+                                       "s_cur = warpgroup_mma_wait(0, deps=(s_next,))")]
+        assert seq == sorted(seq)
     with pytest.raises(CodegenError, match="not both"):
-        gluon_source(PROGS["p_lower"](), ws=True, overlap=True)
+        gluon_source(PROGS["p_lower"](), ws=True, overlap=True, pingpong=True)
 
 
 def test_outside_phase_one_is_refused():
@@ -208,7 +223,8 @@ print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.ten
 """
 
 
-@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov", "p_lower_ws", "p_plain_wspp"])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov", "p_lower_ws", "p_plain_wspp",
+                                  "p_lower_wsov"])
 def test_compiles_for_sm90_offline(sources, tmp_path, name):
     """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
     Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
@@ -266,9 +282,10 @@ def _on_hopper():
 
 _KERNS = {}
 # the kernel variants: one partition (plain; overlap: the next score MMA during this tile's math);
-# warp-specialised (ws: a load partition and two consumer warpgroups; wspp: their score MMAs
-# take turns)
-MODES = {"plain": {}, "ov": dict(overlap=True), "ws": dict(ws=True), "wspp": dict(ws=True, pingpong=True)}
+# warp-specialised (ws1: a load partition and two consumer warpgroups; wspp: their score MMAs
+# take turns; wsov: each consumer overlaps the next score MMA with this tile's math)
+MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": dict(ws=True, pingpong=True),
+         "wsov": dict(ws=True, overlap=True)}
 
 
 def _kernel(name, mode):
