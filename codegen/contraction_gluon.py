@@ -629,7 +629,7 @@ class GluonKernel:
         self.axis = gen.axis
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
-        self.ws = gen.ws
+        self.ws, self.overlap = gen.ws, gen.overlap
         self.fn = getattr(module, f"{gen.name}_gluon")
 
     def __call__(self, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None, **inputs):
@@ -685,7 +685,9 @@ class GluonKernel:
         D, Ev, n_j, n_rows = lens[c], lens[e], lens[self.axis], lens[r]
         BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_E = max(16, triton.next_power_of_2(Ev))
-        BLOCK_J = BLOCK_J or min(128, max(64, BLOCK_E))
+        # 128 keys a tile; 64 when each consumer also holds the next tile's score (ws + overlap:
+        # at 128 its registers spill on sm_90, offline compile with Triton 3.6)
+        BLOCK_J = BLOCK_J or (64 if self.ws and self.overlap else min(128, max(64, BLOCK_E)))
         BLOCK_I = BLOCK_I or (64 if self.ws else 128)
         num_warps = num_warps or (4 if self.ws else 8)
         if BLOCK_D > 256 or BLOCK_E > 256:
