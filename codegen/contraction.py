@@ -56,6 +56,21 @@ from acefuse.codegen.masks import MaskAnalysis
 from acefuse.codegen.contraction_ctx import CContext, _cjoin, _flat_mul
 from acefuse.codegen import contraction_launch
 
+# the tanh of the family's kernels (CContext.tanh): the hardware's where the scores feed 16-bit
+# matmuls on a GPU, the accurate _tanh elsewhere (README, numerics)
+TANH_MM = '''@triton.jit
+def _tanh_mm(a, C: tl.constexpr, RC: tl.constexpr, T: tl.constexpr):
+    # tanh(a / C). On the GPU (NATIVE) with 16-bit matmul operands T: tanh.approx.f32 of a * RC
+    # (RC = 1 / C rounded; one MUFU op, relative error about 2^-11 by the PTX ISA), for scores that
+    # make a 16-bit P tile; otherwise a correctly rounded division and _tanh
+    if NATIVE and ((T == tl.bfloat16) or (T == tl.float16)):
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [a * RC], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    elif C == 1.0:
+        return _tanh(a)
+    else:
+        return _tanh(tl.div_rn(a, C))'''
+
 AB = Term("BU", (A, B))
 J = Term("BJ")
 
@@ -104,6 +119,10 @@ def classify(prog, tensors, terms, out_axes, j, C):
 
 
 class ContractionGen(MaskAnalysis):
+    # masked tiles inside the keys without a bounds mask (key_loop; False: the previous template,
+    # every masked tile with the bounds mask, kept for measuring one against the other)
+    INB_TILES = True
+
     def __init__(self, fusion):
         self.f = fusion
         self.counter = [0]
@@ -148,6 +167,11 @@ class ContractionGen(MaskAnalysis):
         self.hopper = False
         self.tma = {}
         self.tile_start = "start"
+        # key_loop: masked tiles inside the keys (the first masked loop's) apply the program's mask
+        # alone, with no bounds mask and no masked load; the last loop's tile mask is the keys' bound
+        # alone (set by module(); Gluon's kernel keeps its own)
+        self.inb_tiles = False
+        self.tile_inb = False   # the tiles being emitted lie inside the keys (CContext.inb)
         takes = _takes(list(self.leaves.values()) + list(self.outputs.values()))
         # tensors an index is read from (page tables) must be int32/int64; tensors outside the
         # dot products (document ids, masks, biases) may be integers or floats
@@ -281,9 +305,16 @@ class ContractionGen(MaskAnalysis):
         for a in reversed(self.G):
             L.append(f"    idx_{a} = gem % len_{a}")
             L.append(f"    gem = gem // len_{a}")
-        for a in self.R:
-            L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
-            L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
+        if len(self.R) == 1:
+            # one query axis: its index is the row, so the tile's range is known without reducing
+            # over the rows (a block-wide min and max, each a round trip through shared memory)
+            a = self.R[0]
+            L.append(f"    {a}_lo = (pid_r * BLOCK_I) * 1.0")
+            L.append(f"    {a}_hi = (tl.minimum(pid_r * BLOCK_I + BLOCK_I, n_rows) - 1) * 1.0")
+        else:
+            for a in self.R:
+                L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
+                L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
         L.append("    nj_f = n_j * 1.0")
         for a in self.G + self.R + self.E + self.C + self.L:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
@@ -332,7 +363,10 @@ class ContractionGen(MaskAnalysis):
     def tile_setup(self, L, start, ind, limit="n_j", full=False):
         self.tile_start = start
         L.append(f"{ind}cols = {start} + cols0")
-        if not full:   # a fully visible tile applies no mask
+        if self.inb_tiles and not full and not self.tile_inb:
+            # the keys' bound alone: rows past the end are never stored, each row's states its own
+            L.append(f"{ind}tmask = cols[None, :] < {limit}")
+        elif not full and not self.tile_inb:   # (a tile inside the keys: the program's mask alone)
             L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
         if self.uses_counts():
             L.append(f"{ind}n_b = tl.sum(((cols < {limit})).to(tl.float32), axis=0)")
@@ -391,8 +425,16 @@ class ContractionGen(MaskAnalysis):
             L.append(f"{ind}f_lo = tl.minimum(f_lo, end)")
         empty = self.empty_start()
         lo1 = "first" if empty else "first + BLOCK_J"
-        L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), end)")
-        L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")
+        if self.inb_tiles:
+            # the tiles before e_in lie inside the keys (the keys may end inside the one at e_in):
+            # the first two loops stop there, and the last loop, whose tile mask has the bound,
+            # takes the tile the keys end in (tiles stay in ascending order)
+            L.append(f"{ind}e_in = tl.minimum(tl.maximum(first + (end - first) // BLOCK_J * BLOCK_J, {lo1}), end)")
+            L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), e_in)")
+            L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), e_in)")
+        else:
+            L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), end)")
+            L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")
         if empty:
             # no peeled tile: the states start as those of an empty block, and every key tile is
             # folded in by the rolling update (one copy of the loop body per kind of tile; a
@@ -413,8 +455,12 @@ class ContractionGen(MaskAnalysis):
             if self.uses_counts():
                 L.append(f"{ind}n_a = n_b")
         subst = self.unmasked(sites)
-        for lo_, hi_, full, what in ((lo1, "a", False, "masked"), ("a", "b", True, "fully visible"),
-                                     ("b", "end", False, "masked")):
+        # (inb_tiles: the first loop's masked tiles lie inside the keys: the program's mask alone)
+        loops = ((lo1, "a", "inb" if self.inb_tiles else False, "masked"), ("a", "b", True, "fully visible"),
+                 ("b", "end", False, "masked"))
+        for lo_, hi_, full, what in loops:
+            self.tile_inb = full == "inb"
+            full = full is True
             if full and self.hopper:
                 # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
                 L.append(f"{ind}for start in tl.range({lo_}, {hi_}, BLOCK_J, warp_specialize=WS):  # {what} tiles")
@@ -429,6 +475,7 @@ class ContractionGen(MaskAnalysis):
             if self.uses_counts():
                 body.append(f"{ind}    n_a = n_a + n_b")
             L.extend(_used_setup(setup, body) + body)
+        self.tile_inb = False
 
     def empty_start(self):
         """{state: its value on an empty block} when the key loop may start from those values
@@ -572,14 +619,21 @@ class ContractionGen(MaskAnalysis):
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes over {self.axis!r}; the "
                                f"contraction family emits one-pass kernels only ({f.reason})")
         parts = [HEADER.format(name=self.name, axis=self.axis, explain=f.explain().replace('"""', "'''"))]
-        parts.append(self.kernel_loop())
-        hop = self.kernel_loop(hopper=True)
-        self.hopper_tma = dict(self.tma) if hop else {}
-        if hop:
-            parts.append(hop)
-        split = f.passes[0].split_ok
-        if split:
-            parts.extend(self.kernel_split())
+        self.tanh_mm = True   # this module defines _tanh_mm (CContext.tanh)
+        self.inb_tiles = self.INB_TILES
+        try:
+            parts.append(self.kernel_loop())
+            hop = self.kernel_loop(hopper=True)
+            self.hopper_tma = dict(self.tma) if hop else {}
+            if hop:
+                parts.append(hop)
+            split = f.passes[0].split_ok
+            if split:
+                parts.extend(self.kernel_split())
+        finally:
+            self.tanh_mm = self.inb_tiles = False
+        if any("_tanh_mm(" in x for x in parts[1:]):
+            parts.insert(1, TANH_MM)
         parts.append(self.launcher(split))
         return "\n\n\n".join(parts) + "\n"
 

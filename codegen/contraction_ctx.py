@@ -30,7 +30,12 @@ class CContext(Context):
     def __init__(self, gen, mode, full=False):
         super().__init__(gen, mode)
         self.full = full
-        self.tile_mask = None if full else "tmask"
+        # a tile inside the keys (a fully visible one, or a masked one before the last partial tile
+        # where the generator says so: ContractionGen.tile_inb) reads without a bounds mask and
+        # applies the program's mask alone (no ``tmask``: rows past the end are never stored, and
+        # each row's states are its own)
+        self.inb = full or bool(getattr(gen, "tile_inb", False))
+        self.tile_mask = None if self.inb else "tmask"
         # a masked tile joins the tile mask into a where(c, x, -inf)'s condition once, so that
         # the max and the exp2 (whose 0 the sums need) of it select nothing more (emit.py)
         self.fold_tile_mask = not full
@@ -73,6 +78,25 @@ class CContext(Context):
                 return (Term("Where", (cond, x, body)), c) if c is not None else (None, None)
         return None, None
 
+    def tanh(self, t: Term, em):
+        """``tanh(x)`` as ``_tanh_mm`` (contraction.TANH_MM, in the generated module): on a GPU, in
+        a kernel whose matmuls take 16-bit operands (``DOT_T``), the hardware's ``tanh.approx.f32``;
+        in the interpreter and for float32 operands the accurate ``_tanh``. A quotient by a
+        nonzero constant (a soft cap's ``tanh(s / c)``) is passed as the dividend and ``c``: the
+        hardware form multiplies by ``1 / c``, the accurate one divides (``tl.div_rn``, as torch)."""
+        if not getattr(self.g, "tanh_mm", False):   # (a generator whose module has no _tanh_mm: Gluon's)
+            a, sa = em.emit(t.args[0])
+            return em.bind(f"_tanh({a})", sa)
+        x = t.args[0]
+        while x.op == "Elm":
+            x = self.leaf(x.args[0])
+        c = _const(x.args[1]) if x.op == "Div" else None
+        if c is not None and 0.0 < abs(c) < float("inf") and 0.0 < abs(1.0 / c) < float("inf"):
+            a, sa = em.emit(x.args[0])
+            return em.bind(f"_tanh_mm({a}, {c!r}, {1.0 / c!r}, DOT_T)", sa)
+        a, sa = em.emit(t.args[0])
+        return em.bind(f"_tanh_mm({a}, 1.0, 1.0, DOT_T)", sa)
+
     def state_var(self, q, blk, pol=None):
         e, sh = super().state_var(q, blk, pol)
         if sh == "row" and self.g.ops.get(q) != "ref" and self.g.vec_state(q):
@@ -108,11 +132,12 @@ class CContext(Context):
         if has_j:
             if has_e:
                 ptr += f" + cols[:, None] * s_{name}_{g.axis} + ecols[None, :] * s_{name}_{g.E[0]}"
-                masks.append("(cols[:, None] < n_j) & emask[None, :]")
+                masks.append("emask[None, :]" if self.inb else "(cols[:, None] < n_j) & emask[None, :]")
                 shape = "jvec"
             else:
                 ptr += f" + cols[None, :] * s_{name}_{g.axis}"
-                masks.append("(cols[None, :] < n_j)")
+                if not self.inb:
+                    masks.append("(cols[None, :] < n_j)")
                 shape = "tile" if has_r else "col"
         elif has_e:
             ptr += (f" + ecols[None, :] * s_{name}_{g.E[0]}")
@@ -151,7 +176,7 @@ class CContext(Context):
         inr = f"({ie} >= 0) & ({ie} < len_{ax})"
         ok = em.bind(f"{inr} & {ok}" if ok else inr, si, "c")[0]
         ptr += f" + {em._bcast(f'tl.where({ok}, {ie}, 0)', si, sh)} * s_{name}_{ax}"
-        m = ", mask=cols[None, :] < n_j, other=0" if has_j else ""
+        m = ", mask=cols[None, :] < n_j, other=0" if has_j and not self.inb else ""
         if as_int:
             return em.bind(f"tl.load({ptr}{m}).to(tl.int64)", sh, "tk_")[0], sh, ok
         v = em.bind(f"tl.load({ptr}{m}).to(tl.float32)", sh, "tk_")[0]
@@ -208,7 +233,7 @@ class CContext(Context):
                 desc = g.descriptor(n, g.axis, inner, "BLOCK_J", "BLOCK_D" if inner in g.C else "BLOCK_E")
                 return em.bind(f"{desc}.load([{g.tile_start}, 0])", "ktile", "kt_")[0]
             return em.bind(f"tl.load({n}_ptr + off_{n}_g + cols[:, None] * s_{n}_{g.axis} + {cs}[None, :] * "
-                           f"s_{n}_{inner}, mask=(cols[:, None] < n_j) & {ms}[None, :], other=0.0)", "ktile", "kt_")[0]
+                           f"s_{n}_{inner}, mask={self._kmask(ms)}, other=0.0)", "ktile", "kt_")[0]
         n, idx, a = t.args
         rest = [x for x in g.tensors[n] if x != a]
         if any(x not in g.G and x != inner for x in rest) or not g.axes_of(idx) - set(g.G) <= {g.axis}:
@@ -223,8 +248,13 @@ class CContext(Context):
         okt = em.bind(f"tl.trans({inr}) | (cols[:, None] >= n_j)", "kcol", "c")[0]
         pos = em.bind(f"tl.trans(tl.where({inr}, {ie}, 0))", "kcol", "n")[0]
         x = em.bind(f"tl.load({n}_ptr + off_{n}_g + {pos} * s_{n}_{a} + {cs}[None, :] * s_{n}_{inner}, "
-                    f"mask=(cols[:, None] < n_j) & {ms}[None, :], other=0.0)", "ktile", "kt_")[0]
+                    f"mask={self._kmask(ms)}, other=0.0)", "ktile", "kt_")[0]
         return em.bind(f"tl.where({okt}, {x}, float('nan'))", "ktile", "kt_")[0]
+
+    def _kmask(self, ms):
+        """The mask of a [BLOCK_J, inner] key-side load: the inner axis' columns, and the keys'
+        bound unless the tile is inside the keys (``inb``)."""
+        return f"{ms}[None, :]" if self.inb else f"(cols[:, None] < n_j) & {ms}[None, :]"
 
     def accumulate(self, t: Term, em):
         """``x + sum_B(p * v)`` as one ``tl.dot(p, v, acc=x)`` (the matrix unit accumulates)."""

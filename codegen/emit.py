@@ -118,8 +118,11 @@ class Emitter:
 
     def _fold_mask(self):
         """The tile mask that a masked tile's -inf selects absorb (module docstring of
-        contraction_ctx: ``fold_tile_mask``), or None."""
-        return self.ctx.tile_mask if getattr(self.ctx, "fold_tile_mask", False) else None
+        contraction_ctx: ``fold_tile_mask``), True for a masked tile with no tile mask (inside
+        the keys: the program's condition alone), or None."""
+        if not getattr(self.ctx, "fold_tile_mask", False):
+            return None
+        return self.ctx.tile_mask or True
 
     def masked_off(self, name, value):
         """Whether the tile value ``name`` is ``value`` (-inf or 0) wherever the tile mask is false."""
@@ -254,6 +257,8 @@ class Emitter:
                 return self.bind(f"tl.sqrt_rn({a})" if op == "Sqrt" else f"tl.div_rn(1.0, tl.sqrt_rn({a}))", sa)
             return self.bind(f"{_FN[op]}({a})", sa)
         if op == "Tanh":
+            if hasattr(ctx, "tanh"):   # a family's own lowering (contraction_ctx: the scores' tanh)
+                return ctx.tanh(t, self)
             a, sa = self.emit(t.args[0])
             return self.bind(f"_tanh({a})", sa)
         if op in _FUNCS:
@@ -290,7 +295,7 @@ class Emitter:
                 # -inf wherever the tile mask is false and the reductions of it select nothing
                 cb = self._bcast(c, sc, s)
                 if cb not in self._fold_conds:
-                    self._fold_conds[cb] = self.bind(f"{cb} & {mask}", "tile", "c")[0]
+                    self._fold_conds[cb] = cb if mask is True else self.bind(f"{cb} & {mask}", "tile", "c")[0]
                 args = ", ".join((self._fold_conds[cb], self._bcast(a, sa, s), b))
                 out = self.bind(f"tl.where({args})", s)
                 self._ninf.add(out[0])

@@ -1,0 +1,194 @@
+"""Issue 15, attention variants: the contraction family's tanh (``_tanh_mm``: the hardware
+tanh.approx.f32 on a GPU for 16-bit matmul operands, the accurate _tanh elsewhere) and masked
+key tiles inside the keys (no bounds mask, no masked load; only the last loop's tile mask has the
+keys' bound). Structure of the generated source, then the kernels against float64 on fresh random
+inputs at sizes where tiles are partly masked and the keys end inside a tile."""
+import math
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import acefuse as af
+
+EX = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "attention.py"))
+
+q = af.tensor("q", "b h i d")
+k = af.tensor("k", "b h j d")
+v = af.tensor("v", "b h j e")
+i, j = af.index("i"), af.index("j")
+
+
+def _attend(name, s):
+    m = af.max(s, "j")
+    p = af.exp(s - m)
+    return af.program(name, o=af.sum(p * v, "j") / af.sum(p, "j"))
+
+
+def _kernel_src(src, name):
+    start = src.index(f"def {name}(")
+    end = src.find("@triton.jit", start)
+    return src[start:end if end > 0 else len(src)]
+
+
+def _loops(kern):
+    """{loop header: body lines (comments dropped)} of the top-level key loops."""
+    out, cur = {}, None
+    for ln in kern.split("\n"):
+        if ln.startswith("    for start in "):
+            cur = out.setdefault(ln.strip(), [])
+        elif cur is not None and (ln.startswith("        ") or not ln.strip()):
+            if ln.strip() and not ln.strip().startswith("#"):
+                cur.append(ln)
+        else:
+            cur = None
+    return {h: "\n".join(b) for h, b in out.items()}
+
+
+def _seed():
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def _ref(qq, kk, vv, scale, score_fn=None, mask=None):
+    s = torch.einsum("bhid,bhjd->bhij", qq.double(), kk.double()) * scale
+    if score_fn is not None:
+        s = score_fn(s)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vv.double()
+
+
+# ---- tanh --------------------------------------------------------------------------------------
+def test_softcap_tanh_is_the_hardware_one_for_16_bit_operands_on_the_gpu_only():
+    src = af.compile(EX["softcap"]).source
+    assert src.count("def _tanh_mm(") == 1
+    helper = src[src.index("def _tanh_mm("):src.index("@triton.jit", src.index("def _tanh_mm("))]
+    # the hardware form only where NATIVE (a GPU, not the interpreter) and the operands are 16-bit
+    assert re.search(r"if NATIVE and \(\(T == tl\.bfloat16\) or \(T == tl\.float16\)\):", helper)
+    assert 'tanh.approx.f32 $0, $1;' in helper and "[a * RC]" in helper
+    assert "_tanh(tl.div_rn(a, C))" in helper   # elsewhere: torch's division, the accurate tanh
+    for name in ("softcap_attn", "softcap_attn_hopper", "softcap_part"):
+        kern = _kernel_src(src, name)
+        calls = re.findall(r"_tanh_mm\((\w+), ([^,]+), ([^,]+), DOT_T\)", kern)
+        assert calls, name
+        for _, c, rc in calls:   # the soft cap's quotient passed as the dividend, c and 1 / c
+            assert float(c) == EX["CAP"] and float(rc) == 1.0 / EX["CAP"]
+        assert "tl.div_rn(" not in kern and "_tanh(" not in kern
+
+
+def test_tanh_without_a_quotient_and_a_row_family_tanh():
+    prog = _attend("tanh_score", 8.0 * af.tanh(af.sum(q * k, "d") * 0.25))
+    src = af.compile(prog).source
+    assert re.search(r"_tanh_mm\(\w+, 1\.0, 1\.0, DOT_T\)", _kernel_src(src, "tanh_score_attn"))
+    # the row family keeps its own accurate _tanh (no _tanh_mm defined or called)
+    x = af.tensor("x", "r c")
+    row = af.compile(af.program("row_tanh", y=af.sum(af.tanh(x), "c"))).source
+    assert "_tanh_mm" not in row and "_tanh(" in row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [45, 130])
+def test_softcap_float64(n, dtype, monkeypatch):
+    """The interpreter runs the accurate tanh (NATIVE is false): errors of the input type."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kern = af.compile(EX["softcap"])
+    g = _seed()
+    qq, kk, vv = (torch.randn(1, 2, n, 32, generator=g) * 3 for _ in range(3))
+    qq, kk, vv = qq.to(dtype), kk.to(dtype), vv.to(dtype)
+    o = kern(q=qq, k=kk, v=vv)
+    cap = EX["CAP"]
+    ref = _ref(qq, kk, vv, EX["SCALE"], lambda s: cap * torch.tanh(s / cap))
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2   # bf16: P and the output rounded to 8 bits
+    assert (o.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def test_tanh_score_float64(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kern = af.compile(_attend("tanh_score", 8.0 * af.tanh(af.sum(q * k, "d") * 0.25)))
+    g = _seed()
+    qq, kk, vv = (torch.randn(2, 1, 37, 16, generator=g) for _ in range(3))
+    o = kern(q=qq, k=kk, v=vv)
+    ref = _ref(qq, kk, vv, 0.25, lambda s: 8.0 * torch.tanh(s))
+    assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_softcap_hardware_tanh_bf16_within_its_bound(monkeypatch):
+    """On the GPU, bf16: tanh.approx.f32 (relative error < 2^-10, PTX ISA: about 2^-11) moves each
+    capped score by at most cap * 2^-10, so each weight p by a factor within exp(+-cap * 2^-10);
+    with P rounded to bf16 (2^-8) the output moves by at most (e^(2 d) - 1) * max|v - o|, d the
+    sum of both, plus the output's own rounding. Fresh inputs scaled so scores reach the cap."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kern = af.compile(EX["softcap"])
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    n = 1000
+    qq, kk, vv = (torch.randn(2, 4, n, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    qq = (qq.float() * 4).to(torch.bfloat16)
+    o = kern(q=qq, k=kk, v=vv)
+    cap = EX["CAP"]
+    ref = _ref(qq, kk, vv, EX["SCALE"], lambda s: cap * torch.tanh(s / cap))
+    d = cap * 2.0 ** -10 + 2.0 ** -8
+    tol = math.expm1(2 * d) * 2 * vv.double().abs().max().item() + 2.0 ** -7 * ref.abs().max().item()
+    err = (o.double() - ref).abs().max().item()
+    assert err <= tol, (err, tol)
+
+
+# ---- masked tiles inside the keys -----------------------------------------------------------------
+@pytest.mark.parametrize("kname", ["sliding_window_attn", "sliding_window_attn_hopper", "sliding_window_part"])
+def test_band_masked_tiles_inside_the_keys_have_no_bounds_mask(kname):
+    src = af.compile(EX["sliding_window"]).source
+    kern = _kernel_src(src, kname)
+    assert "e_in = tl.minimum(tl.maximum(first + (end - first) // BLOCK_J * BLOCK_J, first), end)" in kern
+    assert "a = tl.minimum(tl.maximum(f_lo, first), e_in)" in kern
+    assert "b = tl.minimum(tl.maximum(f_hi, a), e_in)" in kern
+    loops = _loops(kern)
+    heads = list(loops)
+    assert len(heads) == 3, heads
+    first, full, last = (loops[h] for h in heads)
+    assert "range(first, a, BLOCK_J)" in heads[0] and "range(b, end, BLOCK_J)" in heads[2]
+    # tiles below the window and inside the keys: the band's condition alone, loads unmasked by keys
+    for body in (first, full):
+        assert "tmask" not in body and "< n_j" not in body and "< end" not in body
+    assert first.count("tl.where(") == 1 and "tl.where(" not in full
+    # the last loop's tiles (the diagonal, the tile the keys end in): the keys' bound as the tile mask
+    assert re.search(r"tmask = cols\[None, :\] < end\n", last)
+    assert re.search(r"_c\d+ = _c\d+ & tmask", last)
+
+
+@pytest.mark.parametrize("path,schedule", [("portable", "loop"), ("hopper", "loop"), ("portable", "split")])
+@pytest.mark.parametrize("n,window", [(100, 20), (64, 17), (150, 64)])
+def test_band_float64(n, window, path, schedule, monkeypatch):
+    """A band (both bounds: tiles wholly below it skipped, tiles inside it unmasked) at sizes where
+    the keys end inside a tile and the last row tile is not full; tiles of 16 keys."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prog = _attend(f"band{window}", af.where((j <= i) & (i - j < window), af.sum(q * k, "d") * 0.3, af.NEG_INF))
+    kern = af.compile(prog)
+    g = _seed()
+    qq, kk, vv = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    kw = dict(path=path, schedule=schedule, block_j=16)
+    if schedule == "split":
+        kw["nsplit"] = 3
+    o = kern(q=qq, k=kk, v=vv, **kw)
+    ii, jj = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ref = _ref(qq, kk, vv, 0.3, mask=(jj <= ii) & (ii - jj < window))
+    assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("n", [33, 96])
+def test_rows_that_see_no_key_and_a_reversed_band_float64(n, monkeypatch):
+    """A band above the diagonal (keys i+3 .. i+9: the last rows see none, their output 0) and
+    queries shorter than keys: the first masked loop then holds tiles before the full ones."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prog = _attend("ahead", af.where((j >= i + 3) & (j <= i + 9), af.sum(q * k, "d") * 0.5, af.NEG_INF))
+    kern = af.compile(prog)
+    g = _seed()
+    qq = torch.randn(1, 1, n, 16, generator=g)
+    kk, vv = (torch.randn(1, 1, n + 5, 16, generator=g) for _ in range(2))
+    o = kern(q=qq, k=kk, v=vv, block_j=16)
+    ii, jj = torch.arange(n)[:, None], torch.arange(n + 5)[None, :]
+    ref = _ref(qq, kk, vv, 0.5, mask=(jj >= ii + 3) & (jj <= ii + 9))
+    assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
