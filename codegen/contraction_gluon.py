@@ -171,8 +171,12 @@ class GContext(CContext):
 class GluonGen(ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
-    def __init__(self, fusion, overlap=False, ws=False, pingpong=False):
+    def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False):
         super().__init__(fusion)
+        # persistent (ws only): a second, persistent kernel in the module (kernel_ws_persistent)
+        self.persistent = bool(persistent) and bool(ws)
+        if persistent and pingpong:
+            raise CodegenError("the persistent Gluon kernel has no ping-pong (yet)")
         # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
         # warpgroups, each with its own query tile; pingpong: the consumers' score MMAs take
         # turns (ws only)
@@ -462,7 +466,147 @@ class GluonGen(ContractionGen):
         funcs = [_drop_dead("\n".join(C)), "\n".join(wrappers).rstrip(), "\n".join(Ld), _drop_dead("\n".join(P))]
         return _gluonize("\n\n\n".join(funcs))
 
-    def _ws_pipeline(self, loops):
+    def kernel_ws_persistent(self) -> str:
+        """The persistent warp-specialised kernel: ``grid = (number of SMs,)``; each program walks
+        work items (a pair of query row tiles of one grid-axes slice; the longest first) with
+        its partitions in step: the load partition copies the items' query tiles (once both
+        consumers released the previous ones: ``q_free``) and key/value tiles into the ring,
+        whose stages and phases run on over the items (``tc``: tiles so far); each consumer
+        folds its rows' tiles into the derived states and stores its outputs while the load
+        partition already copies the next item's tiles. The TMA descriptors are made once, over
+        each operand flattened to ``(grid axes x rows, inner axis)``: the launcher takes this
+        kernel only when the strides nest that way and every key tile is whole (a partial last
+        tile would read the next slice's keys; query rows past the end only feed rows that are
+        not stored)."""
+        self.p = self.f.passes[0]
+        if self.empty_start() is None:
+            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
+                               "first key tile would be peeled; the Gluon kernel does not peel")
+        self.hopper, self.tma = False, {}
+        self.hoisting, self._hoisted = [], {}
+        qn, kn, vn = self.q_name, self.k_name, self.v_name
+        (r,), (c,), (e,) = self.R, self.C, self.E
+        pro, body, store = [], [], []
+        self.prologue(pro)
+        self.key_loop(body, "0", "n_j")
+        self.store_outputs(store)
+        cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
+        pid = [i for i, ln in enumerate(pro) if ln.startswith(("    pid_r = ", "    pid_g = "))]
+        rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
+        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
+        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2 or len(pid) != 2:
+            raise CodegenError("the contraction template's prologue or key loop changed shape; "
+                               "codegen/contraction_gluon.py (kernel_ws_persistent) needs updating")
+        analysis, loops = body[:cut[0] + 1], body[cut[0] + 1:]
+        pro[pid[0]] = "    pid_r = n_rp - 1 - item // n_g   # the longest row tiles first"
+        pro[pid[1]] = "    pid_g = item % n_g"
+        pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
+        pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
+        con_pro = list(pro)
+        con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
+        n_g = " * ".join(f"len_{a}" for a in self.G) or "1"
+        sig = ", ".join(self.sig())
+        ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
+                 "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
+        cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS"
+        ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free"
+        nm = f"{self.name}_p"
+
+        def loop_over_items(lines):
+            """Top-level lines (4 spaces) -> the body of the loop over work items."""
+            return (["    tc = 0   # key tiles so far (the ring's stage and phase)",
+                     "    it = 0   # items so far (the query buffers' phase)",
+                     "    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):"]
+                    + ["    " + ln if ln.strip() else ln for ln in _drop_dead("\n".join(lines)).split("\n")])
+
+        P = ["@gluon.jit",
+             f"def {self.name}_gluon_persistent({sig}, {ccons}, DOT_T: gl.constexpr, REGS: gl.constexpr, "
+             "num_warps: gl.constexpr):",
+             "    # grid: (programs,), each walking work items: pairs of query row tiles x grid-axes slices",
+             "    # (kernel_ws_persistent in codegen/contraction_gluon.py)",
+             "    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_D], DOT_T)",
+             "    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_D], DOT_T)",
+             "    V_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_E], DOT_T)",
+             f"    n_g = {n_g}",
+             "    n_rp = (n_rows + 2 * BLOCK_I - 1) // (2 * BLOCK_I)",
+             "    n_items = n_rp * n_g",
+             "    # TMA descriptors over the operands flattened to (grid axes x rows, inner axis)",
+             f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr, shape=[n_g * len_{r}, len_{c}], "
+             f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+             f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr, shape=[n_g * n_j, len_{c}], "
+             f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
+             f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr, shape=[n_g * n_j, len_{e}], "
+             f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
+             f"    q_bufs = gl.allocate_shared_memory(DOT_T, [2, BLOCK_I, BLOCK_D], {qn}_desc.layout)",
+             f"    k_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
+             f"    v_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
+             "    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+             "    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+             "    k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+             "    v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+             "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+             "    for w in gl.static_range(2):",
+             "        mbarrier.init(q_bar.index(w), count=1)",
+             "        mbarrier.init(q_free.index(w), count=1)",
+             "    for st in gl.static_range(NS):",
+             "        mbarrier.init(k_bar.index(st), count=1)",
+             "        mbarrier.init(v_bar.index(st), count=1)",
+             "        mbarrier.init(kv_free.index(st), count=2)   # released by both consumers",
+             "    fence_async_shared()",
+             "    gl.warp_specialize([",
+             f"        (_{nm}_consume0, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
+             f"        (_{nm}_consume1, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
+             f"        (_{nm}_load, ({sig}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {cargs})),",
+             "    ], [4, 1], [REGS, 24])",
+             "    for w in gl.static_range(2):",
+             "        mbarrier.invalidate(q_bar.index(w))",
+             "        mbarrier.invalidate(q_free.index(w))",
+             "    for st in gl.static_range(NS):",
+             "        mbarrier.invalidate(k_bar.index(st))",
+             "        mbarrier.invalidate(v_bar.index(st))",
+             "        mbarrier.invalidate(kv_free.index(st))"]
+
+        ld_body = pro + analysis + [
+            "    for w in gl.static_range(2):   # the query tiles, once both consumers released the last ones",
+            "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)",
+            f"        mbarrier.expect(q_bar.index(w), {qn}_desc.block_type.nbytes)",
+            f"        _tma_load({qn}_desc, [pid_g * len_{r} + (pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), "
+            "q_bufs.index(w))",
+            "    for start in range(first, end, BLOCK_J):",
+            "        t_i = tc + (start - first) // BLOCK_J",
+            "        stage = t_i % NS",
+            "        mbarrier.wait(kv_free.index(stage), ((t_i // NS) & 1) ^ 1)",
+            f"        mbarrier.expect(k_bar.index(stage), {kn}_desc.block_type.nbytes)",
+            f"        _tma_load({kn}_desc, [pid_g * n_j + start, 0], k_bar.index(stage), k_smem.index(stage))",
+            f"        mbarrier.expect(v_bar.index(stage), {vn}_desc.block_type.nbytes)",
+            f"        _tma_load({vn}_desc, [pid_g * n_j + start, 0], v_bar.index(stage), v_smem.index(stage))",
+            "    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J",
+            "    it = it + 1"]
+        Ld = ["@gluon.jit",
+              f"def _{nm}_load({sig}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {ccons}):",
+              "    # the load partition (one warp): per item, the query tiles, then the visible key tiles",
+              "    MMA: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])   # one warp: index math only",
+              "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)",
+              "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)",
+              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])"] + loop_over_items(ld_body)
+
+        con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)", "    mbarrier.wait(q_bar.index(WG), it & 1)"]
+        con_body += self.hoisting + self._ws_pipeline(loops, base="tc + ")
+        con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
+        con_body += store + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J", "    it = it + 1"]
+        C = ["@gluon.jit",
+             f"def _{nm}_consume(WG: gl.constexpr, {sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
+             "    # a consumer warpgroup: per item, the template's key loop over the ring on rows WG of the pair",
+             "    DOT_T: gl.constexpr = q_bufs.dtype"] + self._layouts(4) + loop_over_items(con_body)
+        wrappers = []
+        for w in (0, 1):
+            wrappers += ["@gluon.jit",
+                         f"def _{nm}_consume{w}({sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
+                         f"    _{nm}_consume({w}, {sig}, n_rp, n_g, n_items, {ring}, {cargs})", ""]
+        funcs = ["\n".join(C), "\n".join(wrappers).rstrip(), "\n".join(Ld), "\n".join(P)]
+        return _gluonize("\n\n\n".join(funcs))
+
+    def _ws_pipeline(self, loops, base=""):
         """The consumers' key loops: at the top of each tile, wait for its key tile in stage
         ``t % NS`` (the value tile is waited on just before the P @ V MMA: GContext), and at
         the bottom release the stage to the load partition."""
@@ -473,10 +617,14 @@ class GluonGen(ContractionGen):
             out += ["    # ping-pong: the second warpgroup's first score MMA waits for the first one's",
                     "    if WG == 1:",
                     "        mbarrier.wait(turn.index(1), 0)"]
-        if self.overlap:   # the first tile's score, before the loops
+        if self.overlap and not base:   # the first tile's score, before the loops
             out += ["    # the first tile's score (stage 0); each tile issues the next one's",
                     "    mbarrier.wait(k_bar.index(0), 0)",
                     f"    s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), {zeros}, use_acc=False)"]
+        elif self.overlap:   # the first tile's score: tile `tc` of the running count
+            out += ["    # the first tile's score; each tile issues the next one's",
+                    "    mbarrier.wait(k_bar.index(tc % NS), (tc // NS) & 1)",
+                    f"    s_cur = warpgroup_mma(q_smem, k_smem.index(tc % NS).permute((1, 0)), {zeros}, use_acc=False)"]
         while i < len(loops):
             ln = loops[i]
             out.append(ln)
@@ -486,7 +634,7 @@ class GluonGen(ContractionGen):
                 continue
             n += 1
             ind = m.group(1) + "    "
-            out += [f"{ind}t_i = (start - first) // BLOCK_J",
+            out += [f"{ind}t_i = {base}(start - first) // BLOCK_J",
                     f"{ind}stage = t_i % NS",
                     f"{ind}ph = (t_i // NS) & 1",
                     f"{ind}v_cur = v_smem.index(stage)"]
@@ -574,6 +722,8 @@ class GluonGen(ContractionGen):
         if len(f.passes) != 1:
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes; the Gluon kernel is one pass")
         kern = self.kernel_ws() if self.ws else self.kernel()
+        if self.persistent:
+            kern += "\n\n\n" + self.kernel_ws_persistent()
         helpers = _helpers(kern)
         uses_ld = any("libdevice." in x for x in helpers + [kern])
         lib = "from triton.language.extra import libdevice\n" if uses_ld else ""
@@ -606,14 +756,14 @@ def _helpers(kern: str) -> list:
     return [re.sub(r"\btl\.", "gl.", defs[n].replace("@triton.jit", "@gluon.jit")) for n in defs if n in need]
 
 
-def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, **fuse_kw) -> str:
+def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     f = prog_or_fusion if hasattr(prog_or_fusion, "passes") else af.fuse(prog_or_fusion, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong).module()
+    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent).module()
 
 
 class GluonKernel:
@@ -629,8 +779,9 @@ class GluonKernel:
         self.axis = gen.axis
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
-        self.ws, self.overlap = gen.ws, gen.overlap
+        self.ws, self.overlap, self.persistent = gen.ws, gen.overlap, gen.persistent
         self.fn = getattr(module, f"{gen.name}_gluon")
+        self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
 
     def __call__(self, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None, **inputs):
         import torch
@@ -641,8 +792,12 @@ class GluonKernel:
         grid, args, kw, out = self.launch_args(inputs, BLOCK_I, BLOCK_J, num_warps, stages)
         _allocator()
         with torch.cuda.device(q.device):
-            self.fn[grid](*args, **kw)
+            # a one-axis grid: the persistent kernel (launch_args chose it)
+            (self.fn_persistent if len(grid) == 1 else self.fn)[grid](*args, **kw)
         return out
+
+    def _nests(self, t, name):
+        return _nests(t, self.tensors[name])
 
     def launch_args(self, inputs, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None):
         """(grid, positional arguments, constexpr keywords, outputs) of one launch; the checks
@@ -724,6 +879,10 @@ class GluonKernel:
             # average: each consumer warpgroup gets WS_REGS, the load partition 24
             grid = (triton.cdiv(n_rows, 2 * BLOCK_I), math.prod(lens[a] for a in self.G))
             kw.update(NS=stages, REGS=WS_REGS, maxnreg=WS_MAXNREG)
+            if self.persistent and n_j % BLOCK_J == 0 and all(self._nests(inputs[n], n) for n in (self.q, self.k, self.v)):
+                # the persistent kernel (kernel_ws_persistent): its descriptors span the grid axes
+                sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+                grid = (min(grid[0] * grid[1], sms),)
         else:
             grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         return grid, args, kw, out
@@ -732,6 +891,14 @@ class GluonKernel:
 SMEM_SM90 = 232448   # bytes of shared memory one program may use on sm_90 (227 KB)
 WS_REGS = 240        # registers per thread of a consumer warpgroup (setmaxnreg)
 WS_MAXNREG = 168     # the kernel's register limit: 3 warpgroups x 128 threads x 168 = the 64K file
+
+
+def _nests(t, axes):
+    """Whether tensor ``t`` over ``axes`` (grid axes, rows, inner axis) is one matrix
+    ``(grid axes x rows, inner axis)``: each outer axis' stride is the next one's extent times
+    its stride."""
+    st, sh = t.stride(), t.shape
+    return all(st[i] == sh[i + 1] * st[i + 1] for i in range(len(axes) - 2))
 
 
 def _allocator():
@@ -748,7 +915,7 @@ def _allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
-def compile_gluon(prog, overlap=False, ws=False, pingpong=False, **fuse_kw) -> GluonKernel:
+def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -759,7 +926,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, **fuse_kw) -> G
     f = prog if hasattr(prog, "passes") else af.fuse(prog, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong)
+    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)

@@ -149,6 +149,33 @@ def test_ws_structure(sources):
         gluon_source(PROGS["p_lower"](), ws=True, overlap=True, pingpong=True)
 
 
+def test_ws_persistent_structure_and_choice():
+    """The persistent kernel (in the module beside the one-shot WS kernel): every partition
+    walks the work items with the running tile count; the launcher takes it only when the
+    operands are (grid axes x rows, inner axis) matrices and every key tile is whole."""
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    src = gluon_source(PROGS["p_lower"](), ws=True, persistent=True)
+    assert "def p_lower_gluon(" in src and "def p_lower_gluon_persistent(" in src
+    for fn in ("_p_lower_p_consume", "_p_lower_p_load"):
+        body = _partition(src, fn)
+        assert "for item in range(gl.program_id(0), n_items, gl.num_programs(0)):" in body
+        assert "t_i = tc + (start - first) // BLOCK_J" in body and "tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J" in body
+    assert "mbarrier.arrive(q_free.index(WG), count=1)" in _partition(src, "_p_lower_p_consume")
+    assert "mbarrier.wait(q_free.index(w), (it & 1) ^ 1)" in _partition(src, "_p_lower_p_load")
+    low = src.lower()
+    assert not [w for w in WORKLOADS if w in low]
+    kern = compile_gluon(PROGS["p_lower"](), ws=True, persistent=True)
+    g = torch.Generator().manual_seed(6)
+    x = lambda n: torch.randn(2, 3, n, D, dtype=torch.bfloat16, generator=g)   # noqa: E731
+    grid = kern.launch_args(dict(q=x(333), k=x(512), v=x(512)))[0]
+    assert grid == (min(3 * 6, 132),)                      # whole key tiles, nested strides: persistent
+    assert len(kern.launch_args(dict(q=x(333), k=x(500), v=x(500)))[0]) == 2   # a partial key tile
+    kt = torch.randn(2, 512, 3, D, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    assert len(kern.launch_args(dict(q=x(333), k=kt, v=kt))[0]) == 2             # strides that do not nest
+    with pytest.raises(CodegenError, match="ping-pong"):
+        gluon_source(PROGS["p_lower"](), ws=True, persistent=True, pingpong=True)
+
+
 def test_outside_phase_one_is_refused():
     qg = af.tensor("q", "b g r i d")
     kg = af.tensor("k", "b g j d")
@@ -286,13 +313,49 @@ _KERNS = {}
 # take turns; wsov: each consumer overlaps the next score MMA with this tile's math)
 MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": dict(ws=True, pingpong=True),
          "wsov": dict(ws=True, overlap=True)}
+# the persistent WS kernel (taken for nested strides and whole key tiles; else the launcher
+# runs the one-shot WS kernel of the same module)
+PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persov": dict(ws=True, overlap=True, persistent=True)}
 
 
 def _kernel(name, mode):
     from acefuse.codegen.contraction_gluon import compile_gluon
     if (name, mode) not in _KERNS:
-        _KERNS[name, mode] = compile_gluon(PROGS[name](), **MODES[mode])
+        _KERNS[name, mode] = compile_gluon(PROGS[name](), **{**MODES, **PERSISTENT}[mode])
     return _KERNS[name, mode]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(PERSISTENT))
+@pytest.mark.parametrize("NQ,NK,BJ", [(333, 1024, 128), (1024, 1024, 64)])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_band", "p_lag", "p_slope"])
+def test_gpu_persistent(name, NQ, NK, BJ, mode):
+    """The persistent kernel against float64: fewer programs than work items (B*H = 24 slices
+    here; items = row-tile pairs x slices), query tiles past a slice's rows (333), and a
+    non-finite key and value at the start of one slice, which must stay in it."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    kern = _kernel(name, mode)
+    g = torch.Generator(device="cuda").manual_seed(NQ + NK + BJ + len(name) + len(mode))
+    B, H = 2, 12
+    x = lambda n: torch.randn(B, H, n, D, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
+    qx, kx, vx = x(NQ), x(NK), x(NK)
+    kx[1, 5, 0, 0] = float("inf")
+    vx[1, 5, 0, 3] = float("nan")
+    ins = dict(q=qx, k=kx, v=vx)
+    kw = {}
+    if name == "p_slope":
+        ins["slope"] = torch.rand(H, device="cuda", generator=g) * 0.1
+        kw["slopes"] = ins["slope"]
+    assert len(kern.launch_args(ins, BLOCK_J=BJ)[0]) == 1   # the persistent kernel is the one run
+    out = kern(BLOCK_J=BJ, **ins)["o"]
+    ref = _ref(qx, kx, vx, lower=name in ("p_lower", "p_slope"), band=BAND if name == "p_band" else None,
+               lag=LAG if name == "p_lag" else None, **kw)
+    ok = torch.ones(B, H, dtype=torch.bool)
+    ok[1, 5] = False
+    assert torch.isfinite(out[ok]).all()
+    err = _rel(out[ok], ref[ok])
+    assert err < 2e-2, f"{name} NQ={NQ} NK={NK} BLOCK_J={BJ} mode={mode}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
