@@ -896,9 +896,9 @@ WS_MAXNREG = 168     # the kernel's register limit: 3 warpgroups x 128 threads x
 def _nests(t, axes):
     """Whether tensor ``t`` over ``axes`` (grid axes, rows, inner axis) is one matrix
     ``(grid axes x rows, inner axis)``: each outer axis' stride is the next one's extent times
-    its stride."""
+    its stride (an axis of length 1 adds no offset, whatever its stride)."""
     st, sh = t.stride(), t.shape
-    return all(st[i] == sh[i + 1] * st[i + 1] for i in range(len(axes) - 2))
+    return all(sh[i] == 1 or st[i] == sh[i + 1] * st[i + 1] for i in range(len(axes) - 2))
 
 
 def _allocator():
