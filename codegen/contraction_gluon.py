@@ -175,8 +175,6 @@ class GluonGen(ContractionGen):
         super().__init__(fusion)
         # persistent (ws only): a second, persistent kernel in the module (kernel_ws_persistent)
         self.persistent = bool(persistent) and bool(ws)
-        if persistent and pingpong:
-            raise CodegenError("the persistent Gluon kernel has no ping-pong (yet)")
         # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
         # warpgroups, each with its own query tile; pingpong: the consumers' score MMAs take
         # turns (ws only)
@@ -466,6 +464,12 @@ class GluonGen(ContractionGen):
         funcs = [_drop_dead("\n".join(C)), "\n".join(wrappers).rstrip(), "\n".join(Ld), _drop_dead("\n".join(P))]
         return _gluonize("\n\n\n".join(funcs))
 
+    @staticmethod
+    def _pingpong_start():
+        return ["    # ping-pong: the second warpgroup's first score MMA waits for the first one's",
+                "    if WG == 1:",
+                "        mbarrier.wait(turn.index(1), 0)"]
+
     def kernel_ws_persistent(self) -> str:
         """The persistent warp-specialised kernel: ``grid = (number of SMs,)``; each program walks
         work items (a pair of query row tiles of one grid-axes slice; the longest first) with
@@ -509,7 +513,7 @@ class GluonGen(ContractionGen):
         ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
                  "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
         cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS"
-        ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free"
+        ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free, turn"
         nm = f"{self.name}_p"
 
         def loop_over_items(lines):
@@ -542,12 +546,14 @@ class GluonGen(ContractionGen):
              f"    v_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
              "    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
              "    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+             "    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
              "    k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
              "    v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
              "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
              "    for w in gl.static_range(2):",
              "        mbarrier.init(q_bar.index(w), count=1)",
              "        mbarrier.init(q_free.index(w), count=1)",
+             "        mbarrier.init(turn.index(w), count=1)",
              "    for st in gl.static_range(NS):",
              "        mbarrier.init(k_bar.index(st), count=1)",
              "        mbarrier.init(v_bar.index(st), count=1)",
@@ -561,6 +567,7 @@ class GluonGen(ContractionGen):
              "    for w in gl.static_range(2):",
              "        mbarrier.invalidate(q_bar.index(w))",
              "        mbarrier.invalidate(q_free.index(w))",
+             "        mbarrier.invalidate(turn.index(w))",
              "    for st in gl.static_range(NS):",
              "        mbarrier.invalidate(k_bar.index(st))",
              "        mbarrier.invalidate(v_bar.index(st))",
@@ -597,7 +604,10 @@ class GluonGen(ContractionGen):
         C = ["@gluon.jit",
              f"def _{nm}_consume(WG: gl.constexpr, {sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
              "    # a consumer warpgroup: per item, the template's key loop over the ring on rows WG of the pair",
-             "    DOT_T: gl.constexpr = q_bufs.dtype"] + self._layouts(4) + loop_over_items(con_body)
+             "    DOT_T: gl.constexpr = q_bufs.dtype"] + self._layouts(4)
+        if self.pingpong:   # the turns run on over the items: tile t_i counts from the first item
+            C += self._pingpong_start()
+        C += loop_over_items(con_body)
         wrappers = []
         for w in (0, 1):
             wrappers += ["@gluon.jit",
@@ -613,10 +623,8 @@ class GluonGen(ContractionGen):
         out, n = [], 0
         i = 0
         zeros = "gl.zeros([BLOCK_I, BLOCK_J], gl.float32, layout=MMA)"
-        if self.pingpong:
-            out += ["    # ping-pong: the second warpgroup's first score MMA waits for the first one's",
-                    "    if WG == 1:",
-                    "        mbarrier.wait(turn.index(1), 0)"]
+        if self.pingpong and not base:   # (persistent: once, before the loop over items)
+            out += self._pingpong_start()
         if self.overlap and not base:   # the first tile's score, before the loops
             out += ["    # the first tile's score (stage 0); each tile issues the next one's",
                     "    mbarrier.wait(k_bar.index(0), 0)",

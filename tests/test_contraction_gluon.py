@@ -172,8 +172,11 @@ def test_ws_persistent_structure_and_choice():
     assert len(kern.launch_args(dict(q=x(333), k=x(500), v=x(500)))[0]) == 2   # a partial key tile
     kt = torch.randn(2, 512, 3, D, dtype=torch.bfloat16, generator=g).transpose(1, 2)
     assert len(kern.launch_args(dict(q=x(333), k=kt, v=kt))[0]) == 2             # strides that do not nest
-    with pytest.raises(CodegenError, match="ping-pong"):
-        gluon_source(PROGS["p_lower"](), ws=True, persistent=True, pingpong=True)
+    # ping-pong: the second warpgroup's first wait once, before the items (the turns count tiles over items)
+    pp = _partition(gluon_source(PROGS["p_lower"](), ws=True, persistent=True, pingpong=True), "_p_lower_p_consume")
+    head, loop = pp.split("for item in range(")
+    assert "if WG == 1:\n        mbarrier.wait(turn.index(1), 0)" in head and "turn.index(1), 0)" not in loop
+    assert "mbarrier.wait(turn.index(WG), (t_i + WG) & 1)" in loop
 
 
 def test_outside_phase_one_is_refused():
@@ -315,7 +318,8 @@ MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": di
          "wsov": dict(ws=True, overlap=True)}
 # the persistent WS kernel (taken for nested strides and whole key tiles; else the launcher
 # runs the one-shot WS kernel of the same module)
-PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persov": dict(ws=True, overlap=True, persistent=True)}
+PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persov": dict(ws=True, overlap=True, persistent=True),
+              "perspp": dict(ws=True, pingpong=True, persistent=True)}
 
 
 def _kernel(name, mode):
