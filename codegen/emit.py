@@ -658,8 +658,26 @@ def _scale_log2e(t: Term, ctx) -> Term:
                 return Term("Mul", (t, Term("Num", (LOG2E,))))
         return Term(op, (t.args[0], _scale_log2e(t.args[1], ctx), _scale_log2e(t.args[2], ctx)))
     if op == "Elm":
-        return _scale_log2e(ctx.leaf(t.args[0]), ctx)
+        leaf = ctx.leaf(t.args[0])
+        if getattr(ctx, "fold_exp2", False) and not _folds_log2e(leaf):
+            # a leaf that is a sum with a term no constant absorbs (a score plus a bias, ALiBi's
+            # slope * (j - i)): the leaf as the max read it (bound once), times log2(e) once, not
+            # each term scaled and the sum formed again
+            return Term("Mul", (t, Term("Num", (LOG2E,))))
+        return _scale_log2e(leaf, ctx)
     return Term("Mul", (t, Term("Num", (LOG2E,))))
+
+
+def _folds_log2e(t: Term) -> bool:
+    """``t * log2(e)`` pushed through it costs no operation: not a sum or difference, or one of
+    constants and constant multiples only (each absorbs log2(e) into its constant)."""
+    if t.op in ("Add", "Sub"):
+        return all(_folds_log2e(a) for a in t.args) and all(
+            a.op == "Num" or (a.op == "Mul" and (a.args[0].op == "Num" or a.args[1].op == "Num"))
+            or a.op in ("Add", "Sub", "Neg") for a in t.args)
+    if t.op == "Neg":
+        return _folds_log2e(t.args[0])
+    return True
 
 
 def _is_atom(e: str) -> bool:

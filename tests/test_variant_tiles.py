@@ -192,3 +192,29 @@ def test_rows_that_see_no_key_and_a_reversed_band_float64(n, monkeypatch):
     ii, jj = torch.arange(n)[:, None], torch.arange(n + 5)[None, :]
     ref = _ref(qq, kk, vv, 0.5, mask=(jj >= ii + 3) & (jj <= ii + 9))
     assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+# ---- a score plus a bias: the exp reads the max's score -------------------------------------------
+def test_biased_score_is_scaled_once_for_the_exp():
+    """ALiBi's score ``s * scale + slope * (j - i)``: on a fully visible tile the exp2 reads the
+    score the max read, times log2(e) once (the sum is not formed again from scaled terms)."""
+    kern = _kernel_src(af.compile(EX["alibi"]).source, "alibi_attn_hopper")
+    full = next(b for h, b in _loops(kern).items() if "tl.range(a, b" in h)
+    score = re.search(r"_r\d+ = tl\.max\((_t\d+), axis=1\)", full).group(1)
+    assert re.search(rf"_t\d+ = {score} \* 1\.4426950408889634\n", full), full
+    assert len(re.findall(r"_dot_\d+ \* ", full)) == 1   # the dot product scaled once (in the score)
+    assert full.count("tl.exp2(") == 2
+
+
+@pytest.mark.parametrize("n", [50, 133])
+def test_alibi_float64_large_slopes(n, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kern = af.compile(EX["alibi"])
+    g = _seed()
+    qq, kk, vv = (torch.randn(1, 3, n, 16, generator=g) for _ in range(3))
+    slope = torch.rand(3, generator=g) * 4
+    o = kern(q=qq, k=kk, v=vv, slope=slope, block_j=16)
+    ii, jj = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ref = _ref(qq, kk, vv, EX["SCALE"], lambda s: s + slope.double()[:, None, None] * (jj - ii),
+               mask=jj <= ii)
+    assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
