@@ -20,8 +20,11 @@ changes how operands move and how the two contractions run:
 No kernel text here names a workload: what the kernel computes is what the derived
 expressions say. Phase 1 covers programs with one query axis, one contraction axis, one
 value axis, plain input operands (no ``af.take``) laid out contiguously, an empty-block start
-of the states (``ContractionGen.empty_start``), 16-bit inputs, on sm_90. Warp specialisation
-(a TMA producer warp, two consumer warpgroups alternating softmax and MMA) is phase 2.
+of the states (``ContractionGen.empty_start``), 16-bit inputs, on sm_90. Phase 2, ``ws=True`` (GluonGen.kernel_ws):
+warp specialisation, FlashAttention-3's structure: a TMA load partition feeding a ring of
+key/value stages and two consumer warpgroups with a query tile each (options: ``pingpong``,
+their MMAs in alternating blocks; ``overlap``, the next score MMA during this tile's math;
+``persistent``, one program per SM walking work items).
 
 Selected only explicitly: ``compile_gluon(prog)`` returns a callable (``GluonKernel``); the
 portable and Triton-Hopper paths of ``af.compile`` are unchanged. ``call_gluon`` is the hook
