@@ -945,6 +945,26 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     return GluonKernel(f, src, mod, gen)
 
 
+VARIANT_FLAGS = ("ws", "pingpong", "overlap", "persistent")
+
+
+def gluon_variant(text=None) -> dict:
+    """The Gluon variant ``call_gluon`` makes: ``ACEFUSE_GLUON_VARIANT``, comma-separated flags
+    of compile_gluon (``ws``, ``pingpong``, ``overlap``, ``persistent``; e.g. ``ws,persistent``);
+    unset or empty: the one-partition kernel (until the variants are measured)."""
+    import os
+    text = os.environ.get("ACEFUSE_GLUON_VARIANT", "") if text is None else text
+    flags = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in flags if f not in VARIANT_FLAGS]
+    if bad:
+        raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: unknown flags {bad}; use a comma-separated subset of "
+                         f"{list(VARIANT_FLAGS)}")
+    if flags and "ws" not in flags and set(flags) != {"overlap"}:
+        raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: pingpong and persistent are options of the "
+                         "warp-specialised kernel; add 'ws'")
+    return {f: True for f in flags}
+
+
 def call_gluon(kernel, inputs: dict, explicit: bool):
     """The hook for ``af.compile``'s kernels (not wired in yet: see the module docstring): run
     the Gluon kernel of ``kernel.fusion`` (made once, kept on ``kernel``) on ``inputs`` and
@@ -956,7 +976,7 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
     try:
         g = getattr(kernel, "_gluon", None)
         if g is None:
-            g = compile_gluon(kernel.fusion)
+            g = compile_gluon(kernel.fusion, **gluon_variant())
             kernel._gluon = g
         out = g(**inputs)
     except (CodegenError, ValueError, TypeError) as exc:
@@ -968,4 +988,4 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
     return next(iter(out.values())) if len(out) == 1 else out
 
 
-__all__ = ["GluonGen", "GluonKernel", "call_gluon", "compile_gluon", "gluon_source"]
+__all__ = ["GluonGen", "GluonKernel", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]

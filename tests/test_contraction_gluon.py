@@ -456,6 +456,18 @@ def test_hook_falls_back_with_a_warning_or_raises():
         assert call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=False) is None
 
 
+def test_variant_flags():
+    """ACEFUSE_GLUON_VARIANT picks the kernel call_gluon makes; unknown or inconsistent flags
+    are refused with the list of flags."""
+    from acefuse.codegen.contraction_gluon import gluon_variant
+    assert gluon_variant("") == {} and gluon_variant("overlap") == {"overlap": True}
+    assert gluon_variant(" ws, persistent ") == {"ws": True, "persistent": True}
+    with pytest.raises(ValueError, match="unknown flags"):
+        gluon_variant("ws,fast")
+    with pytest.raises(ValueError, match="add 'ws'"):
+        gluon_variant("persistent")
+
+
 def test_af_compile_takes_path_gluon_and_refuses_it_clearly_off_the_gpu():
     """``af.compile(prog)(..., path='gluon')`` reaches the Gluon variant (codegen/compile.py); with no
     sm_90 GPU it raises a ValueError naming the program, and the default call is unaffected."""
