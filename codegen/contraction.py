@@ -122,6 +122,11 @@ class ContractionGen(MaskAnalysis):
     # masked tiles inside the keys without a bounds mask (key_loop; False: the previous template,
     # every masked tile with the bounds mask, kept for measuring one against the other)
     INB_TILES = True
+    # a run of fewer fully visible key tiles than this joins the masked loop before it (with
+    # INB_TILES; 1: never). A band a few tiles wide otherwise runs three loops of one or two tiles
+    # each, every one filling and draining its own pipeline (measured against each other by
+    # .gen/v_gpu.py, not yet on a GPU)
+    MIN_FULL = 1
 
     def __init__(self, fusion):
         self.f = fusion
@@ -432,6 +437,12 @@ class ContractionGen(MaskAnalysis):
             L.append(f"{ind}e_in = tl.minimum(tl.maximum(first + (end - first) // BLOCK_J * BLOCK_J, {lo1}), end)")
             L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), e_in)")
             L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), e_in)")
+            if sites and self.MIN_FULL > 1:
+                L.append(f"{ind}# fewer than {self.MIN_FULL} fully visible tiles: they join the first masked loop "
+                         "(one pipelined loop; the mask is evaluated on them too)")
+                L.append(f"{ind}few = b - a < {self.MIN_FULL} * BLOCK_J")
+                L.append(f"{ind}a = tl.where(few, e_in, a)")
+                L.append(f"{ind}b = tl.where(few, e_in, b)")
         else:
             L.append(f"{ind}a = tl.minimum(tl.maximum(f_lo, {lo1}), end)")
             L.append(f"{ind}b = tl.minimum(tl.maximum(f_hi, a), end)")

@@ -218,3 +218,23 @@ def test_alibi_float64_large_slopes(n, monkeypatch):
     ref = _ref(qq, kk, vv, EX["SCALE"], lambda s: s + slope.double()[:, None, None] * (jj - ii),
                mask=jj <= ii)
     assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("min_full", [2, 3])
+@pytest.mark.parametrize("n,window", [(100, 40), (150, 64)])
+def test_short_full_runs_join_the_masked_loop_float64(n, window, min_full, monkeypatch):
+    """ContractionGen.MIN_FULL: a run of fewer fully visible tiles goes through the masked loop
+    (the mask evaluated on it too); the same values against float64, fresh inputs."""
+    from acefuse.codegen.contraction import ContractionGen
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ContractionGen, "MIN_FULL", min_full)
+    prog = _attend(f"band{window}", af.where((j <= i) & (i - j < window), af.sum(q * k, "d") * 0.3, af.NEG_INF))
+    kern = af.compile(prog)
+    assert f"few = b - a < {min_full} * BLOCK_J" in kern.source
+    g = _seed()
+    qq, kk, vv = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    ii, jj = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ref = _ref(qq, kk, vv, 0.3, mask=(jj <= ii) & (ii - jj < window))
+    for path in ("portable", "hopper"):
+        o = kern(q=qq, k=kk, v=vv, path=path, block_j=16)
+        assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
