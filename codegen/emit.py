@@ -211,6 +211,14 @@ class Emitter:
                 # range, and that branch made a bf16 softmax forward at 16384x8192 3.3x slower on an
                 # H200: 438 us against 144 with tl.div_rn per element and 130 for a copy)
                 z = ctx.from_reduction(t.args[1])
+                if z and not self._rn and hasattr(ctx, "row_quotient"):
+                    # a family's cheaper quotient by a per-row value (the row family: a tile
+                    # divided by a per-row sum on its way to a float16/bfloat16 output, a
+                    # product with the row's reciprocal, no per-element correction and no
+                    # branch: Context.row_quotient in codegen/row.py; README, numerics)
+                    out = ctx.row_quotient(t, a2, b, sb, s, self)
+                    if out is not None:
+                        return out
                 if z:
                     return self.bind(f"_div0({a2}, {b2})", s)
                 return self.bind(f"tl.div_rn({a2}, {b2})", s)

@@ -133,6 +133,46 @@ def _div0(a, b):
 
 
 @triton.jit
+def _rewiden(v, NARROW: tl.constexpr):
+    # a held loaded tile widened again for the elementwise outputs: with NARROW, bfloat16 through
+    # its bits (exact; other instructions than _widen's, so the compiler keeps the 16-bit tile
+    # live across the row's reductions and recomputes from it, not a float32 copy: a long row
+    # then fits the registers); otherwise _widen's (merged with the first: the float32 tile held)
+    if NARROW and v.dtype == tl.bfloat16:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return _widen(v)
+
+
+@triton.jit
+def _rcp_row(b):
+    # per row: (f, p) with a / b = (a * f) * p within 1.5 ulp for every a (f = RN(1/m) * 2^h, p =
+    # 2^(-e-h), b = m * 2^e with 1 <= |m| < 2, h = floor(-e/2): each factor a normal float, and
+    # (a * f) under- or overflows only where a / b does); b 0, infinite or NaN: (1/b, 1)
+    sub = tl.abs(b) < 1.1754943508222875e-38
+    bits = tl.where(sub, b * 1.8446744073709552e19, b).to(tl.int32, bitcast=True)   # subnormal: * 2^64
+    e = ((bits >> 23) & 255) - tl.where(sub, 191, 127)
+    m = ((bits & -2139095041) | 1065353216).to(tl.float32, bitcast=True)
+    h = (0 - e) >> 1
+    f = tl.div_rn(1.0, m) * ((h + 127) << 23).to(tl.float32, bitcast=True)
+    p = ((127 - e - h) << 23).to(tl.float32, bitcast=True)
+    fin = (tl.abs(b) < float("inf")) & (b != 0.0)   # (NaN: false)
+    return tl.where(fin, f, tl.div_rn(1.0, b)), tl.where(fin, p, 1.0)
+
+
+@triton.jit
+def _qdiv(a, b, f, p, P):
+    # a / b, b one value per row: written to a float16/bfloat16 output (P's element type), a
+    # times the row's factors of _rcp_row (within 1.5 ulp of float32, far below the output's
+    # rounding; no per-element division); any other output, correctly rounded (_div0); 0/0 -> 0
+    if (P.dtype.element_ty == tl.bfloat16) or (P.dtype.element_ty == tl.float16):
+        q = (a * f) * p
+        return tl.where(a == 0.0, tl.where(b == 0.0, 0.0, q), q)
+    else:
+        return _div0(a, b)
+
+
+@triton.jit
 def _widen(v):
     # a loaded value as float32; float8 natively on the GPU (through float16: exact, NaN and
     # infinities kept), else decoded from its bits (exact, NaN included: Triton's interpreter
@@ -372,6 +412,31 @@ class Context:
                            f"`{pretty(t)}` in a program of its own (af.compile) and pass it in as an input, or "
                            "fuse another axis (axis=...)")
 
+    # the single-tile kernel keeps each loaded tile as loaded (narrow), and its elementwise
+    # outputs widen it again (rewiden): RowGen.kernel_single
+    narrow = False
+    rewiden = False
+
+    # the elementwise output being written: (its pointer, the divisions reached from its root
+    # through smooth arithmetic only), set by RowGen.emit_elem_outputs; None elsewhere
+    quot = None
+
+    def row_quotient(self, t: Term, a, b, sb, s, em):
+        """A tile divided by a per-row value on the way to an elementwise output (through +, -,
+        *, /, exp, log only: no rounding, comparison or select sees the quotient): ``_qdiv``, a
+        product with the row's reciprocal factors where the output is float16/bfloat16 (one
+        division per row instead of one per element), else None (``_div0``)."""
+        if self.quot is None or t not in self.quot[1] or sb != "row" or s != "tile":
+            return None
+        key = ("_rcp_row", b)
+        if key not in em.cache:
+            fq, pq = em.fresh("fq"), em.fresh("pq")
+            em.line(f"{fq}, {pq} = _rcp_row({b})   # the row's reciprocal, once per row")
+            em.cache[key] = (fq, pq)
+        fq, pq = em.cache[key]
+        self.quot[2].append(t)
+        return em.bind(f"_qdiv({a}, {b}[:, None], {fq}[:, None], {pq}[:, None], {self.quot[0]})", s)
+
     def from_reduction(self, t: Term) -> bool:
         return any(s.op in ("St", "Sum", "RMax", "RMin") for s in t.walk())
 
@@ -391,6 +456,13 @@ class Context:
             mask = "rmask" if g.row_axes_of(name) else None
             shape = "row" if g.row_axes_of(name) else "scalar"
         m = f", mask={mask}, other=0.0" if mask else ""
+        if self.narrow and shape == "tile":
+            # the single-tile kernel: the tile as loaded, widened at each use (_rewiden)
+            key = ("_raw", name)
+            if key not in em.cache:
+                em.cache[key] = em.bind(f"tl.load({ptr}{m})", shape, "lr_")
+            raw = em.cache[key][0]
+            return em.bind(f"_rewiden({raw}, NARROW)" if self.rewiden else f"_widen({raw})", shape, "ld_")
         return em.bind(f"_widen(tl.load({ptr}{m}))", shape, "ld_")
 
     def take(self, t: Term, em):
@@ -569,11 +641,22 @@ class RowGen:
         for o in self.enc.elementwise_outputs:
             t = self.outputs[o]
             em.comment(f"output {o} = {pretty(t)}")
-            e, sh = em.emit(t, raw_state=True)
             dst, at = o, ""
             if o in self.part_of:   # a candidate of a stacked output: its slice along the stacked axis
                 dst = self.part_of[o][0]
                 at = f"{self.part_of[o][1]} * s_{dst}_{self.stacks[dst][0]} + "
+            # divisions by a per-row value on this output's way: products with the row's
+            # reciprocal where the output is float16/bfloat16 (Context.row_quotient)
+            ctx = em.ctx
+            ctx.quot = (f"{dst}_ptr", _smooth_divs(ctx.canon(t)), [])
+            try:
+                e, sh = em.emit(t, raw_state=True)
+            finally:
+                used, ctx.quot = ctx.quot[2], None
+            if used:   # values built on them are this output's (another may be stored otherwise)
+                for k in [k for k in em.cache if isinstance(k, tuple) and isinstance(k[0], Term)
+                          and any(u in used for u in k[0].walk())]:
+                    del em.cache[k]
             off = f"off_{dst}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
             em.line(f"tl.store({dst}_ptr + {off}{at}cols[None, :] * s_{dst}_{self.axis}, "
@@ -617,15 +700,24 @@ class RowGen:
     # -- kernels -------------------------------------------------------------------------------
     def kernel_single(self):
         L = ["@triton.jit", f"def {self.name}_single({', '.join(self.sig())}, BLOCK_R: tl.constexpr, "
-             "BLOCK_J: tl.constexpr):",
-             "    # the whole fused axis fits one tile: one read of the input"]
+             "BLOCK_J: tl.constexpr, NARROW: tl.constexpr):",
+             "    # the whole fused axis fits one tile: one read of the input; NARROW: the outputs",
+             "    # recompute from the tile as loaded (a bfloat16 row held, not float32 values)"]
         self.prologue(L)
         self.tile_setup(L, "0", "    ")
         ctx, em = self.region("single", "    ")
+        ctx.narrow = True
         for p in self.f.passes:
             self.emit_init(p, em, L, "    ")
             self.emit_refs(p, em, L)
         self.emit_row_outputs(em, L)
+        if self.enc.elementwise_outputs:
+            # the outputs' values over the tile computed again from the loaded tiles (with NARROW
+            # false, the compiler merges them with the states' own: the same instructions)
+            for k in [k for k, v in em.cache.items() if isinstance(v, tuple) and len(v) == 2
+                      and v[1] == "tile" and not (isinstance(k, tuple) and k[0] == "_raw")]:
+                del em.cache[k]
+            ctx.rewiden = True
         self.emit_elem_outputs(em, L)
         return "\n".join(L)
 
@@ -787,7 +879,8 @@ class RowGen:
         names = [s.name for s in p.states]
         ws = [f"ws_{q}" for q in names]
         L = ["@triton.jit", f"def {self.name}_onepass({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, tick_ptr, "
-             "CHUNK, NSPLIT: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
+             "CHUNK, NSPLIT: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, "
+             "NARROW: tl.constexpr):",
              "    # NSPLIT programs per block of rows, one chunk of the fused axis each, held in registers",
              "    if PHASE == 0:",
              "        tk = tl.atomic_add(tick_ptr, 1)   # launch order: the partners waited for have started",
@@ -800,9 +893,12 @@ class RowGen:
         L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
         self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi")
         ctx, em = self.region("init", "    ")
+        ctx.narrow = True
         self.emit_init(p, em, L, "    ")
-        held = {k: v for k, v in em.cache.items() if isinstance(k, tuple) and isinstance(k[0], Term)
-                and k[0].op == "In"}   # the chunk's loaded inputs, reused by the outputs below
+        # the chunk's loaded inputs, reused by the outputs below: the tiles as loaded (widened
+        # again there: _rewiden, NARROW) and the other loads (rows, columns) as widened
+        held = {k: v for k, v in em.cache.items() if isinstance(k, tuple) and (
+            k[0] == "_raw" or (isinstance(k[0], Term) and k[0].op == "In" and v[1] != "tile"))}
         L.append("    if PHASE != 2:")
         for q in names:
             L.append(f"        tl.store(ws_{q} + sid * n_rows + rows, {q}, mask=rmask)")
@@ -816,6 +912,7 @@ class RowGen:
         L.append("        # fold the NSPLIT partial states with the derived merge")
         self.emit_chunk_fold(p, names, L, "        ", "part", ", volatile=True")
         ctx, em = self.region("final", "        ")
+        ctx.narrow = ctx.rewiden = True
         em.cache.update(held)
         self.emit_refs(p, em, L)
         self.emit_row_outputs(em, L)   # (every program of the block writes the same values)
@@ -863,6 +960,7 @@ class RowGen:
             "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "NUM_WARPS = None   # warps per program when the call gives none (None: by the tile's size)",
             "LOOP_BLOCK_J = None   # tile length of the loop and split schedules (None: by the axis' length)",
+            "NARROW_MIN = 32768   # tile elements from which the single-tile kernel holds 16-bit rows as loaded (NARROW)",
             "",
             "",
         ]
@@ -962,7 +1060,7 @@ class RowGen:
             "",
             "@_on_input_device",
             "def run(*args, schedule=None, block_j=None, block_r=None, nsplit=None, num_warps=None, out_dtypes=None,",
-            "        riders=False, per_sm=None, **inputs):",
+            "        riders=False, per_sm=None, narrow=None, **inputs):",
             "    \"\"\"Launch the kernel(s). Inputs by name (or positionally in TENSORS order);",
             "    returns the output tensor, or a dict of them when the program has several.",
             "    riders=True: a dict that also holds each rider's partial sums (float32, one row per",
@@ -971,11 +1069,14 @@ class RowGen:
             "    schedule (each program loops over every G-th block of rows; the loop schedule's",
             "    second read of a row then finds it in L2); default: LOOP_PER_SM, and",
             "    RIDER_PROGRAMS_PER_SM for riders.",
+            "    narrow: the single-tile kernel holds the loaded row in its input type and computes the",
+            "    elementwise outputs again from it (True), or keeps its float32 values (False); default:",
+            "    from NARROW_MIN elements a tile.",
             "    A call by name whose inputs have the shapes, strides, dtypes and devices of an earlier",
             "    call's, with the same options, reuses that call's plan (checks, sizes, output shapes,",
             "    tiles, grid: all fixed by the signature); a new signature is checked in full.\"\"\"",
             "    options = (schedule, block_j, block_r, nsplit, num_warps,",
-            "               tuple(out_dtypes.items()) if out_dtypes else None, riders, per_sm)",
+            "               tuple(out_dtypes.items()) if out_dtypes else None, riders, narrow, per_sm)",
             "    key = None if args else _signature(inputs, options)",
             "    try:",
             "        plan = _PLANS.get(key) if key is not None else None",
@@ -984,7 +1085,7 @@ class RowGen:
             "    if plan is None:",
             "        inputs, sizes, ref, dev = _prepare(args, inputs)",
             "        plan = _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders,",
-            "                     per_sm)",
+            "                     per_sm, narrow=narrow)",
             "        if key is not None and not _TUNING:",
             "            if len(_PLANS) >= MAX_PLANS:",
             "                _PLANS.clear()",
@@ -1000,7 +1101,7 @@ class RowGen:
             "",
             "",
             "def _plan(inputs, sizes, ref, dev, schedule, block_j, block_r, nsplit, num_warps, out_dtypes, riders,",
-            "          per_sm=None, stages=None):",
+            "          per_sm=None, stages=None, narrow=None):",
             "    \"\"\"The launch of checked inputs (_prepare's): everything that depends only on their",
             "    shapes, strides, dtypes and device, and on the launch options.\"\"\"",
             "    if per_sm is not None and not (isinstance(per_sm, (int, float)) and per_sm > 0):",
@@ -1046,13 +1147,14 @@ class RowGen:
             "            schedule = 'split' if SPLIT and triton.cdiv(n_rows, block_r) < programs else 'loop'",
             "    # a large problem's launch with no option given: timed on the first call (codegen/row_tuning.py)",
             "    timed = (dev.type in TIMED_DEVICES and not _TUNING and not STACKED and n_rows * n_j >= TUNE_MIN",
-            "             and (schedule, block_j, block_r, nsplit, num_warps, per_sm, stages) == (None,) * 7",
+            "             and (schedule, block_j, block_r, nsplit, num_warps, per_sm, stages, narrow) == (None,) * 8",
             "             and not _fused_strided(inputs))",
             "    if timed:",
             "        c = _timed_launch(inputs, sizes, ref, dev, n_rows, n_j, out_dtypes, riders, programs)",
             "        if c:",
             "            return _plan(inputs, sizes, ref, dev, c.get('schedule'), c.get('block_j'), c.get('block_r'), None,",
-            "                         c.get('num_warps'), out_dtypes, riders, c.get('per_sm'), c.get('stages'))",
+            "                         c.get('num_warps'), out_dtypes, riders, c.get('per_sm'), c.get('stages'),",
+            "                         narrow=c.get('narrow'))",
             "    if schedule is None and on_gpu and 16384 < n_j <= MAX_SINGLE and not _TUNING and not timed:",
             "        schedule = _tuned(n_rows, n_j, ref.dtype, inputs, block_j, block_r, nsplit, num_warps)",
             "    schedule = schedule or choose_schedule(n_rows, n_j, programs)",
@@ -1066,9 +1168,12 @@ class RowGen:
             f"            raise ValueError(f\"program {self.name!r}: fused axis of length {{n_j}} does not fit one tile (at most {{MAX_SINGLE}}); use schedule='loop'\")",
             "        bj = max(bj, 16)",
             "        br = block_r or max(1, min(_np2(n_rows), 4096 // bj if bj < 4096 else 1))",
-            "        nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16)",
-            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=nw, **fp)",
+            "        nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16 if bj * br <= 32768 else 32)",
+            "        # NARROW: a long row of 16-bit values held as loaded, the outputs recomputed from it",
+            "        nar = bool(NARROW_MIN <= bj * br if narrow is None else narrow)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=nw, NARROW=nar, **fp)",
             "        if riders and RIDERS:",
+            "            del p.kw['NARROW']",
             "            # persistent: a few programs per SM, each folding its rows' sums in registers",
             "            schedule = 'riders'",
             "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
@@ -1106,7 +1211,8 @@ class RowGen:
             f"            raise ValueError(f\"program {self.name!r}: onepass chunk of {{p.chunk}} elements does not fit block_j={{bj}}; \"",
             "                             \"give a larger block_j or more splits (nsplit)\")",
             "        p.grid = (triton.cdiv(n_rows, br) * p.ns,)",
-            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)), **fp)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)),",
+            "                    NARROW=bool(NARROW_MIN <= bj * br if narrow is None else narrow), **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop', 'split' or 'onepass'\")",
             "    if (stages or NUM_STAGES) is not None and on_gpu:",
@@ -1258,6 +1364,24 @@ def _single_canon(t: Term, axis: str) -> Term:
         return t
     return Term(t.op, tuple(a if (not isinstance(a, Term) or a.op in ("BB", "BA", "BU", "BJ", "Ax"))
                             else _single_canon(a, axis) for a in t.args))
+
+
+_SMOOTH = frozenset(("Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log"))
+
+
+def _smooth_divs(t: Term) -> frozenset:
+    """The divisions reached from ``t`` through +, -, *, /, unary minus, exp and log only (no
+    rounding, comparison, select or extremum between them and the output)."""
+    out, todo, seen = set(), [t], set()
+    while todo:
+        u = todo.pop()
+        if u in seen or not isinstance(u, Term) or u.op not in _SMOOTH:
+            continue
+        seen.add(u)
+        if u.op == "Div":
+            out.add(u)
+        todo.extend(a for a in u.args if isinstance(a, Term))
+    return frozenset(out)
 
 
 def store_dtypes(outputs) -> dict:
