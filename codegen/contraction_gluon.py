@@ -163,7 +163,9 @@ class GContext(CContext):
             em.lines.append(f"{ind}mbarrier.wait(v_bar.index(stage), ph)")
         if self.g.pingpong:   # this warpgroup's turn: the other one issued its score MMA of this tile
             em.lines.append(f"{ind}mbarrier.wait(turn.index(WG), (t_i + WG) & 1)")
-        if self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
+        if self.g.defer:   # left running into the next tile (GluonGen._ws_pipeline waits for it there)
+            em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
+        elif self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
             em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
             em.lines.append(f"{ind}{name}, s_next = warpgroup_mma_wait(0, deps=({name}, s_next))")
         else:
@@ -174,8 +176,15 @@ class GContext(CContext):
 class GluonGen(ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
-    def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False):
+    def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False):
         super().__init__(fusion)
+        # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
+        # running through tile t+1's elementwise math and is waited on just before the
+        # accumulator is read (its rescale), where tile t's stage is released
+        self.defer = bool(defer)
+        if defer and not (ws and overlap) or defer and pingpong:
+            raise CodegenError("defer=True is an option of the warp-specialised kernel with overlap=True "
+                               "(and without ping-pong)")
         # persistent (ws only): a second, persistent kernel in the module (kernel_ws_persistent)
         self.persistent = bool(persistent) and bool(ws)
         # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
@@ -619,6 +628,23 @@ class GluonGen(ContractionGen):
         funcs = ["\n".join(C), "\n".join(wrappers).rstrip(), "\n".join(Ld), "\n".join(P)]
         return _gluonize("\n\n\n".join(funcs))
 
+    def _defer(self, tile, ind):
+        """One tile's body with its P @ V left running (defer): the state it updates is waited
+        on where the body first reads it (the derived rescale of the accumulator, after the
+        tile's exponentials), and the previous tile's stage released there."""
+        pv = [re.match(r"\s*(\w+)_new = (_pv\d+)$", ln) for ln in tile]
+        pv = [m.group(1) for m in pv if m]
+        if len(pv) != 1:
+            raise CodegenError(f"defer=True needs exactly one state updated by a P @ V MMA (found {pv})")
+        acc = self._deferred = pv[0]
+        for k, ln in enumerate(tile):
+            lhs, eq, rhs = ln.partition(" = ")
+            if eq and re.search(rf"\b{acc}\b", rhs):
+                return (tile[:k] + [f"{ind}{acc} = warpgroup_mma_wait(0, deps=({acc},))   # the tile before's P @ V",
+                                    f"{ind}mbarrier.arrive(kv_free.index((t_i + NS - 1) % NS), count=1, "
+                                    "pred=start > first)   # the tile before's stage"] + tile[k:])
+        raise CodegenError(f"defer=True: no read of the state {acc!r} in a tile's body")
+
     def _ws_pipeline(self, loops, base=""):
         """The consumers' key loops: at the top of each tile, wait for its key tile in stage
         ``t % NS`` (the value tile is waited on just before the P @ V MMA: GContext), and at
@@ -636,10 +662,18 @@ class GluonGen(ContractionGen):
             out += ["    # the first tile's score; each tile issues the next one's",
                     "    mbarrier.wait(k_bar.index(tc % NS), (tc // NS) & 1)",
                     f"    s_cur = warpgroup_mma(q_smem, k_smem.index(tc % NS).permute((1, 0)), {zeros}, use_acc=False)"]
+        acc = None
+        if self.defer:   # the state a P @ V MMA updates: carried through the loops as an MMA accumulator
+            accs = sorted({m.group(1) for m in (re.match(r"\s*(\w+)_new = _pv\d+$", ln) for ln in loops) if m})
+            if len(accs) != 1:
+                raise CodegenError(f"defer=True needs exactly one state updated by a P @ V MMA (found {accs})")
+            acc = accs[0]
         while i < len(loops):
             ln = loops[i]
             out.append(ln)
             i += 1
+            if acc and re.match(rf"    {acc} = tl\.full\(", ln):
+                out.append(f"    {acc} = warpgroup_mma_init({acc})   # a P @ V MMA's accumulator, waited on in the loop")
             m = re.match(r"(\s*)for start in range\(", ln)
             if not m:
                 continue
@@ -659,15 +693,26 @@ class GluonGen(ContractionGen):
             else:
                 out += [f"{ind}mbarrier.wait(k_bar.index(stage), ph)",
                         f"{ind}k_cur = k_smem.index(stage)"]
+            tile = []
             while i < len(loops) and (not loops[i].strip() or len(loops[i]) - len(loops[i].lstrip()) >= len(ind)):
-                out.append(loops[i])
+                tile.append(loops[i])
                 i += 1
+            if self.defer:
+                out += self._defer(tile, ind)
+                out.append(f"{ind}s_cur = warpgroup_mma_wait(1, deps=(s_next,))   # P @ V of this tile still runs")
+                continue
+            out += tile
             out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1)   # this tile's MMAs are complete")
             if self.overlap:
                 out.append(f"{ind}s_cur = warpgroup_mma_wait(0, deps=(s_next,))")
         if n != 3:
             raise CodegenError(f"the contraction template's key loop changed shape ({n} tile loops, "
                                "expected 3); codegen/contraction_gluon.py needs updating")
+        if self.defer:   # the last tile's P @ V, and its stage
+            acc = self._deferred
+            out += [f"    {acc} = warpgroup_mma_wait(0, deps=({acc},))   # the last tile's P @ V",
+                    f"    mbarrier.arrive(kv_free.index(({base}(end - first + BLOCK_J - 1) // BLOCK_J - 1) % NS), "
+                    "count=1)"]
         if self.overlap and any("k_cur" in ln for ln in out):
             raise CodegenError("the overlapped Gluon pipeline left a read of k_cur; "
                                "codegen/contraction_gluon.py needs updating")
@@ -740,6 +785,8 @@ class GluonGen(ContractionGen):
         lib = "from triton.language.extra import libdevice\n" if uses_ld else ""
         explain = f.explain().replace('"""', "'''")
         parts = [KERNEL_HEADER.format(name=self.name, axis=self.axis, explain=explain, libdevice=lib)]
+        if self.defer:
+            parts[0] += "from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init\n"
         parts += helpers
         parts.append(kern)
         return "\n\n".join(parts) + "\n"
@@ -767,14 +814,15 @@ def _helpers(kern: str) -> list:
     return [re.sub(r"\btl\.", "gl.", defs[n].replace("@triton.jit", "@gluon.jit")) for n in defs if n in need]
 
 
-def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, **fuse_kw) -> str:
+def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
+                 **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     f = prog_or_fusion if hasattr(prog_or_fusion, "passes") else af.fuse(prog_or_fusion, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent).module()
+    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer).module()
 
 
 class GluonKernel:
@@ -926,7 +974,8 @@ def _allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
-def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, **fuse_kw) -> GluonKernel:
+def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
+                  **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -937,7 +986,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     f = prog if hasattr(prog, "passes") else af.fuse(prog, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent)
+    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)
@@ -945,7 +994,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     return GluonKernel(f, src, mod, gen)
 
 
-VARIANT_FLAGS = ("ws", "pingpong", "overlap", "persistent")
+VARIANT_FLAGS = ("ws", "pingpong", "overlap", "persistent", "defer")
 
 
 def gluon_variant(text=None) -> dict:

@@ -147,6 +147,19 @@ def test_ws_structure(sources):
         assert seq == sorted(seq)
     with pytest.raises(CodegenError, match="not both"):
         gluon_source(PROGS["p_lower"](), ws=True, overlap=True, pingpong=True)
+    # defer (FlashAttention-3's order): P @ V of tile t runs on through tile t+1's exponentials and
+    # is waited on where the accumulator is first read (its derived rescale); the stage then released
+    df = _partition(gluon_source(PROGS["p_lower"](), ws=True, overlap=True, defer=True), "_p_lower_consume")
+    assert chains(df) == chains(one) and "s = warpgroup_mma_init(s)" in df
+    for body in df.split("for start in range(")[1:]:
+        seq = [body.index(x) for x in ("s_next = warpgroup_mma(q_smem", "gl.exp2(", "s = warpgroup_mma_wait(0, deps=(s,))",
+                                       "pred=start > first)", "= s * ", "mbarrier.wait(v_bar.index(stage), ph)",
+                                       "v_cur, _t", "s_cur = warpgroup_mma_wait(1, deps=(s_next,))")]
+        assert seq == sorted(seq) and "mbarrier.arrive(kv_free.index(stage)" not in body
+    tail = df.split("for start in range(")[-1]
+    assert "s = warpgroup_mma_wait(0, deps=(s,))   # the last tile's P @ V" in tail
+    with pytest.raises(CodegenError, match="defer"):
+        gluon_source(PROGS["p_lower"](), ws=True, defer=True)
 
 
 def test_ws_persistent_structure_and_choice():
@@ -313,13 +326,15 @@ def _on_hopper():
 _KERNS = {}
 # the kernel variants: one partition (plain; overlap: the next score MMA during this tile's math);
 # warp-specialised (ws1: a load partition and two consumer warpgroups; wspp: their score MMAs
-# take turns; wsov: each consumer overlaps the next score MMA with this tile's math)
+# take turns; wsov: each consumer overlaps the next score MMA with this tile's math; wsdf: and
+# P @ V with the next tile's math)
 MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": dict(ws=True, pingpong=True),
-         "wsov": dict(ws=True, overlap=True)}
+         "wsov": dict(ws=True, overlap=True), "wsdf": dict(ws=True, overlap=True, defer=True)}
 # the persistent WS kernel (taken for nested strides and whole key tiles; else the launcher
 # runs the one-shot WS kernel of the same module)
 PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persov": dict(ws=True, overlap=True, persistent=True),
-              "perspp": dict(ws=True, pingpong=True, persistent=True)}
+              "perspp": dict(ws=True, pingpong=True, persistent=True),
+              "persdf": dict(ws=True, overlap=True, defer=True, persistent=True)}
 
 
 def _kernel(name, mode):
