@@ -482,6 +482,15 @@ class GluonGen(ContractionGen):
                 "    if WG == 1:",
                 "        mbarrier.wait(turn.index(1), 0)"]
 
+    @staticmethod
+    def _pingpong_end():
+        # the second warpgroup's wait before its last P @ V is for the first one's score MMA of
+        # the tile after the last: that arrival is made here (mbarrier waits are by phase
+        # parity, so a missing arrival would hang it and an early one would not pass it twice:
+        # neither warpgroup gets two arrivals ahead of the other's waits)
+        return ["    if WG == 0:   # ping-pong: the turn after the last score MMA",
+                "        mbarrier.arrive(turn.index(1), count=1)"]
+
     def kernel_ws_persistent(self) -> str:
         """The persistent warp-specialised kernel: ``grid = (number of SMs,)``; each program walks
         work items (a pair of query row tiles of one grid-axes slice; the longest first) with
@@ -620,6 +629,8 @@ class GluonGen(ContractionGen):
         if self.pingpong:   # the turns run on over the items: tile t_i counts from the first item
             C += self._pingpong_start()
         C += loop_over_items(con_body)
+        if self.pingpong:
+            C += self._pingpong_end()
         wrappers = []
         for w in (0, 1):
             wrappers += ["@gluon.jit",
@@ -708,6 +719,8 @@ class GluonGen(ContractionGen):
         if n != 3:
             raise CodegenError(f"the contraction template's key loop changed shape ({n} tile loops, "
                                "expected 3); codegen/contraction_gluon.py needs updating")
+        if self.pingpong and not base:   # (persistent: once, after the loop over items)
+            out += self._pingpong_end()
         if self.defer:   # the last tile's P @ V, and its stage
             acc = self._deferred
             out += [f"    {acc} = warpgroup_mma_wait(0, deps=({acc},))   # the last tile's P @ V",
@@ -838,7 +851,7 @@ class GluonKernel:
         self.axis = gen.axis
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
-        self.ws, self.overlap, self.persistent = gen.ws, gen.overlap, gen.persistent
+        self.ws, self.overlap, self.persistent, self.defer = gen.ws, gen.overlap, gen.persistent, gen.defer
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
 
@@ -915,6 +928,11 @@ class GluonKernel:
         if self.ws:   # shared memory: two query tiles and the ring; 227 KB per program on sm_90
             per_stage = BLOCK_J * (BLOCK_D + BLOCK_E) * 2
             stages = stages or max(2, min(4, (SMEM_SM90 - 2 * BLOCK_I * BLOCK_D * 2 - 1024) // per_stage))
+            if self.defer and stages < 3:
+                # tile t waits for tile t+1's keys while tile t-1's stage is released only in
+                # tile t's body: with two stages tile t+1 could never be copied
+                raise ValueError(f"program {self.name!r}: the deferred P @ V (defer=True) needs 3 or more "
+                                 f"key/value stages (got {stages})")
             if 2 * BLOCK_I * BLOCK_D * 2 + stages * per_stage + 1024 > SMEM_SM90 or stages < 2:
                 raise ValueError(f"program {self.name!r}: {stages} key/value stages of {BLOCK_J} keys and two "
                                  f"query tiles of {BLOCK_I} rows do not fit sm_90's shared memory (or fewer "

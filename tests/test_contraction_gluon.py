@@ -133,7 +133,11 @@ def test_ws_structure(sources):
         seq = [body.index(x) for x in ("warpgroup_mma(q_smem, k_cur", "mbarrier.arrive(turn.index(1 - WG), count=1)",
                                        "gl.exp2(", "mbarrier.wait(turn.index(WG), (t_i + WG) & 1)",
                                        "warpgroup_mma(gl.convert_layout(")]
-        assert seq == sorted(seq) and body.count("turn.index") == 2
+        assert seq == sorted(seq) and body.split("    if WG == 0:")[0].count("turn.index") == 2
+    # after the last tile the first warpgroup hands the turn over once more: the second one's
+    # last wait is for it (a missing arrival hangs the kernel)
+    after = pp.split("for start in range(")[-1]
+    assert "    if WG == 0:   # ping-pong: the turn after the last score MMA\n        mbarrier.arrive(turn.index(1), count=1)" in after
     assert gluon_source(PROGS["p_lower"](), ws=True) == src
     # with the overlap: the next tile's score is issued (after its key tile's wait) before this
     # tile's math and completed with its P @ V; the stage is released after that
@@ -190,6 +194,8 @@ def test_ws_persistent_structure_and_choice():
     head, loop = pp.split("for item in range(")
     assert "if WG == 1:\n        mbarrier.wait(turn.index(1), 0)" in head and "turn.index(1), 0)" not in loop
     assert "mbarrier.wait(turn.index(WG), (t_i + WG) & 1)" in loop
+    assert loop.rstrip().endswith("if WG == 0:   # ping-pong: the turn after the last score MMA\n"
+                                  "        mbarrier.arrive(turn.index(1), count=1)")
 
 
 def test_outside_phase_one_is_refused():
@@ -239,6 +245,10 @@ def test_launch_arguments_match_the_kernel():
         ws.launch_args(ins, stages=4)
     with pytest.raises(ValueError, match="warpgroup"):
         ws.launch_args(ins, num_warps=8)
+    df = compile_gluon(PROGS["p_slope"](), ws=True, overlap=True, defer=True)
+    assert df.launch_args(ins)[2]["NS"] == 4 and df.launch_args(ins)[2]["BLOCK_J"] == 64
+    with pytest.raises(ValueError, match="3 or more"):   # with two stages its ring would deadlock
+        df.launch_args(ins, stages=2)
 
 
 _COMPILE = r"""
