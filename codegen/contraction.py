@@ -59,17 +59,20 @@ from acefuse.codegen import contraction_launch
 # the tanh of the family's kernels (CContext.tanh): the hardware's where the scores feed 16-bit
 # matmuls on a GPU, the accurate _tanh elsewhere (README, numerics)
 TANH_MM = '''@triton.jit
-def _tanh_mm(a, C: tl.constexpr, RC: tl.constexpr, T: tl.constexpr):
-    # tanh(a / C). On the GPU (NATIVE) with 16-bit matmul operands T: tanh.approx.f32 of a * RC
-    # (RC = 1 / C rounded; one MUFU op, relative error about 2^-11 by the PTX ISA), for scores that
-    # make a 16-bit P tile; otherwise a correctly rounded division and _tanh
+def _tanh_mm(a, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, T: tl.constexpr):
+    # tanh((a * K) / C). On the GPU (NATIVE) with 16-bit matmul operands T: tanh.approx.f32 of
+    # a * R (R = K / C rounded; one MUFU op, relative error about 2^-11 by the PTX ISA), for scores
+    # that make a 16-bit P tile; otherwise the product, a correctly rounded division and _tanh
     if NATIVE and ((T == tl.bfloat16) or (T == tl.float16)):
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [a * RC], dtype=tl.float32,
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [a * R], dtype=tl.float32,
                                          is_pure=True, pack=1)
-    elif C == 1.0:
-        return _tanh(a)
     else:
-        return _tanh(tl.div_rn(a, C))'''
+        x = a
+        if K != 1.0:
+            x = x * K
+        if C != 1.0:
+            x = tl.div_rn(x, C)
+        return _tanh(x)'''
 
 AB = Term("BU", (A, B))
 J = Term("BJ")

@@ -82,8 +82,9 @@ class CContext(Context):
         """``tanh(x)`` as ``_tanh_mm`` (contraction.TANH_MM, in the generated module): on a GPU, in
         a kernel whose matmuls take 16-bit operands (``DOT_T``), the hardware's ``tanh.approx.f32``;
         in the interpreter and for float32 operands the accurate ``_tanh``. A quotient by a
-        nonzero constant (a soft cap's ``tanh(s / c)``) is passed as the dividend and ``c``: the
-        hardware form multiplies by ``1 / c``, the accurate one divides (``tl.div_rn``, as torch)."""
+        nonzero constant (a soft cap's ``tanh(s / c)``), and a constant factor of its dividend (the
+        score's scale), are passed as constants: the hardware form multiplies once by ``k / c``,
+        the accurate one computes ``(s * k) / c`` as written (``tl.div_rn``, as torch)."""
         if not getattr(self.g, "tanh_mm", False):   # (a generator whose module has no _tanh_mm: Gluon's)
             a, sa = em.emit(t.args[0])
             return em.bind(f"_tanh({a})", sa)
@@ -91,11 +92,21 @@ class CContext(Context):
         while x.op == "Elm":
             x = self.leaf(x.args[0])
         c = _const(x.args[1]) if x.op == "Div" else None
-        if c is not None and 0.0 < abs(c) < float("inf") and 0.0 < abs(1.0 / c) < float("inf"):
-            a, sa = em.emit(x.args[0])
-            return em.bind(f"_tanh_mm({a}, {c!r}, {1.0 / c!r}, DOT_T)", sa)
-        a, sa = em.emit(t.args[0])
-        return em.bind(f"_tanh_mm({a}, 1.0, 1.0, DOT_T)", sa)
+        fin = lambda u: u is not None and 0.0 < abs(u) < float("inf")  # noqa: E731
+        if not (fin(c) and fin(1.0 / c)):
+            a, sa = em.emit(t.args[0])
+            return em.bind(f"_tanh_mm({a}, 1.0, 1.0, 1.0, DOT_T)", sa)
+        y, k = x.args[0], 1.0
+        while y.op == "Elm":
+            y = self.leaf(y.args[0])
+        if y.op == "Mul" and fin(_const(y.args[1])) and fin(_const(y.args[1]) / c):
+            y, k = y.args[0], _const(y.args[1])
+        elif y.op == "Mul" and fin(_const(y.args[0])) and fin(_const(y.args[0]) / c):
+            y, k = y.args[1], _const(y.args[0])
+        else:
+            y = x.args[0]
+        a, sa = em.emit(y)
+        return em.bind(f"_tanh_mm({a}, {k!r}, {c!r}, {k / c!r}, DOT_T)", sa)
 
     def state_var(self, q, blk, pol=None):
         e, sh = super().state_var(q, blk, pol)

@@ -68,21 +68,24 @@ def test_softcap_tanh_is_the_hardware_one_for_16_bit_operands_on_the_gpu_only():
     helper = src[src.index("def _tanh_mm("):src.index("@triton.jit", src.index("def _tanh_mm("))]
     # the hardware form only where NATIVE (a GPU, not the interpreter) and the operands are 16-bit
     assert re.search(r"if NATIVE and \(\(T == tl\.bfloat16\) or \(T == tl\.float16\)\):", helper)
-    assert 'tanh.approx.f32 $0, $1;' in helper and "[a * RC]" in helper
-    assert "_tanh(tl.div_rn(a, C))" in helper   # elsewhere: torch's division, the accurate tanh
+    assert 'tanh.approx.f32 $0, $1;' in helper and "[a * R]" in helper
+    # elsewhere: the score's product, torch's division, the accurate tanh
+    assert "x = x * K" in helper and "x = tl.div_rn(x, C)" in helper and "return _tanh(x)" in helper
     for name in ("softcap_attn", "softcap_attn_hopper", "softcap_part"):
         kern = _kernel_src(src, name)
-        calls = re.findall(r"_tanh_mm\((\w+), ([^,]+), ([^,]+), DOT_T\)", kern)
+        calls = re.findall(r"_tanh_mm\((\w+), ([^,]+), ([^,]+), ([^,]+), DOT_T\)", kern)
         assert calls, name
-        for _, c, rc in calls:   # the soft cap's quotient passed as the dividend, c and 1 / c
-            assert float(c) == EX["CAP"] and float(rc) == 1.0 / EX["CAP"]
+        for a, k, c, r in calls:   # the soft cap's quotient: the raw dot product, its scale, c, scale / c
+            assert a.startswith("_dot_"), kern
+            assert float(k) == EX["SCALE"] and float(c) == EX["CAP"] and float(r) == EX["SCALE"] / EX["CAP"]
         assert "tl.div_rn(" not in kern and "_tanh(" not in kern
 
 
 def test_tanh_without_a_quotient_and_a_row_family_tanh():
     prog = _attend("tanh_score", 8.0 * af.tanh(af.sum(q * k, "d") * 0.25))
     src = af.compile(prog).source
-    assert re.search(r"_tanh_mm\(\w+, 1\.0, 1\.0, DOT_T\)", _kernel_src(src, "tanh_score_attn"))
+    # (tanh of a product with no quotient: the product as it is, the helper's constants 1)
+    assert re.search(r"_tanh_mm\(_t\d+, 1\.0, 1\.0, 1\.0, DOT_T\)", _kernel_src(src, "tanh_score_attn"))
     # the row family keeps its own accurate _tanh (no _tanh_mm defined or called)
     x = af.tensor("x", "r c")
     row = af.compile(af.program("row_tanh", y=af.sum(af.tanh(x), "c"))).source
