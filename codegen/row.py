@@ -138,8 +138,11 @@ def _rewiden(v, NARROW: tl.constexpr):
     # its bits (exact; other instructions than _widen's, so the compiler keeps the 16-bit tile
     # live across the row's reductions and recomputes from it, not a float32 copy: a long row
     # then fits the registers); otherwise _widen's (merged with the first: the float32 tile held)
-    if NARROW and v.dtype == tl.bfloat16:
-        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    if NARROW:
+        if v.dtype == tl.bfloat16:
+            return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return _widen(v)
     else:
         return _widen(v)
 
@@ -165,11 +168,18 @@ def _qdiv(a, b, f, p, P):
     # a / b, b one value per row: written to a float16/bfloat16 output (P's element type), a
     # times the row's factors of _rcp_row (within 1.5 ulp of float32, far below the output's
     # rounding; no per-element division); any other output, correctly rounded (_div0); 0/0 -> 0
-    if (P.dtype.element_ty == tl.bfloat16) or (P.dtype.element_ty == tl.float16):
-        q = (a * f) * p
-        return tl.where(a == 0.0, tl.where(b == 0.0, 0.0, q), q)
+    if P.dtype.element_ty == tl.bfloat16:
+        return _qmul(a, b, f, p)
+    elif P.dtype.element_ty == tl.float16:
+        return _qmul(a, b, f, p)
     else:
         return _div0(a, b)
+
+
+@triton.jit
+def _qmul(a, b, f, p):
+    q = (a * f) * p
+    return tl.where(a == 0.0, tl.where(b == 0.0, 0.0, q), q)
 
 
 @triton.jit
@@ -960,7 +970,11 @@ class RowGen:
             "NUM_STAGES = None   # Triton's software-pipelining depth (None: Triton's default)",
             "NUM_WARPS = None   # warps per program when the call gives none (None: by the tile's size)",
             "LOOP_BLOCK_J = None   # tile length of the loop and split schedules (None: by the axis' length)",
-            "NARROW_MIN = 32768   # tile elements from which the single-tile kernel holds 16-bit rows as loaded (NARROW)",
+            "# tile elements from which the single-tile kernel holds 16-bit rows as loaded (NARROW); None: never by",
+            "# default. Off: compiled for sm_90 (Triton 3.9, ptxas), the bfloat16 tile held takes a 32-bit register",
+            "# per element like a float32 one, and the recomputation needs more: softmax 16384/16 warps 121",
+            "# registers against 78; 65536/32 warps 856 bytes of spills against 256",
+            "NARROW_MIN = None",
             "",
             "",
         ]
@@ -1070,8 +1084,8 @@ class RowGen:
             "    second read of a row then finds it in L2); default: LOOP_PER_SM, and",
             "    RIDER_PROGRAMS_PER_SM for riders.",
             "    narrow: the single-tile kernel holds the loaded row in its input type and computes the",
-            "    elementwise outputs again from it (True), or keeps its float32 values (False); default:",
-            "    from NARROW_MIN elements a tile.",
+            "    elementwise outputs again from it (True), or keeps its float32 values (False, the default",
+            "    unless NARROW_MIN says otherwise); the onepass kernel likewise.",
             "    A call by name whose inputs have the shapes, strides, dtypes and devices of an earlier",
             "    call's, with the same options, reuses that call's plan (checks, sizes, output shapes,",
             "    tiles, grid: all fixed by the signature); a new signature is checked in full.\"\"\"",
@@ -1170,7 +1184,7 @@ class RowGen:
             "        br = block_r or max(1, min(_np2(n_rows), 4096 // bj if bj < 4096 else 1))",
             "        nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16 if bj * br <= 32768 else 32)",
             "        # NARROW: a long row of 16-bit values held as loaded, the outputs recomputed from it",
-            "        nar = bool(NARROW_MIN <= bj * br if narrow is None else narrow)",
+            "        nar = bool(narrow if narrow is not None else NARROW_MIN is not None and NARROW_MIN <= bj * br)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=nw, NARROW=nar, **fp)",
             "        if riders and RIDERS:",
             "            del p.kw['NARROW']",
@@ -1212,7 +1226,8 @@ class RowGen:
             "                             \"give a larger block_j or more splits (nsplit)\")",
             "        p.grid = (triton.cdiv(n_rows, br) * p.ns,)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)),",
-            "                    NARROW=bool(NARROW_MIN <= bj * br if narrow is None else narrow), **fp)",
+            "                    NARROW=bool(narrow if narrow is not None else NARROW_MIN is not None and NARROW_MIN <= bj * br),",
+            "                    **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop', 'split' or 'onepass'\")",
             "    if (stages or NUM_STAGES) is not None and on_gpu:",
