@@ -186,7 +186,9 @@ class GluonGen(ContractionGen):
             raise CodegenError("defer=True is an option of the warp-specialised kernel with overlap=True "
                                "(and without ping-pong)")
         # persistent (ws only): a second, persistent kernel in the module (kernel_ws_persistent)
-        self.persistent = bool(persistent) and bool(ws)
+        self.persistent = bool(persistent)
+        if (persistent or pingpong) and not ws:
+            raise CodegenError("pingpong and persistent are options of the warp-specialised Gluon kernel (ws=True)")
         # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
         # warpgroups, each with its own query tile; pingpong: the consumers' score MMAs take
         # turns (ws only)
