@@ -108,6 +108,25 @@ class CContext(Context):
         a, sa = em.emit(y)
         return em.bind(f"_tanh_mm({a}, {k!r}, {c!r}, {k / c!r}, DOT_T)", sa)
 
+    def row_quotient(self, t: Term, a, b, sb, s, em):
+        """The finalize's quotient by a per-row value (``o = s / l``, an ``rvec`` over the value
+        axis) on its way to a float16/bfloat16 output: R's ``_qdiv`` of the row family (the row's
+        reciprocal factors, once per row; within 1.5 ulp of float32, far below the output's
+        rounding), else None (``_div0``, correctly rounded). Only in ContractionGen's own module
+        (``tanh_mm`` set: Gluon's generator keeps _div0)."""
+        if s == "tile" or not getattr(self.g, "tanh_mm", False):
+            return super().row_quotient(t, a, b, sb, s, em) if s == "tile" else None
+        if self.quot is None or t not in self.quot[1] or sb != "row" or s != "rvec":
+            return None
+        key = ("_rcp_row", b)
+        if key not in em.cache:
+            fq, pq = em.fresh("fq"), em.fresh("pq")
+            em.line(f"{fq}, {pq} = _rcp_row({b})   # the row's reciprocal, once per row")
+            em.cache[key] = (fq, pq)
+        fq, pq = em.cache[key]
+        self.quot[2].append(t)
+        return em.bind(f"_qdiv({a}, {b}[:, None], {fq}[:, None], {pq}[:, None], {self.quot[0]})", s)
+
     def state_var(self, q, blk, pol=None):
         e, sh = super().state_var(q, blk, pol)
         if sh == "row" and self.g.ops.get(q) != "ref" and self.g.vec_state(q):

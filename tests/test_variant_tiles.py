@@ -241,3 +241,32 @@ def test_short_full_runs_join_the_masked_loop_float64(n, window, min_full, monke
     for path in ("portable", "hopper"):
         o = kern(q=qq, k=kk, v=vv, path=path, block_j=16)
         assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+# ---- the finalize's quotient by the row's sum ------------------------------------------------------
+def test_finalize_divides_by_the_rows_reciprocal():
+    """o = s / l: the row's reciprocal factors once per row (_rcp_row), a product per element
+    (_qdiv: float16/bfloat16 outputs; _div0, correctly rounded, for others: by the output's type)."""
+    src = af.compile(EX["causal"]).source
+    for name in ("causal_attn", "causal_attn_hopper", "causal_combine"):
+        kern = _kernel_src(src, name)
+        assert re.search(r"(_fq\d+), (_pq\d+) = _rcp_row\(s2\)", kern), name
+        assert re.search(r"_qdiv\(s, s2\[:, None\], _fq\d+\[:, None\], _pq\d+\[:, None\], o_ptr\)", kern), name
+        assert "_div0(" not in kern
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_finalize_quotient_float64(dtype, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kern = af.compile(EX["causal"])
+    g = _seed()
+    n = 61
+    qq, kk, vv = (torch.randn(1, 2, n, 32, generator=g).to(dtype) for _ in range(3))
+    vv = (vv.float() * torch.logspace(-30, 30, 32)).to(dtype) if dtype == torch.float32 else vv
+    o = kern(q=qq, k=kk, v=vv)
+    assert o.dtype == dtype
+    ii, jj = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ref = _ref(qq, kk, vv, EX["SCALE"], mask=jj <= ii)
+    rel = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    scale = ref.abs().amax(dim=(0, 1, 2), keepdim=True).clamp_min(1e-300)   # per value column
+    assert ((o.double() - ref).abs() / scale).max().item() <= rel
