@@ -50,6 +50,13 @@ def variants(mod, n_cols):
     if n_cols <= 65536:
         for nw in (4, 8, 16, 32):
             out.append((f"single/w{nw}", dict(schedule="single", block_j=triton.next_power_of_2(n_cols), num_warps=nw)))
+    if 8192 <= n_cols <= 65536:
+        # registers per thread capped so that two programs fit an SM (the timed launch tries these too)
+        for nw in (8, 16, 32):
+            if 64 * nw <= triton.next_power_of_2(n_cols) <= 2048 * nw:
+                out.append((f"single/w{nw}/maxnreg{65536 // (64 * nw)}",
+                            dict(schedule="single", block_j=triton.next_power_of_2(n_cols), num_warps=nw,
+                                 maxnreg=65536 // (64 * nw))))
     if n_cols <= 16384:
         for br, nw in ((2, 8), (2, 16), (4, 16)):
             out.append((f"single/r{br}/w{nw}", dict(schedule="single", block_j=triton.next_power_of_2(n_cols),
@@ -72,7 +79,7 @@ def main(argv=None):
     copy, mm = _common.ceilings(copy_rep=200, mm_rep=300, warmup=25)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     print(f"measured ceilings: copy {copy:.0f} GB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s")
-    shapes = [(16384, 8192), (4096, 65536), (256, 262144)]
+    shapes = [(16384, 8192), (16384, 16384), (8192, 32768), (4096, 65536), (256, 262144)]
     plan = [(w, s) for s in shapes for w in ("softmax", "log_softmax", "layernorm", "rmsnorm")]
     plan.append(("cross_entropy", (8192, 128256)))
     if args.only:
