@@ -710,11 +710,14 @@ class RowGen:
     # -- kernels -------------------------------------------------------------------------------
     def kernel_single(self):
         L = ["@triton.jit", f"def {self.name}_single({', '.join(self.sig())}, BLOCK_R: tl.constexpr, "
-             "BLOCK_J: tl.constexpr, NARROW: tl.constexpr):",
+             "BLOCK_J: tl.constexpr, NARROW: tl.constexpr, EVEN: tl.constexpr):",
              "    # the whole fused axis fits one tile: one read of the input; NARROW: the outputs",
-             "    # recompute from the tile as loaded (a bfloat16 row held, not float32 values)"]
+             "    # recompute from the tile as loaded (a bfloat16 row held, not float32 values); EVEN:",
+             "    # every tile full (n_j == BLOCK_J, n_rows a multiple of BLOCK_R), no element masked"]
         self.prologue(L)
         self.tile_setup(L, "0", "    ")
+        L.append("    if EVEN:")
+        L.append("        tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
         ctx, em = self.region("single", "    ")
         ctx.narrow = True
         for p in self.f.passes:
@@ -1187,9 +1190,9 @@ class RowGen:
             "        nw = num_warps or (4 if bj * br <= 2048 else 8 if bj * br <= 16384 else 16 if bj * br <= 32768 else 32)",
             "        # NARROW: a long row of 16-bit values held as loaded, the outputs recomputed from it",
             "        nar = bool(narrow if narrow is not None else NARROW_MIN is not None and NARROW_MIN <= bj * br)",
-            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=nw, NARROW=nar, **fp)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=nw, NARROW=nar, EVEN=n_j == bj and n_rows % br == 0, **fp)",
             "        if riders and RIDERS:",
-            "            del p.kw['NARROW']",
+            "            del p.kw['NARROW'], p.kw['EVEN']",
             "            # persistent: a few programs per SM, each folding its rows' sums in registers",
             "            schedule = 'riders'",
             "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",

@@ -231,3 +231,33 @@ def test_single_tile_narrow_and_held_agree_with_float64(name):
     assert torch.equal(outs[0], outs[1]), f"{name} seed {seed}: narrow and held differ"
     err = (outs[0].double() - ref).abs() - (2 ** -8 * ref.abs() + 1e-6)
     assert (err <= 0).all(), f"{name} seed {seed}: max excess {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy"])
+def test_single_tile_full_tiles_against_float64(name):
+    """Rows of a power-of-two length, a multiple of the rows per tile: the single-tile kernel's
+    unmasked variant (EVEN), bfloat16, against float64 torch, a fully masked softmax row 0; and
+    the same values as the masked kernel (the first row's length one shorter is not EVEN)."""
+    k = _softmax() if name == "softmax" else _K.setdefault(name, af.compile(EX[name]))
+    g, seed = _gen()
+    rows, cols = 4, 2048
+    x = (torch.randn(rows, cols, generator=g, dtype=torch.float64) * 3).to(torch.bfloat16)
+    w = (torch.rand(cols, generator=g, dtype=torch.float64) + 0.5).to(torch.bfloat16)
+    b = torch.randn(cols, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    t = torch.randint(0, cols, (rows,), generator=g)
+    if name == "softmax":
+        x[1] = float("-inf")
+        ref = torch.softmax(x.double(), -1)
+        ref[1] = 0.0
+        inp = dict(x=x)
+    elif name == "layernorm":
+        ref, inp = F.layer_norm(x.double(), (cols,), w.double(), b.double(), eps=EX["EPS"]), dict(x=x, w=w, b=b)
+    else:
+        ref, inp = F.cross_entropy(x.double(), t, reduction="none"), dict(x=x, t=t)
+    got = k(**inp, schedule="single", block_r=2)
+    plan = next(p for p in k.kernel.module._PLANS.values() if p.schedule == "single" and p.n_j == cols)
+    assert plan.kw["EVEN"], plan.kw
+    err = (got.double() - ref).abs() - (2 ** -8 * ref.abs() + 1e-6)
+    assert (err <= 0).all(), f"{name} seed {seed}: max excess {err.max().item():.3e}"
+    masked = k(**inp, schedule="single", block_j=4096, block_r=2)   # n_j < BLOCK_J: masked
+    assert torch.equal(got, masked), f"{name} seed {seed}: EVEN and masked kernels differ"
