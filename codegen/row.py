@@ -585,9 +585,12 @@ class RowGen:
                 L.append(f"    off_{t} = " + " + ".join(f"idx_{a} * s_{t}_{a}" for a in ra))
         L.append("    cols0 = tl.arange(0, BLOCK_J)")
 
-    def tile_setup(self, L, start, ind, limit="n_j"):
+    def tile_setup(self, L, start, ind, limit="n_j", even=False):
         L.append(f"{ind}cols = {start} + cols0")
         L.append(f"{ind}tmask = rmask[:, None] & (cols[None, :] < {limit})")
+        if even:   # the kernel's constexpr EVEN: every tile full, no element masked
+            L.append(f"{ind}if EVEN:")
+            L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
         # the tile's element count (cols start at `start`; the last tile is partial)
         L.append(f"{ind}n_b = (tl.minimum({limit} - ({start}), BLOCK_J)) * 1.0")
 
@@ -715,9 +718,7 @@ class RowGen:
              "    # recompute from the tile as loaded (a bfloat16 row held, not float32 values); EVEN:",
              "    # every tile full (n_j == BLOCK_J, n_rows a multiple of BLOCK_R), no element masked"]
         self.prologue(L)
-        self.tile_setup(L, "0", "    ")
-        L.append("    if EVEN:")
-        L.append("        tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
+        self.tile_setup(L, "0", "    ", even=True)
         ctx, em = self.region("single", "    ")
         ctx.narrow = True
         for p in self.f.passes:
@@ -775,7 +776,7 @@ class RowGen:
         of a few programs per SM, the rows in flight are few enough that the epilogue's second
         read of a row just folded finds it in L2: one HBM read)."""
         L = ["@triton.jit", f"def {self.name}_loop({', '.join(self.sig())}, BLOCK_R: tl.constexpr, "
-             "BLOCK_J: tl.constexpr):",
+             "BLOCK_J: tl.constexpr, EVEN: tl.constexpr):",
              "    for blk in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):"]
         outer = L
         L = []
@@ -783,12 +784,12 @@ class RowGen:
         for p in self.f.passes:
             L.append(f"    # ---- pass {p.index}: one read of the input, carrying "
                      f"{', '.join(s.name for s in p.states)}")
-            self.tile_setup(L, "0", "    ")
+            self.tile_setup(L, "0", "    ", even=True)
             ctx, em = self.region("init", "    ")
             self.emit_init(p, em, L, "    ")
             L.append("    n_a = n_b")
             L.append("    for start in range(BLOCK_J, n_j, BLOCK_J):")
-            self.tile_setup(L, "start", "        ")
+            self.tile_setup(L, "start", "        ", even=True)
             ctx, em = self.region("roll", "        ")
             self.emit_update(p, p.rolling, em, L, "        ", "rolling")
             L.append("        n_a = n_a + n_b")
@@ -799,7 +800,7 @@ class RowGen:
         if self.enc.elementwise_outputs:
             L.append("    # ---- epilogue: outputs elementwise over the fused axis")
             L.append("    for start in range(0, n_j, BLOCK_J):")
-            self.tile_setup(L, "start", "        ")
+            self.tile_setup(L, "start", "        ", even=True)
             ctx, em = self.region("final", "        ")
             self.emit_elem_outputs(em, L)
         outer.extend("    " + ln for ln in "\n".join(L).split("\n"))
@@ -825,18 +826,18 @@ class RowGen:
         names = [s.name for s in p.states]
         ws = [f"ws_{q}" for q in names]
         L = ["@triton.jit", f"def {self.name}_part({', '.join(self.sig())}, {', '.join(ws)}, CHUNK, "
-             "BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
+             "BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, EVEN: tl.constexpr):",
              "    # one chunk of the fused axis per program along grid axis 1"]
         self.prologue(L)
         L.append("    sid = tl.program_id(1)")
         L.append("    chunk_lo = sid * CHUNK")
         L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
-        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi")
+        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi", even=True)
         ctx, em = self.region("init", "    ")
         self.emit_init(p, em, L, "    ")
         L.append("    n_a = n_b")
         L.append("    for start in range(chunk_lo + BLOCK_J, chunk_hi, BLOCK_J):")
-        self.tile_setup(L, "start", "        ", limit="chunk_hi")
+        self.tile_setup(L, "start", "        ", limit="chunk_hi", even=True)
         ctx, em = self.region("roll", "        ")
         self.emit_update(p, p.rolling, em, L, "        ", "rolling")
         L.append("        n_a = n_a + n_b")
@@ -858,7 +859,8 @@ class RowGen:
         comb = "\n".join(L)
 
         L = ["@triton.jit", f"def {self.name}_epilogue({', '.join(self.sig())}, "
-             f"{', '.join(w + '_f' for w in ws)}, CHUNK, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):",
+             f"{', '.join(w + '_f' for w in ws)}, CHUNK, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, "
+             "EVEN: tl.constexpr):",
              "    # outputs elementwise over the fused axis, one chunk per program"]
         self.prologue(L)
         for q in names:
@@ -869,7 +871,7 @@ class RowGen:
         ctx, em = self.region("final", "    ")
         self.emit_refs(p, em, L)
         L.append("    for start in range(chunk_lo, chunk_hi, BLOCK_J):")
-        self.tile_setup(L, "start", "        ", limit="chunk_hi")
+        self.tile_setup(L, "start", "        ", limit="chunk_hi", even=True)
         ctx, em = self.region("final", "        ")
         self.emit_elem_outputs(em, L)
         epi = "\n".join(L)
@@ -1208,7 +1210,8 @@ class RowGen:
             "            # epilogue's second read of each row is served from L2, not HBM",
             "            sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
             "            p.grid = (min(p.grid[0], max(1, int(sms * (per_sm or LOOP_PER_SM)))),)",
-            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8), **fp)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8),",
+            "                    EVEN=n_j % bj == 0 and n_rows % br == 0, **fp)",
             "    elif schedule == 'split':",
             "        bj = block_j or LOOP_BLOCK_J or min(_np2(n_j), 4096 if on_gpu else 2048)",
             "        br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))",
@@ -1217,7 +1220,9 @@ class RowGen:
             "        p.chunk = triton.cdiv(triton.cdiv(n_j, ns), bj) * bj",
             "        p.ns = triton.cdiv(n_j, p.chunk)",
             "        p.grid = (rb, p.ns)",
-            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8), **fp)",
+            "        # (chunks are whole tiles: every tile full when the axis is)",
+            "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or (4 if bj * br <= 1024 else 8),",
+            "                    EVEN=n_j % bj == 0 and n_rows % br == 0, **fp)",
             "    elif schedule == 'onepass':",
             "        # NSPLIT programs per block of rows, each holding one chunk of the fused axis in",
             "        # registers; partial states merged in the kernel: one HBM read (kernel_onepass)",
@@ -1275,7 +1280,7 @@ class RowGen:
             "        ws = [torch.empty(p.ns * p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
             "        wf = [torch.empty(p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
             f"        {self.name}_part[p.grid](*argv, *ws, p.chunk, **p.kw)",
-            "        kw = {k: v for k, v in p.kw.items() if k != 'num_warps'}",
+            "        kw = {k: v for k, v in p.kw.items() if k not in ('num_warps', 'EVEN')}",
             f"        {self.name}_combine[p.grid[:1]](*argv, *ws, *wf, p.chunk, p.ns, **kw)",
             "        if any(o for o in OUTPUTS if AXIS in OUTPUTS[o]):",
             f"            {self.name}_epilogue[p.grid](*argv, *wf, p.chunk, **p.kw)",

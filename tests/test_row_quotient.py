@@ -261,3 +261,26 @@ def test_single_tile_full_tiles_against_float64(name):
     assert (err <= 0).all(), f"{name} seed {seed}: max excess {err.max().item():.3e}"
     masked = k(**inp, schedule="single", block_j=4096, block_r=2)   # n_j < BLOCK_J: masked
     assert torch.equal(got, masked), f"{name} seed {seed}: EVEN and masked kernels differ"
+
+
+@pytest.mark.parametrize("sched,kw", [("loop", {"block_j": 256}), ("split", {"block_j": 256, "nsplit": 3})])
+def test_loop_and_split_full_tiles_against_float64(sched, kw):
+    """A row length that is a multiple of the tile (loop and split kernels' EVEN): softmax in
+    bfloat16 with a fully masked row, against float64, and bit-equal to a tile that does not
+    divide it (masked tiles)."""
+    k = _softmax()
+    g, seed = _gen()
+    x = (torch.randn(4, 1536, generator=g, dtype=torch.float64) * 3).to(torch.bfloat16)
+    x[2] = float("-inf")
+    ref = torch.softmax(x.double(), -1)
+    ref[2] = 0.0
+    got = k(x=x, schedule=sched, block_r=2, **kw)
+    plan = next(p for p in k.kernel.module._PLANS.values() if p.schedule == sched and p.n_j == 1536
+                and p.kw["BLOCK_J"] == 256)
+    assert plan.kw["EVEN"], plan.kw
+    u = _units(got, ref.to(torch.bfloat16))
+    assert u.max() <= 1 and (u == 0).double().mean() > 0.99, f"{sched} seed {seed}"
+    masked = k(x=x, schedule=sched, block_r=2, **dict(kw, block_j=1024))   # 1536 = 1.5 tiles
+    assert not next(p for p in k.kernel.module._PLANS.values() if p.schedule == sched and p.n_j == 1536
+                    and p.kw["BLOCK_J"] != 256).kw["EVEN"]
+    assert (_units(got, masked) <= 1).all(), f"{sched} seed {seed}: EVEN and masked tiles disagree"
