@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from acefuse.rewrite.terms import Term, pretty, A, B, is_integer
 from acefuse.codegen.emit import Emitter, CodegenError
-from acefuse.codegen.row import HEADER, _smooth_divs
+from acefuse.codegen.row import HEADER, emit_output
 from acefuse.codegen.masks import MaskAnalysis
 from acefuse.codegen.contraction_ctx import CContext, _cjoin, _flat_mul
 from acefuse.codegen import contraction_launch
@@ -523,15 +523,7 @@ class ContractionGen(MaskAnalysis):
             em.comment(f"output {o} = {pretty(t)}")
             # a quotient by a per-row value on this output's way: the row's reciprocal factors
             # where the output is float16/bfloat16 (CContext.row_quotient)
-            ctx.quot = (f"{o}_ptr", _smooth_divs(ctx.canon(t)), [])
-            try:
-                e, sh = em.emit(t, raw_state=True)
-            finally:
-                used, ctx.quot = ctx.quot[2], None
-            if used:   # values built on them are this output's (another may be stored otherwise)
-                for k in [k for k in em.cache if isinstance(k, tuple) and isinstance(k[0], Term)
-                          and any(u in used for u in k[0].walk())]:
-                    del em.cache[k]
+            e, sh = emit_output(em, t, f"{o}_ptr")
             axes = self.out_axes[o]
             r = any(a in self.R for a in axes)
             if self.E and self.E[0] in axes:

@@ -114,18 +114,9 @@ class CContext(Context):
         reciprocal factors, once per row; within 1.5 ulp of float32, far below the output's
         rounding), else None (``_div0``, correctly rounded). Only in ContractionGen's own module
         (``tanh_mm`` set: Gluon's generator keeps _div0)."""
-        if s == "tile" or not getattr(self.g, "tanh_mm", False):
+        if not getattr(self.g, "tanh_mm", False):
             return super().row_quotient(t, a, b, sb, s, em) if s == "tile" else None
-        if self.quot is None or t not in self.quot[1] or sb != "row" or s != "rvec":
-            return None
-        key = ("_rcp_row", b)
-        if key not in em.cache:
-            fq, pq = em.fresh("fq"), em.fresh("pq")
-            em.line(f"{fq}, {pq} = _rcp_row({b})   # the row's reciprocal, once per row")
-            em.cache[key] = (fq, pq)
-        fq, pq = em.cache[key]
-        self.quot[2].append(t)
-        return em.bind(f"_qdiv({a}, {b}[:, None], {fq}[:, None], {pq}[:, None], {self.quot[0]})", s)
+        return super().row_quotient(t, a, b, sb, s, em, shape="rvec")
 
     def state_var(self, q, blk, pol=None):
         e, sh = super().state_var(q, blk, pol)

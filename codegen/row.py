@@ -431,12 +431,13 @@ class Context:
     # through smooth arithmetic only), set by RowGen.emit_elem_outputs; None elsewhere
     quot = None
 
-    def row_quotient(self, t: Term, a, b, sb, s, em):
+    def row_quotient(self, t: Term, a, b, sb, s, em, shape="tile"):
         """A tile divided by a per-row value on the way to an elementwise output (through +, -,
         *, /, exp, log only: no rounding, comparison or select sees the quotient): ``_qdiv``, a
         product with the row's reciprocal factors where the output is float16/bfloat16 (one
-        division per row instead of one per element), else None (``_div0``)."""
-        if self.quot is None or t not in self.quot[1] or sb != "row" or s != "tile":
+        division per row instead of one per element), else None (``_div0``). ``shape``: the
+        quotient's shape this family writes that way (the contraction family's ``rvec``)."""
+        if self.quot is None or t not in self.quot[1] or sb != "row" or s != shape:
             return None
         key = ("_rcp_row", b)
         if key not in em.cache:
@@ -660,16 +661,7 @@ class RowGen:
                 at = f"{self.part_of[o][1]} * s_{dst}_{self.stacks[dst][0]} + "
             # divisions by a per-row value on this output's way: products with the row's
             # reciprocal where the output is float16/bfloat16 (Context.row_quotient)
-            ctx = em.ctx
-            ctx.quot = (f"{dst}_ptr", _smooth_divs(ctx.canon(t)), [])
-            try:
-                e, sh = em.emit(t, raw_state=True)
-            finally:
-                used, ctx.quot = ctx.quot[2], None
-            if used:   # values built on them are this output's (another may be stored otherwise)
-                for k in [k for k in em.cache if isinstance(k, tuple) and isinstance(k[0], Term)
-                          and any(u in used for u in k[0].walk())]:
-                    del em.cache[k]
+            e, sh = emit_output(em, t, f"{dst}_ptr")
             off = f"off_{dst}[:, None] + " if [a for a in self.out_axes[o] if a != self.axis] else "rows[:, None] * 0 + "
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
             em.line(f"tl.store({dst}_ptr + {off}{at}cols[None, :] * s_{dst}_{self.axis}, "
@@ -1409,6 +1401,24 @@ def _smooth_divs(t: Term) -> frozenset:
             out.add(u)
         todo.extend(a for a in u.args if isinstance(a, Term))
     return frozenset(out)
+
+
+def emit_output(em, t: Term, ptr: str):
+    """Emit output term ``t`` stored through ``ptr`` with its divisions by a per-row value open
+    to the row's reciprocal (``Context.row_quotient``: where the output is float16/bfloat16).
+    Cached values built on such a quotient are this output's only (another output may be
+    stored otherwise), so they leave the emitter's cache afterwards. Returns (expr, shape)."""
+    ctx = em.ctx
+    ctx.quot = (ptr, _smooth_divs(ctx.canon(t)), [])
+    try:
+        e, sh = em.emit(t, raw_state=True)
+    finally:
+        used, ctx.quot = ctx.quot[2], None
+    if used:
+        for k in [k for k in em.cache if isinstance(k, tuple) and isinstance(k[0], Term)
+                  and any(u in used for u in k[0].walk())]:
+            del em.cache[k]
+    return e, sh
 
 
 def store_dtypes(outputs) -> dict:
