@@ -339,6 +339,39 @@ class GluonGen(ContractionGen):
                 "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
                 f"    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [{nw}], [0])"]
 
+    def _ws_parts(self, what, pids=None):
+        """The template's prologue, key loop and stores cut for the warp-specialised kernels:
+        (prologue, the parent's prologue whose row bounds cover both consumers' rows, a
+        consumer's prologue over its own warpgroup's rows, the mask analysis before the key
+        loops, the key loops, the stores). ``pids``: prologue lines (by their start) replaced
+        in all three prologues (the persistent kernel's work item)."""
+        self.p = self.f.passes[0]
+        if self.empty_start() is None:
+            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
+                               "first key tile would be peeled; the Gluon kernel does not peel")
+        self.hopper, self.tma = False, {}
+        self.hoisting, self._hoisted = [], {}
+        (r,) = self.R
+        pro, body, store = [], [], []
+        self.prologue(pro)
+        self.key_loop(body, "0", "n_j")
+        self.store_outputs(store)
+        cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
+        pid = [i for i, ln in enumerate(pro) if ln.startswith(tuple(pids or ()))]
+        rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
+        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
+        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2 or len(pid) != len(pids or ()):
+            raise CodegenError("the contraction template's prologue or key loop changed shape; "
+                               f"codegen/contraction_gluon.py ({what}) needs updating")
+        for i in pid:
+            pro[i] = next(v for k, v in pids.items() if pro[i].startswith(k))
+        par_pro = list(pro)
+        par_pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
+        par_pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
+        con_pro = list(par_pro if pids else pro)   # (the one-shot kernel's consumers keep the template's bounds)
+        con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
+        return pro, par_pro, con_pro, body[:cut[0] + 1], body[cut[0] + 1:], store
+
     def kernel_ws(self) -> str:
         """The warp-specialised kernel (FlashAttention-3's structure, issue 15 phase 2): one
         program owns ``2 * BLOCK_I`` query rows. The parent region runs the template's
@@ -358,32 +391,11 @@ class GluonGen(ContractionGen):
           ``turn[w]`` before its block, and arrives on ``turn[1 - w]`` after it). With
           ``overlap`` each consumer issues the next tile's score MMA before this tile's math.
         """
-        self.p = self.f.passes[0]
-        if self.empty_start() is None:
-            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
-                               "first key tile would be peeled; the Gluon kernel does not peel")
-        self.hopper, self.tma = False, {}
-        self.hoisting, self._hoisted = [], {}
         qn, kn, vn = self.q_name, self.k_name, self.v_name
         (r,), (c,), (e,) = self.R, self.C, self.E
-        pro, body, store = [], [], []
-        self.prologue(pro)
-        self.key_loop(body, "0", "n_j")
-        self.store_outputs(store)
-        cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
-        rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
-        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
-        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2:
-            raise CodegenError("the contraction template's prologue or key loop changed shape; "
-                               "codegen/contraction_gluon.py (kernel_ws) needs updating")
-        analysis, loops = body[:cut[0] + 1], body[cut[0] + 1:]
         # the program's rows: its one query axis (n_rows = len_r, idx_r = rows); the mask
         # analysis of the parent covers both consumers' rows
-        par_pro = list(pro)
-        par_pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
-        par_pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
-        con_pro = list(pro)
-        con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
+        pro, par_pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws")
         sig = ", ".join(self.sig())
         consts = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
                   "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
@@ -505,32 +517,11 @@ class GluonGen(ContractionGen):
         kernel only when the strides nest that way and every key tile is whole (a partial last
         tile would read the next slice's keys; query rows past the end only feed rows that are
         not stored)."""
-        self.p = self.f.passes[0]
-        if self.empty_start() is None:
-            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
-                               "first key tile would be peeled; the Gluon kernel does not peel")
-        self.hopper, self.tma = False, {}
-        self.hoisting, self._hoisted = [], {}
         qn, kn, vn = self.q_name, self.k_name, self.v_name
         (r,), (c,), (e,) = self.R, self.C, self.E
-        pro, body, store = [], [], []
-        self.prologue(pro)
-        self.key_loop(body, "0", "n_j")
-        self.store_outputs(store)
-        cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
-        pid = [i for i, ln in enumerate(pro) if ln.startswith(("    pid_r = ", "    pid_g = "))]
-        rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
-        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
-        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2 or len(pid) != 2:
-            raise CodegenError("the contraction template's prologue or key loop changed shape; "
-                               "codegen/contraction_gluon.py (kernel_ws_persistent) needs updating")
-        analysis, loops = body[:cut[0] + 1], body[cut[0] + 1:]
-        pro[pid[0]] = "    pid_r = n_rp - 1 - item // n_g   # the longest row tiles first"
-        pro[pid[1]] = "    pid_g = item % n_g"
-        pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
-        pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
-        con_pro = list(pro)
-        con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
+        pids = {"    pid_r = ": "    pid_r = n_rp - 1 - item // n_g   # the longest row tiles first",
+                "    pid_g = ": "    pid_g = item % n_g"}
+        _, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
         n_g = " * ".join(f"len_{a}" for a in self.G) or "1"
         sig = ", ".join(self.sig())
         ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
