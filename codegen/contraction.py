@@ -565,7 +565,50 @@ class ContractionGen(MaskAnalysis):
             return None
         return _drop_dead("\n".join(L + self.hoisting + body))
 
+    def _split_states_out(self, body, sid="sid"):
+        """Store the chunk's partial states (split-KV) to the workspace: chunk ``sid``'s slot."""
+        body.append(f"    base = ({sid} * n_grid + pid_g) * n_rows")
+        for s in self.p.states:
+            if self._is_vec(s):
+                body.append(f"    tl.store(ws_{s.name} + (base + rows)[:, None] * BLOCK_E + ecols[None, :], "
+                            f"{s.name}, mask=rmask[:, None])")
+            else:
+                body.append(f"    tl.store(ws_{s.name} + base + rows, {s.name}, mask=rmask)")
+
+    def _split_fold(self, body, ind, volatile=""):
+        """Fold the NSPLIT partial states in the workspace, chunk 0 first, with the derived merge
+        and store the outputs (the combine's body; ``volatile``: the loads bypass the L1 cache,
+        for a program reading partial states other programs of the same launch wrote)."""
+        p = self.p
+        inner = ind + "    "
+
+        def ld(s, sid, suffix, at):
+            base = f"(({sid}) * n_grid + pid_g) * n_rows"
+            if self._is_vec(s):
+                return (f"{at}{s.name}{suffix} = tl.load(ws_{s.name} + ({base} + rows)[:, None] * BLOCK_E + "
+                        f"ecols[None, :], mask=rmask[:, None], other=0.0{volatile})")
+            return f"{at}{s.name}{suffix} = tl.load(ws_{s.name} + {base} + rows, mask=rmask, other=0.0{volatile})"
+        for s in p.states:
+            body.append(ld(s, "0", "", ind))
+        body.append(f"{ind}n_a = tl.minimum(CHUNK, n_j) * 1.0")
+        body.append(f"{ind}for sid in range(1, NSPLIT):")
+        for s in p.states:
+            body.append(ld(s, "sid", "_b", inner))
+        body.append(f"{inner}n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0")
+        chain = self.f.rule_chain
+        ctx, em = self.region("merge", inner)
+        self.emit_states(p.merge, em, body, inner, "_new",
+                         lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
+                                   f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
+        for s in p.states:
+            body.append(f"{inner}{s.name} = {s.name}_new")
+        body.append(f"{inner}n_a = n_a + n_b")
+        self.store_outputs(body, ind)
+
     def kernel_split(self):
+        """Split-KV in two launches: ``{name}_part`` (grid axis 2: one chunk of keys per program;
+        its partial states to the workspace) and ``{name}_combine`` (one program per row tile:
+        folds the chunks' states with the derived merge, writes the outputs)."""
         self.p = p = self.f.passes[0]
         names = [s.name for s in p.states]
         ws = [f"ws_{q}" for q in names]
@@ -579,13 +622,7 @@ class ContractionGen(MaskAnalysis):
         self.prologue(L)
         body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
         self.key_loop(body, "chunk_lo", "chunk_hi")
-        body.append("    base = (sid * n_grid + pid_g) * n_rows")
-        for s in p.states:
-            if self._is_vec(s):
-                body.append(f"    tl.store(ws_{s.name} + (base + rows)[:, None] * BLOCK_E + ecols[None, :], "
-                            f"{s.name}, mask=rmask[:, None])")
-            else:
-                body.append(f"    tl.store(ws_{s.name} + base + rows, {s.name}, mask=rmask)")
+        self._split_states_out(body)
         part = "\n".join(L + self.hoisting + body)
 
         self.hoisting = []
@@ -597,31 +634,41 @@ class ContractionGen(MaskAnalysis):
              "    # fold the partial states of every key chunk with the derived merge"]
         self.prologue(L)
         body = []
-
-        def ld(s, sid, suffix):
-            base = f"(({sid}) * n_grid + pid_g) * n_rows"
-            if self._is_vec(s):
-                return (f"    {s.name}{suffix} = tl.load(ws_{s.name} + ({base} + rows)[:, None] * BLOCK_E + "
-                        f"ecols[None, :], mask=rmask[:, None], other=0.0)")
-            return f"    {s.name}{suffix} = tl.load(ws_{s.name} + {base} + rows, mask=rmask, other=0.0)"
-        for s in p.states:
-            body.append(ld(s, "0", ""))
-        body.append("    n_a = tl.minimum(CHUNK, n_j) * 1.0")
-        body.append("    for sid in range(1, NSPLIT):")
-        for s in p.states:
-            body.append("    " + ld(s, "sid", "_b"))
-        body.append("        n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0")
-        chain = self.f.rule_chain
-        ctx, em = self.region("merge", "        ")
-        self.emit_states(p.merge, em, body, "        ", "_new",
-                         lambda s: f"{s.name}_AB = {pretty(p.merge[s.name])}\n  derived by: "
-                                   f"{' -> '.join(chain(s.name, 'merge')) or 'definition'}")
-        for s in p.states:
-            body.append(f"        {s.name} = {s.name}_new")
-        body.append("        n_a = n_a + n_b")
-        self.store_outputs(body)
+        self._split_fold(body, "    ")
         comb = "\n".join(L + self.hoisting + body)
         return _drop_dead(part), _drop_dead(comb)
+
+    def kernel_split_last(self):
+        """Split-KV in one launch, ``{name}_split1``: each program folds one chunk of keys
+        (grid axis 2) as ``{name}_part`` does and stores its partial states, then takes a
+        ticket on its row tile's counter (acq_rel); the program that takes the last ticket
+        folds every chunk's states with the derived merge in chunk order (as
+        ``{name}_combine``: the same result whichever program arrives last) and writes the
+        outputs, then sets the counter back to 0 for the next launch. No program waits for
+        another, so none can deadlock, whatever the number resident (Triton's interpreter,
+        which runs programs one after another, included)."""
+        self.p = p = self.f.passes[0]
+        ws = [f"ws_{s.name}" for s in p.states]
+        self.hoisting = []
+        self._hoisted = {}
+        L = ["@triton.jit",
+             f"def {self.name}_split1({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, CHUNK, NSPLIT, n_grid, "
+             "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
+             "PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
+             "    # split-KV in one launch: one chunk of keys per program along grid axis 2, partial states",
+             "    # to a workspace; the last program of each row tile to finish folds them"]
+        self.prologue(L)
+        body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
+        self.key_loop(body, "chunk_lo", "chunk_hi")
+        self._split_states_out(body)
+        body += ["    tl.debug_barrier()   # every thread's partial states written before the ticket",
+                 "    cnt = cnt_ptr + pid_g * tl.num_programs(0) + pid_r",
+                 "    ticket = tl.atomic_add(cnt, 1, sem='acq_rel')",
+                 "    if ticket == NSPLIT - 1:   # the row tile's last chunk to finish: every partial state is written",
+                 "        tl.debug_barrier()"]
+        self._split_fold(body, "        ", volatile=", volatile=True")
+        body.append("        tl.atomic_xchg(cnt, 0)   # ready for the next launch (a cached workspace)")
+        return _drop_dead("\n".join(L + self.hoisting + body))
 
     def _is_vec(self, s):
         return bool(self.E) and self.E[0] in self.axes_of(s.source)
@@ -646,6 +693,7 @@ class ContractionGen(MaskAnalysis):
             split = f.passes[0].split_ok
             if split:
                 parts.extend(self.kernel_split())
+                parts.append(self.kernel_split_last())
         finally:
             self.tanh_mm = self.inb_tiles = False
         if any("_tanh_mm(" in x for x in parts[1:]):

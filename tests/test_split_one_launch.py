@@ -1,0 +1,181 @@
+"""Split-KV in one launch (``schedule='split1'``, codegen/contraction.py ``kernel_split_last``):
+each program folds one chunk of keys and stores its partial states, takes a ticket on its row
+tile's counter, and the last one folds every chunk with the derived merge and writes the
+outputs. Checked on the CPU (Triton's interpreter) against float64 torch with fresh random
+inputs: odd key lengths and an uneven last chunk, GQA decode, masked programs (causal, sliding
+window, ALiBi, rows that see no key), softcap, two outputs; the cached workspace reused over
+several calls and two shapes alternating (its counters back at 0 after every launch), and
+the result equal, bit for bit, to the two-launch split's (the same merge in the same order)."""
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import acefuse as af
+
+ROOT = Path(__file__).resolve().parents[1]
+EX = runpy.run_path(str(ROOT / "examples" / "attention.py"))
+MASKS = runpy.run_path(str(ROOT / "examples" / "masks.py"))
+SCALE, WINDOW, CAP = EX["SCALE"], EX["WINDOW"], EX["CAP"]
+
+
+def reference(q, k, v, bias=None, mask=None, cap=None):
+    """float64 attention (fully masked rows give 0, the documented convention)."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = torch.einsum("...id,...jd->...ij", q, k) * SCALE
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    if bias is not None:
+        s = s + bias
+    return MASKS["softmax_reference"](s, v, mask)
+
+
+def _close(got, ref, tol=2e-5):
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), f"max abs error {err:.3e}"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return {}
+
+
+def _kernel(kernels, name, prog=None):
+    if name not in kernels:
+        kernels[name] = af.compile(prog if prog is not None else EX[name])
+    return kernels[name]
+
+
+def _decode(g, n_kv, B=2, G=2, R=4, D=16):
+    q = torch.randn(B, G, R, 1, D, generator=g)
+    k, v = (torch.randn(B, G, n_kv, D, generator=g) for _ in range(2))
+    return dict(q=q, k=k, v=v)
+
+
+def _decode_ref(ins):
+    q, k, v = ins["q"], ins["k"], ins["v"]
+    B, G, R, _, D = q.shape
+    ref = reference(q.reshape(B, G * R, 1, D), k.repeat_interleave(R, 1), v.repeat_interleave(R, 1))
+    return ref.reshape(q.shape[:-1] + (v.shape[-1],))
+
+
+def _counters(mod):
+    return [c for p in mod._PLANS.values() if p.kernel == "split1" for _, c in p.wcache.values()]
+
+
+@pytest.mark.parametrize("n_kv,nsplit", [(97, 3), (130, 4), (33, 5), (17, 2), (200, None)])
+def test_decode_one_launch_against_float64(kernels, n_kv, nsplit):
+    """GQA decode, odd key lengths, a last chunk shorter than the others (or a single partial
+    tile), bit-equal to the two-launch split."""
+    mod = _kernel(kernels, "decode").module
+    g = torch.Generator().manual_seed(1000 + n_kv)
+    ins = _decode(g, n_kv)
+    o = mod.run(**ins, schedule="split1", nsplit=nsplit, block_j=16)
+    _close(o, _decode_ref(ins))
+    two = mod.run(**ins, schedule="split", nsplit=nsplit, block_j=16)
+    assert torch.equal(o, two), "the one-launch split folds the same partial states in the same order"
+    assert all(int(c.abs().sum()) == 0 for c in _counters(mod)), "every launch leaves its counters at 0"
+
+
+def test_workspace_is_reused_and_shapes_alternate(kernels):
+    """Several calls of one signature reuse one cached workspace (no new allocation, counters
+    at 0 after each): views of one KV cache whose lengths alternate between two power-of-two
+    classes (a plan each), the cache refilled with fresh values at every step, each result
+    against float64; a length inside a class (fewer chunks) reuses its class's buffers."""
+    mod = _kernel(kernels, "decode").module
+    mod._PLANS.clear()
+    g = torch.Generator().manual_seed(7)
+    q = torch.empty(2, 2, 4, 1, 16)
+    kc, vc = torch.empty(2, 2, 128, 16), torch.empty(2, 2, 128, 16)
+    ptrs = {}
+    for n_kv in (45, 120, 41, 127, 64, 100, 33):
+        for t in (q, kc, vc):
+            t.copy_(torch.randn(t.shape, generator=g))
+        ins = dict(q=q, k=kc[:, :, :n_kv], v=vc[:, :, :n_kv])
+        _close(mod.run(**ins, schedule="split1", block_j=16, nsplit=4), _decode_ref(ins))
+        for p in (p for p in mod._PLANS.values() if p.kernel == "split1"):
+            ((views, cnt),) = p.wcache.values()
+            ptrs.setdefault(id(p), (views[0].data_ptr(), cnt.data_ptr()))
+            assert ptrs[id(p)] == (views[0].data_ptr(), cnt.data_ptr()), "the workspace is allocated once"
+            assert int(cnt.abs().sum()) == 0
+    assert len(ptrs) == len(mod._PLANS) == 2   # key-length classes 64 and 128
+
+
+def test_the_automatic_call_and_positional_calls(kernels):
+    """Positional inputs take the full path (a plan per call, its workspace allocated per call)."""
+    mod = _kernel(kernels, "decode").module
+    g = torch.Generator().manual_seed(8)
+    ins = _decode(g, 77, B=1, G=3, R=2, D=24)
+    _close(mod.run(ins["q"], ins["k"], ins["v"], schedule="split1", block_j=16), _decode_ref(ins))
+
+
+def test_bad_split_options_are_refused(kernels):
+    mod = _kernel(kernels, "decode").module
+    ins = _decode(torch.Generator().manual_seed(9), 40)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="nsplit must be a positive integer"):
+            mod.run(**ins, schedule="split1", nsplit=bad)
+    with pytest.raises(ValueError, match="'split1' \\(split-KV, one launch\\)"):
+        mod.run(**ins, schedule="split2")
+
+
+def _idx(n_i, n_j):
+    return torch.arange(n_i)[:, None], torch.arange(n_j)[None, :]
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "softcap"])
+def test_masks_and_score_modifications(kernels, name):
+    """Chunks a mask excludes entirely leave the states empty; the merge of empty and
+    non-empty chunks is right. Keys longer than the window so some chunks are excluded."""
+    kern = _kernel(kernels, name)
+    g = torch.Generator().manual_seed(len(name))
+    B, H, N, D = 1, 2, 300 if name == "sliding_window" else 70, 16
+    q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+    ii, jj = _idx(N, N)
+    extra, kw = {}, {}
+    if name == "causal":
+        kw = dict(mask=jj <= ii)
+    elif name == "sliding_window":
+        kw = dict(mask=(jj <= ii) & (ii - jj < WINDOW))
+    elif name == "alibi":
+        slope = torch.rand(H, generator=g)
+        extra = dict(slope=slope)
+        kw = dict(mask=jj <= ii, bias=slope[:, None, None] * (jj - ii))
+    else:
+        kw = dict(cap=CAP)
+    ref = reference(q, k, v, **kw)
+    for nsplit in (3, 7):
+        o = kern(q=q, k=k, v=v, **extra, schedule="split1", block_j=16, nsplit=nsplit)
+        _close(o, ref)
+        assert torch.equal(o, kern(q=q, k=k, v=v, **extra, schedule="split", block_j=16, nsplit=nsplit))
+
+
+def test_rows_that_see_no_key_and_two_outputs():
+    """A mask that leaves the first rows without any key (their outputs 0, never NaN) and a
+    program with two outputs (the attention output and the log-sum-exp of the scores)."""
+    q = af.tensor("q", "b h i d"); k = af.tensor("k", "b h j d"); v = af.tensor("v", "b h j e")
+    i, j = af.index("i"), af.index("j")
+    s = af.where(j < i - 3, af.sum(q * k, "d") * SCALE, af.NEG_INF)   # rows i <= 3 see nothing
+    m = af.max(s, "j")
+    p = af.exp(s - m)
+    l = af.sum(p, "j")
+    kern = af.compile(af.program("split1_masked_rows", o=af.sum(p * v, "j") / l))
+    g = torch.Generator().manual_seed(10)
+    q_, k_, v_ = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    ii, jj = _idx(40, 40)
+    o = kern(q=q_, k=k_, v=v_, schedule="split1", block_j=16, nsplit=3)
+    _close(o, reference(q_, k_, v_, mask=jj < ii - 3))
+    assert torch.all(o[:, :, :4] == 0)
+
+    s2 = af.sum(q * k, "d") * SCALE
+    m2 = af.max(s2, "j")
+    p2 = af.exp(s2 - m2)
+    l2 = af.sum(p2, "j")
+    two = af.compile(af.program("split1_two_outputs", o=af.sum(p2 * v, "j") / l2, lse=m2 + af.log(l2)))
+    q_, k_, v_ = (torch.randn(2, 2, n, 16, generator=g) for n in (5, 83, 83))
+    out = two(q=q_, k=k_, v=v_, schedule="split1", block_j=16, nsplit=4)
+    _close(out["o"], reference(q_, k_, v_))
+    lse = torch.logsumexp(torch.einsum("bhid,bhjd->bhij", q_.double(), k_.double()) * SCALE, -1)
+    _close(out["lse"], lse)
