@@ -221,8 +221,12 @@ def run_decode(label, B, HQ, HKV, L, rows, mods):
     nbytes = 2 * B * HKV * L * D * 2
     res = dict(case=label, B=B, HQ=HQ, HKV=HKV, L=L, bytes=nbytes)
     best = None
+    # split: partial states, then their merge (two launches); split1: the last program of each
+    # row tile merges (one launch; chunks as the launcher's default, about 2 programs per SM)
     for lab, kw in [("auto", {}), ("split/bj64", dict(schedule="split", block_j=64)),
-                    ("split/bj128", dict(schedule="split", block_j=128)), ("loop", dict(schedule="loop"))]:
+                    ("split/bj128", dict(schedule="split", block_j=128)),
+                    ("split1/bj64", dict(schedule="split1", block_j=64)),
+                    ("split1/bj128", dict(schedule="split1", block_j=128)), ("loop", dict(schedule="loop"))]:
         try:
             o = mod.run(**inputs, **kw).reshape(B, HQ, 1, D)
         except Exception as exc:
