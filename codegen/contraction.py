@@ -638,7 +638,7 @@ class ContractionGen(MaskAnalysis):
         comb = "\n".join(L + self.hoisting + body)
         return _drop_dead(part), _drop_dead(comb)
 
-    def kernel_split_last(self):
+    def kernel_split_last(self, hopper=False):
         """Split-KV in one launch, ``{name}_split1``: each program folds one chunk of keys
         (grid axis 2) as ``{name}_part`` does and stores its partial states, then takes a
         ticket on its row tile's counter (acq_rel); the program that takes the last ticket
@@ -646,20 +646,31 @@ class ContractionGen(MaskAnalysis):
         ``{name}_combine``: the same result whichever program arrives last) and writes the
         outputs, then sets the counter back to 0 for the next launch. No program waits for
         another, so none can deadlock, whatever the number resident (Triton's interpreter,
-        which runs programs one after another, included)."""
+        which runs programs one after another, included). ``hopper``: its variant
+        ``{name}_split1_hopper``, key and value tiles copied by TMA descriptors as in
+        ``{name}_attn_hopper`` (None where no key-side operand can be read that way)."""
         self.p = p = self.f.passes[0]
         ws = [f"ws_{s.name}" for s in p.states]
         self.hoisting = []
         self._hoisted = {}
+        self.hopper, self.tma = hopper, {}
+        kname = f"{self.name}_split1_hopper" if hopper else f"{self.name}_split1"
         L = ["@triton.jit",
-             f"def {self.name}_split1({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, CHUNK, NSPLIT, n_grid, "
+             f"def {kname}({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, CHUNK, NSPLIT, n_grid, "
              "BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, "
-             "PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr):",
+             "PREC: tl.constexpr, DOT_T: tl.constexpr, SCAN: tl.constexpr" + (", WS: tl.constexpr):" if hopper else "):"),
              "    # split-KV in one launch: one chunk of keys per program along grid axis 2, partial states",
-             "    # to a workspace; the last program of each row tile to finish folds them"]
-        self.prologue(L)
-        body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK", "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
-        self.key_loop(body, "chunk_lo", "chunk_hi")
+             "    # to a workspace; the last program of each row tile to finish folds them"
+             + ("\n    # Hopper: key and value tiles copied by TMA descriptors (zeros past the keys' end)" if hopper else "")]
+        try:
+            self.prologue(L)
+            body = ["    sid = tl.program_id(2)", "    chunk_lo = sid * CHUNK",
+                    "    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)"]
+            self.key_loop(body, "chunk_lo", "chunk_hi")
+        finally:
+            self.hopper = False
+        if hopper and not any(ax[0] == self.axis for ax in self.tma.values()):
+            return None
         self._split_states_out(body)
         body += ["    tl.debug_barrier()   # every thread's partial states written before the ticket",
                  "    cnt = cnt_ptr + pid_g * tl.num_programs(0) + pid_r",
@@ -694,6 +705,11 @@ class ContractionGen(MaskAnalysis):
             if split:
                 parts.extend(self.kernel_split())
                 parts.append(self.kernel_split_last())
+                # (the Hopper variant only where the loop kernel has one: the same TMA operands)
+                hsplit = self.kernel_split_last(hopper=True) if hop else None
+                if hsplit:
+                    parts.append(hsplit)
+                self.split_hopper = bool(hsplit)
         finally:
             self.tanh_mm = self.inb_tiles = False
         if any("_tanh_mm(" in x for x in parts[1:]):

@@ -179,3 +179,39 @@ def test_rows_that_see_no_key_and_two_outputs():
     _close(out["o"], reference(q_, k_, v_))
     lse = torch.logsumexp(torch.einsum("bhid,bhjd->bhij", q_.double(), k_.double()) * SCALE, -1)
     _close(out["lse"], lse)
+
+
+@pytest.mark.parametrize("name", ["decode", "causal"])
+def test_hopper_variant_in_the_interpreter(kernels, name, monkeypatch):
+    """The TMA variant ({name}_split1_hopper, forced with path='hopper' in the interpreter):
+    against float64 and bit-equal to the portable one-launch split."""
+    kern = _kernel(kernels, name)
+    mod = kern.module
+    assert mod.SPLIT_HOPPER
+    g = torch.Generator().manual_seed(11 + len(name))
+    if name == "decode":
+        ins = _decode(g, 83)
+        ref = _decode_ref(ins)
+    else:
+        q, k, v = (torch.randn(1, 2, 45, 16, generator=g) for _ in range(3))
+        ins = dict(q=q, k=k, v=v)
+        ii, jj = _idx(45, 45)
+        ref = reference(q, k, v, mask=jj <= ii)
+    mod._PLANS.clear()
+    o = mod.run(**ins, schedule="split1", block_j=16, nsplit=3, path="hopper")
+    assert [p.kernel for p in mod._PLANS.values()] == ["split1_hopper"]
+    _close(o, ref)
+    assert torch.equal(o, mod.run(**ins, schedule="split1", block_j=16, nsplit=3))
+
+
+def test_split_candidates_follow_the_device():
+    """The one-launch candidates come from the SM count: chunk counts for at most 1, 2 and 4
+    programs per SM and the two-launch default's, never more chunks than key tiles."""
+    mod = af.compile(EX["decode"]).module
+    for sms, rows, n_j in ((132, 64, 4096), (114, 64, 4096), (132, 64, 256), (16, 8, 1 << 17)):
+        cands = mod._split_candidates(1, rows, n_j, 64, sms)
+        assert cands and all(c[0] == "split1" and c[1] in (64, 128) and c[3] in (4, 8) for c in cands)
+        for c in cands:
+            assert 2 <= c[2] <= -(-n_j // c[1])
+        want = {max(2, k * sms // rows) for k in (1, 2, 4)} | {-(-2 * sms // rows)}
+        assert {c[2] for c in cands if c[1] == 64} == {n for n in want if n <= n_j // 64}
