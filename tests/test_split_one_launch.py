@@ -210,7 +210,11 @@ def test_split_candidates_follow_the_device():
     mod = af.compile(EX["decode"]).module
     for sms, rows, n_j in ((132, 64, 4096), (114, 64, 4096), (132, 64, 256), (16, 8, 1 << 17)):
         cands = mod._split_candidates(1, rows, n_j, 64, sms)
-        assert cands and all(c[0] == "split1" and c[1] in (64, 128) and c[3] in (4, 8) for c in cands)
+        assert cands and all(c[0] == "split1" and c[1] in (64, 128) and c[3] in (4, 8) and c[4:] == (None, None)
+                             for c in cands)
+        tma = mod._split_candidates(1, rows, n_j, 64, sms, tma=True)
+        assert {c for c in tma if c[4] is None} == set(cands)
+        assert {c[:4] for c in tma if c[4] == "hopper"} == {c[:4] for c in cands if c[3] == 4}
         for c in cands:
             assert 2 <= c[2] <= -(-n_j // c[1])
         want = {max(2, k * sms // rows) for k in (1, 2, 4)} | {-(-2 * sms // rows)}
