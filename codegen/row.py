@@ -798,19 +798,49 @@ class RowGen:
         outer.extend("    " + ln for ln in "\n".join(L).split("\n"))
         return "\n".join(outer)
 
-    def emit_chunk_fold(self, p, names, L, ind, it, load_kw):
+    FOLD_GROUP = 8   # chunks whose workspace loads the onepass fold issues together
+
+    def emit_chunk_fold(self, p, names, L, ind, it, load_kw, grouped=False):
         """Fold the NSPLIT chunks' partial states of a block of rows, read from the workspace, with
-        the derived merge (chunk ``it`` has ``n_b`` elements; ``n_a`` counts the folded ones)."""
+        the derived merge (chunk ``it`` has ``n_b`` elements; ``n_a`` counts the folded ones).
+        grouped: the chunks FOLD_GROUP at a time, each group's loads first, then its merges (the
+        loads one round trip to L2 per group, not one per chunk: compiled for sm_90, a loop of
+        one chunk per iteration waits for each load in turn); a group's places past NSPLIT
+        are loaded masked and their merges discarded (tl.where)."""
         for q in names:
             L.append(f"{ind}{q} = tl.load(ws_{q} + rows, mask=rmask, other=0.0{load_kw})")
         L.append(f"{ind}n_a = tl.minimum(CHUNK, n_j) * 1.0")
-        L.append(f"{ind}for {it} in range(1, NSPLIT):")
-        for q in names:
-            L.append(f"{ind}    {q}_b = tl.load(ws_{q} + {it} * n_rows + rows, mask=rmask, other=0.0{load_kw})")
-        L.append(f"{ind}    n_b = (tl.minimum({it} * CHUNK + CHUNK, n_j) - {it} * CHUNK) * 1.0")
-        ctx, em = self.region("merge", ind + "    ")
-        self.emit_update(p, p.merge, em, L, ind + "    ", "merge")
-        L.append(f"{ind}    n_a = n_a + n_b")
+        if not grouped:
+            L.append(f"{ind}for {it} in range(1, NSPLIT):")
+            for q in names:
+                L.append(f"{ind}    {q}_b = tl.load(ws_{q} + {it} * n_rows + rows, mask=rmask, other=0.0{load_kw})")
+            L.append(f"{ind}    n_b = (tl.minimum({it} * CHUNK + CHUNK, n_j) - {it} * CHUNK) * 1.0")
+            ctx, em = self.region("merge", ind + "    ")
+            self.emit_update(p, p.merge, em, L, ind + "    ", "merge")
+            L.append(f"{ind}    n_a = n_a + n_b")
+            return
+        G = self.FOLD_GROUP
+        L.append(f"{ind}for g in range(1, NSPLIT, {G}):")
+        for u in range(G):
+            L.append(f"{ind}    ok{u} = rmask & (rows * 0 + g + {u} < NSPLIT)")
+            for q in names:
+                L.append(f"{ind}    {q}_b{u} = tl.load(ws_{q} + (g + {u}) * n_rows + rows, mask=ok{u}, other=0.0{load_kw})")
+        for u in range(G):
+            L.append(f"{ind}    # chunk g + {u}")
+            for q in names:
+                L.append(f"{ind}    {q}_b = {q}_b{u}")
+            # (a place past NSPLIT: no element, n_b = 0)
+            L.append(f"{ind}    n_b = tl.maximum(tl.minimum((g + {u}) * CHUNK + CHUNK, n_j) - (g + {u}) * CHUNK, 0) * 1.0")
+            ctx, em = self.region("merge", ind + "    ")
+            em.lines.clear()
+            M = []
+            self.emit_update(p, p.merge, em, M, ind + "    ", "merge")
+            for ln in M:   # the states' assignments: kept only for a chunk of the row
+                for q in names:
+                    if ln == f"{ind}    {q} = {q}_new":
+                        ln = f"{ind}    {q} = tl.where(ok{u}, {q}_new, {q})"
+                L.append(ln)
+            L.append(f"{ind}    n_a = n_a + n_b")
 
     def kernel_split(self):
         """Partial states per chunk -> workspace; combine with the merge; epilogue."""
@@ -870,35 +900,43 @@ class RowGen:
         return part, comb, epi
 
     def kernel_onepass(self):
-        """One HBM read of rows too long for one program's registers: NSPLIT programs share a
-        block of rows, each holding one chunk of the fused axis in registers (one tile). Each
-        writes its chunk's states (their definitions on the chunk) to the workspace, counts
-        itself in (release), waits until the block's NSPLIT programs have (acquire), folds the
-        NSPLIT partial states with the derived merge (as the split schedule's combine) and
-        writes the outputs from the chunk it still holds.
+        """One HBM read of rows too long for one program's registers: NSPLIT programs (a team)
+        share a block of rows, each holding one chunk of the fused axis in registers (one tile).
+        Each writes its chunk's states (their definitions on the chunk) to the workspace and
+        counts itself in (acq_rel: the count it reads back tells the last of the team that
+        every partner's states are there); the others wait until the team has (acquire). Each
+        then folds the NSPLIT partial states with the derived merge (as the split schedule's
+        combine, FOLD_GROUP chunks' workspace loads issued together, through L2) and writes the
+        outputs from the chunk it still holds (the per-row outputs: the team's first program).
 
-        PHASE 0 (a GPU): one launch; programs take tickets in launch order (``tick_ptr``), so
-        a program only waits for partners that have started or will start: no deadlock
-        whatever the number of programs resident. Triton's interpreter runs programs one
-        after another, so there the launcher runs PHASE 1 (states and count only) and then
-        PHASE 2 (the same chunk read and states, the wait already satisfied, merge, outputs)."""
+        The grid is N_TEAMS teams of NSPLIT programs; team t visits blocks of rows t, t +
+        N_TEAMS, ... (N_TEAMS as many as blocks: one block each; fewer: persistent teams, each
+        program taking its team place once). PHASE 0 (a GPU): one launch; programs take their
+        places in launch order (``tick_ptr``), so a program only waits for partners that have
+        started or will start: a team whose programs have all started depends on no other, and
+        only the last team to fill can wait for programs not yet resident: no deadlock where
+        NSPLIT programs fit the device at once (the launcher checks NSPLIT <= SMs). Triton's
+        interpreter runs programs one after another, so there the launcher runs PHASE 1
+        (states and counts only) and then PHASE 2 (the same chunk read and states, the wait
+        already satisfied, merge, outputs). EVEN: every chunk a full tile, no element masked."""
         p = self.f.passes[0]
         names = [s.name for s in p.states]
         ws = [f"ws_{q}" for q in names]
         L = ["@triton.jit", f"def {self.name}_onepass({', '.join(self.sig())}, {', '.join(ws)}, cnt_ptr, tick_ptr, "
-             "CHUNK, NSPLIT: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, "
-             "NARROW: tl.constexpr):",
-             "    # NSPLIT programs per block of rows, one chunk of the fused axis each, held in registers",
+             "CHUNK, N_TEAMS, NSPLIT: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, "
+             "NARROW: tl.constexpr, EVEN: tl.constexpr, PERSISTENT: tl.constexpr):",
+             "    # N_TEAMS teams of NSPLIT programs; a team's programs hold one chunk each of a block of rows",
              "    if PHASE == 0:",
-             "        tk = tl.atomic_add(tick_ptr, 1)   # launch order: the partners waited for have started",
+             "        tk = tl.atomic_add(tick_ptr, 1, sem='relaxed')   # launch order: the partners waited for have started",
              "    else:",
              "        tk = tl.program_id(0)",
-             "    blk = tk // NSPLIT",
              "    sid = tk % NSPLIT"]
+        outer = L
+        L = []
         self.prologue(L, grid_rows="blk")
         L.append("    chunk_lo = sid * CHUNK")
         L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
-        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi")
+        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi", even=True)
         ctx, em = self.region("init", "    ")
         ctx.narrow = True
         self.emit_init(p, em, L, "    ")
@@ -910,21 +948,35 @@ class RowGen:
         for q in names:
             L.append(f"        tl.store(ws_{q} + sid * n_rows + rows, {q}, mask=rmask)")
         L.append("        tl.debug_barrier()   # every thread's partial states written before the count")
-        L.append("        tl.atomic_add(cnt_ptr + blk, 1, sem='release')")
+        L.append("        arrived = tl.atomic_add(cnt_ptr + blk, 1, sem='acq_rel') + 1   # the team's last: no wait")
         L.append("    if PHASE != 1:")
-        L.append("        arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
+        L.append("        if PHASE == 2:")
+        L.append("            arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
         L.append("        while arrived < NSPLIT:")
         L.append("            arrived = tl.atomic_add(cnt_ptr + blk, 0, sem='acquire')")
         L.append("        tl.debug_barrier()")
-        L.append("        # fold the NSPLIT partial states with the derived merge")
-        self.emit_chunk_fold(p, names, L, "        ", "part", ", volatile=True")
+        L.append("        # fold the NSPLIT partial states with the derived merge (the workspace read through")
+        L.append("        # L2, .cg: a line another program of this SM read before the partners wrote it")
+        L.append("        # is not served from L1)")
+        self.emit_chunk_fold(p, names, L, "        ", "part", ", cache_modifier='.cg'", grouped=True)
         ctx, em = self.region("final", "        ")
         ctx.narrow = ctx.rewiden = True
         em.cache.update(held)
         self.emit_refs(p, em, L)
-        self.emit_row_outputs(em, L)   # (every program of the block writes the same values)
         self.emit_elem_outputs(em, L)
-        return "\n".join(L)
+        if any(o not in self.enc.elementwise_outputs for o in self.outputs):
+            L.append("        rmask = rmask & (rows * 0 + sid == 0)   # per-row outputs: written by the team's first program")
+            self.emit_row_outputs(em, L)
+        # a persistent team loops over its blocks; one block per team: no loop (compiled for sm_90,
+        # the loop takes softmax's 16384-element chunk at 16 warps from 60 registers to 95)
+        body = "\n".join(L).split("\n")
+        outer.append("    if PERSISTENT:")
+        outer.append("        for blk in range(tk // NSPLIT, tl.cdiv(n_rows, BLOCK_R), N_TEAMS):")
+        outer.extend("        " + ln for ln in body)
+        outer.append("    else:")
+        outer.append("        blk = tk // NSPLIT")
+        outer.extend("    " + ln for ln in body)
+        return "\n".join(outer)
 
     # -- the module -------------------------------------------------------------------------------
     def module(self) -> str:
@@ -1066,7 +1118,7 @@ class RowGen:
             "    allocate (name, shape, dtype, the view the kernel writes through, strides), the scalar",
             "    arguments (strides, sizes), the schedule, its grid and launch options.\"\"\"",
             "    __slots__ = ('dev', 'outs', 'in_strides', 'tail', 'schedule', 'grid', 'kw', 'n_rows', 'n_j',",
-            "                 'ns', 'chunk', 'convert', 'as_dict')",
+            "                 'ns', 'chunk', 'teams', 'convert', 'as_dict')",
             "",
             "",
             "@_on_input_device",
@@ -1078,8 +1130,9 @@ class RowGen:
             "    program) when the single-tile schedule runs; without them otherwise.",
             "    per_sm: programs per SM of a persistent grid, for the riders schedule and the loop",
             "    schedule (each program loops over every G-th block of rows; the loop schedule's",
-            "    second read of a row then finds it in L2); default: LOOP_PER_SM, and",
-            "    RIDER_PROGRAMS_PER_SM for riders.",
+            "    second read of a row then finds it in L2), and the onepass schedule (teams of NSPLIT",
+            "    programs, per_sm x SMs programs in all, each team looping over row blocks); default:",
+            "    LOOP_PER_SM for the loop, RIDER_PROGRAMS_PER_SM for riders, one team a block for onepass.",
             "    narrow: the single-tile kernel holds the loaded row in its input type and computes the",
             "    elementwise outputs again from it (True), or keeps its float32 values (False, the default",
             "    unless NARROW_MIN says otherwise); the onepass kernel likewise.",
@@ -1217,19 +1270,27 @@ class RowGen:
             "                    EVEN=n_j % bj == 0 and n_rows % br == 0, **fp)",
             "    elif schedule == 'onepass':",
             "        # NSPLIT programs per block of rows, each holding one chunk of the fused axis in",
-            "        # registers; partial states merged in the kernel: one HBM read (kernel_onepass)",
+            "        # registers; partial states merged in the kernel: one HBM read (kernel_onepass).",
+            "        # Chunks of block_j elements when given (ONEPASS_CHUNK otherwise), or nsplit of them",
             "        br = block_r or (1 if on_gpu else min(8, _np2(n_rows)))",
-            "        ns = nsplit or max(1, triton.cdiv(n_j, ONEPASS_CHUNK))",
+            "        ns = nsplit or max(1, triton.cdiv(n_j, block_j or ONEPASS_CHUNK))",
             "        p.chunk = triton.cdiv(n_j, ns)",
             "        p.ns = triton.cdiv(n_j, p.chunk)",
             "        bj = block_j or max(16, _np2(p.chunk))",
             "        if bj < p.chunk:",
             f"            raise ValueError(f\"program {self.name!r}: onepass chunk of {{p.chunk}} elements does not fit block_j={{bj}}; \"",
             "                             \"give a larger block_j or more splits (nsplit)\")",
-            "        p.grid = (triton.cdiv(n_rows, br) * p.ns,)",
+            "        rb = triton.cdiv(n_rows, br)",
+            "        sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 2",
+            "        if on_gpu and p.ns > sms:   # a team's programs must fit the device at once (kernel_onepass)",
+            f"            raise ValueError(f\"program {self.name!r}: onepass with {{p.ns}} chunks a row needs {{p.ns}} programs \"",
+            "                             f\"resident at once; this device has {sms} SMs: give a larger block_j or use schedule='loop'\")",
+            "        # teams of p.ns programs: one per block of rows, or (per_sm) persistent teams",
+            "        p.teams = rb if not per_sm else max(1, min(rb, int(sms * per_sm) // p.ns))",
+            "        p.grid = (p.teams * p.ns,)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)),",
             "                    NARROW=bool(narrow if narrow is not None else NARROW_MIN is not None and NARROW_MIN <= bj * br),",
-            "                    **fp)",
+            "                    EVEN=n_j == p.ns * p.chunk and p.chunk == bj and n_rows % br == 0, PERSISTENT=p.teams < rb, **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop', 'split' or 'onepass'\")",
             "    if maxnreg is not None and on_gpu:   # registers per thread (more programs per SM, some spills)",
@@ -1263,11 +1324,11 @@ class RowGen:
             f"        {self.name}_loop[p.grid](*argv, **p.kw)",
             "    elif p.schedule == 'onepass':",
             "        ws = [torch.empty(p.ns * p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
-            "        cnt = torch.zeros(p.grid[0] // p.ns + 1, device=p.dev, dtype=torch.int32)   # counts; the last: tickets",
+            "        cnt = torch.zeros(triton.cdiv(p.n_rows, p.kw['BLOCK_R']) + 1, device=p.dev, dtype=torch.int32)   # counts; the last: tickets",
             "        # Triton's interpreter runs one program after another: a program would wait forever",
             "        # for its partners, so there the states and counts come first (PHASE 1), then the rest",
             "        for phase in ((1, 2) if _interpreted() else (0,)):",
-            f"            {self.name}_onepass[p.grid](*argv, *ws, cnt, cnt[-1:], p.chunk, NSPLIT=p.ns, PHASE=phase, **p.kw)",
+            f"            {self.name}_onepass[p.grid](*argv, *ws, cnt, cnt[-1:], p.chunk, p.teams, NSPLIT=p.ns, PHASE=phase, **p.kw)",
             "    else:   # split: partial states per chunk, their merge, then the elementwise outputs",
             "        ws = [torch.empty(p.ns * p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
             "        wf = [torch.empty(p.n_rows, device=p.dev, dtype=torch.float32) for _ in STATES]",
