@@ -219,3 +219,58 @@ def test_split_candidates_follow_the_device():
             assert 2 <= c[2] <= -(-n_j // c[1])
         want = {max(2, k * sms // rows) for k in (1, 2, 4)} | {-(-2 * sms // rows)}
         assert {c[2] for c in cands if c[1] == 64} == {n for n in want if n <= n_j // 64}
+
+
+@pytest.mark.gpu
+def test_one_launch_split_on_the_gpu():
+    """On a GPU (programs run concurrently, the last arriver is any of them): decode at KV 4K in
+    bf16 over every one-launch candidate the timed choice sees, portable and TMA, against
+    float64 (fresh inputs, two calls each: the cached workspace's counters reset); two streams;
+    a CUDA graph replayed with new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    mod = af.compile(EX["decode"]).module
+    B, G, R, L, D = 8, 8, 4, 4096 - 37, 128
+    g = torch.Generator().manual_seed(12)
+
+    def fresh():
+        ins = dict(q=torch.randn(B, G, R, 1, D, generator=g), k=torch.randn(B, G, L, D, generator=g),
+                   v=torch.randn(B, G, L, D, generator=g))
+        return {n: t.to("cuda", torch.bfloat16) for n, t in ins.items()}, None
+
+    def check(out, ins):
+        ref = _decode_ref({n: t.cpu().double() for n, t in ins.items()})
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, err
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for c in mod._split_candidates(1, B * G, 4096, 64, sms, tma=mod.SPLIT_HOPPER):
+        kw = dict(schedule="split1", block_j=c[1], nsplit=c[2], num_warps=c[3], path=c[4], num_stages=c[5])
+        for _ in range(2):
+            ins, _ = fresh()
+            try:
+                check(mod.run(**ins, **kw), ins)
+            except Exception as exc:   # a configuration this GPU cannot compile (shared memory) is skipped
+                if not mod._compile_error(exc) and "out of resource" not in str(exc):
+                    raise
+    kw = dict(schedule="split1", block_j=64, nsplit=4)
+    side = torch.cuda.Stream()
+    a, _ = fresh()
+    b, _ = fresh()
+    oa = mod.run(**a, **kw)
+    with torch.cuda.stream(side):
+        ob = mod.run(**b, **kw)
+    torch.cuda.synchronize()
+    check(oa, a), check(ob, b)
+    static, _ = fresh()
+    mod.run(**static, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod.run(**static, **kw)
+    for _ in range(3):
+        new, _ = fresh()
+        for n in static:
+            static[n].copy_(new[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, static)
