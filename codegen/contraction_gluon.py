@@ -987,6 +987,9 @@ def _allocator():
 
 def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
                   **fuse_kw) -> GluonKernel:
+    if pingpong and persistent:
+        raise CodegenError("the warp-specialised Gluon kernel with both pingpong and persistent hung on an H200 "
+                           "(session 14, more work items than programs); use one of them")
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -1022,6 +1025,9 @@ def gluon_variant(text=None) -> dict:
     if flags and "ws" not in flags and set(flags) != {"overlap"}:
         raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: pingpong and persistent are options of the "
                          "warp-specialised kernel; add 'ws'")
+    if {"pingpong", "persistent"} <= set(flags):
+        raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: pingpong with persistent hung on an H200 (session 14: "
+                         "global attention, B=16, H=16, N=1024, more work items than programs); use one of them")
     return {f: True for f in flags}
 
 
@@ -1048,4 +1054,116 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
     return next(iter(out.values())) if len(out) == 1 else out
 
 
-__all__ = ["GluonGen", "GluonKernel", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]
+AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
+AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
+
+
+def _auto_enabled():
+    import os
+    return os.environ.get("ACEFUSE_GLUON", "") != "0"
+
+
+def _time_pair(fns, rounds=3, reps=5):
+    """Best-of-rounds seconds per call of each function, rounds interleaved: the longer of the
+    GPU time (CUDA events) and the host time of ``reps`` calls launched back to back."""
+    import time
+    import torch
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            host = time.perf_counter() - t0
+            b.synchronize()
+            best[i] = min(best[i], max(a.elapsed_time(b) * 1e-3, host) / reps)
+    return best
+
+
+def _agree(a, b):
+    """Whether two outputs of the same derived program agree within 16-bit rounding (and are
+    finite at the same places)."""
+    import torch
+    if a.shape != b.shape:
+        return False
+    a, b = a.float(), b.float()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb):
+        return False
+    if not fa.any():
+        return True
+    scale = max(1.0, b[fb].abs().max().item())
+    return (a[fa] - b[fb]).abs().max().item() <= 2e-2 * scale
+
+
+def auto_gluon(kernel, inputs: dict):
+    """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU: the warp-specialised
+    Gluon kernel (``ws``) or the Triton kernel, whichever runs faster here, timed on the first
+    call per input shapes, dtypes and device and remembered on ``kernel``. On that first call
+    both kernels run and their outputs must agree (else the Triton kernel is kept, with a
+    warning that names the program). Returns the outputs, or None where the caller runs the
+    Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only, a program or inputs
+    outside the Gluon kernel (the reason is kept in ``kernel._gluon_reason``), too little work
+    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, or the Triton kernel measured faster."""
+    import torch
+    state = getattr(kernel, "_gluon_auto", None)
+    if state is False or not inputs:
+        return None
+    ts = list(inputs.values())
+    if not all(isinstance(t, torch.Tensor) for t in ts) or not ts[0].is_cuda:
+        return None
+    key = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in inputs.items())
+    choice = kernel.__dict__.setdefault("_gluon_choice", {}).get(key)
+    if choice == "triton":
+        return None
+    if choice is not None:
+        out = choice(**inputs)
+        return next(iter(out.values())) if len(out) == 1 else out
+    if state is None:   # first CUDA call: can this program have the kernel at all?
+        if not _auto_enabled() or torch.cuda.get_device_capability(ts[0].device) != (9, 0):
+            kernel._gluon_auto, kernel._gluon_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
+            return None
+        try:
+            kernel._gluon_auto = compile_gluon(kernel.fusion, ws=True)
+        except Exception as exc:   # outside the kernel's scope (or no Gluon in this Triton): Triton's kernel
+            kernel._gluon_auto, kernel._gluon_reason = False, f"{type(exc).__name__}: {exc}"
+            return None
+    g = kernel._gluon_auto
+    choices = kernel._gluon_choice
+    try:
+        g.launch_args(inputs)
+    except (ValueError, TypeError) as exc:   # these inputs: dtype, layout, sizes
+        choices[key], kernel._gluon_reason = "triton", str(exc)
+        return None
+    lens = {}
+    for n, axes in g.tensors.items():
+        lens.update(zip(axes, inputs[n].shape))
+    work = lens[g.axis] * lens[g.R[0]]
+    for a in g.G:
+        work *= lens[a]
+    if work < AUTO_MIN_WORK:
+        choices[key] = "triton"
+        return None
+    from acefuse.codegen.compile import run_module
+    want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
+    got = g(**inputs)
+    outs = want if isinstance(want, dict) else {next(iter(g.out_axes)): want}
+    if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
+        import warnings
+        warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel's outputs differ from the Triton "
+                      f"kernel's at shapes {[tuple(t.shape) for t in ts]}; the Triton kernel is kept", stacklevel=3)
+        choices[key] = "triton"
+        return want
+    t_tri, t_glu = _time_pair([lambda: run_module(kernel.module, (), inputs), lambda: g(**inputs)])
+    choices[key] = g if t_glu <= AUTO_MARGIN * t_tri else "triton"
+    kernel.__dict__.setdefault("_gluon_times", {})[key] = (t_tri, t_glu)
+    if choices[key] is not g:
+        return want
+    return next(iter(got.values())) if len(got) == 1 else got
+
+
+__all__ = ["GluonGen", "GluonKernel", "auto_gluon", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]

@@ -343,7 +343,6 @@ MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": di
 # the persistent WS kernel (taken for nested strides and whole key tiles; else the launcher
 # runs the one-shot WS kernel of the same module)
 PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persov": dict(ws=True, overlap=True, persistent=True),
-              "perspp": dict(ws=True, pingpong=True, persistent=True),
               "persdf": dict(ws=True, overlap=True, defer=True, persistent=True)}
 
 
@@ -479,6 +478,65 @@ def test_hook_falls_back_with_a_warning_or_raises():
         call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=True)
     with pytest.warns(UserWarning, match="runs its Triton kernel"):
         assert call_gluon(kern, dict(q=qx, k=qx, v=qx), explicit=False) is None
+
+
+def test_pingpong_with_persistent_is_refused():
+    """Ping-pong on the persistent grid hung on an H200 (session 14: global attention, B=16, H=16,
+    N=1024): it is refused, by the variant flags and by compile_gluon, with the reason."""
+    from acefuse.codegen.contraction_gluon import compile_gluon, gluon_variant
+    with pytest.raises(ValueError, match="hung"):
+        gluon_variant("ws,pingpong,persistent")
+    with pytest.raises(CodegenError, match="hung"):
+        compile_gluon(PROGS["p_plain"](), ws=True, pingpong=True, persistent=True)
+    assert gluon_variant("ws,pingpong") == {"ws": True, "pingpong": True}
+
+
+def test_auto_choice_stays_off_the_gpu_and_outside_the_kernel():
+    """af.compile's kernels ask auto_gluon on every plain call: CPU tensors, options and
+    ACEFUSE_GLUON=0 leave the Triton kernel running (None), and the result is the Triton one."""
+    from acefuse.codegen.contraction_gluon import auto_gluon
+    kern = af.compile(PROGS["p_plain"]())
+    g = torch.Generator().manual_seed(5)
+    qx, kx, vx = (torch.randn(1, 2, 37, D, generator=g) for _ in range(3))
+    assert auto_gluon(kern, dict(q=qx, k=kx, v=vx)) is None
+    assert auto_gluon(kern, {}) is None
+    assert auto_gluon(kern, dict(q=qx, k=kx, v=vx, schedule="loop")) is None
+    assert getattr(kern, "_gluon_auto", None) is None      # nothing decided from a CPU call
+    out = kern(q=qx, k=kx, v=vx)
+    ref = _ref(qx, kx, vx)
+    assert _rel(out, ref) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,N", [("p_plain", 4096), ("p_lower", 2048), ("p_cap", 1536)])
+def test_gpu_auto_choice_is_right_and_remembered(name, N, monkeypatch):
+    """On an sm_90 GPU the first call times the warp-specialised Gluon kernel against the Triton
+    kernel (both must agree) and remembers the faster per shapes; every call's result is right
+    against float64, whichever was chosen; ACEFUSE_GLUON=0 keeps the Triton kernel untimed."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the automatic Gluon choice is made on sm_90 GPUs")
+    from acefuse.codegen.contraction_gluon import GluonKernel
+    kern = af.compile(PROGS[name]())
+    g = torch.Generator(device="cuda").manual_seed(N + len(name))
+    B, H = 2, 8
+    qx, kx, vx = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ref = _ref(qx, kx, vx, lower=name == "p_lower", cap=CAP if name == "p_cap" else None)
+    for _ in range(2):
+        out = kern(q=qx, k=kx, v=vx)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        assert _rel(out, ref) < 2e-2
+    assert isinstance(kern._gluon_auto, GluonKernel), getattr(kern, "_gluon_reason", None)
+    (choice,) = kern._gluon_choice.values()
+    (t_tri, t_glu), = kern._gluon_times.values()
+    assert (choice == "triton") == (t_glu > 0.97 * t_tri)
+    print(f"{name} N={N}: Triton {t_tri * 1e6:.1f} us, Gluon {t_glu * 1e6:.1f} us, chose "
+          f"{'gluon' if choice != 'triton' else 'triton'}")
+    monkeypatch.setenv("ACEFUSE_GLUON", "0")
+    off = af.compile(PROGS[name]())
+    off._gluon_auto = None   # (af.compile may hand back the same kernel object: decide again)
+    off.__dict__.pop("_gluon_choice", None)
+    assert _rel(off(q=qx, k=kx, v=vx), ref) < 2e-2
+    assert off._gluon_auto is False
 
 
 def test_variant_flags():
