@@ -575,10 +575,11 @@ class ContractionGen(MaskAnalysis):
             else:
                 body.append(f"    tl.store(ws_{s.name} + base + rows, {s.name}, mask=rmask)")
 
-    def _split_fold(self, body, ind, volatile=""):
+    def _split_fold(self, body, ind, volatile="", sid="sid"):
         """Fold the NSPLIT partial states in the workspace, chunk 0 first, with the derived merge
         and store the outputs (the combine's body; ``volatile``: the loads bypass the L1 cache,
-        for a program reading partial states other programs of the same launch wrote)."""
+        for a program reading partial states other programs of the same launch wrote; ``sid``:
+        the loop's chunk index, a name the kernel does not use otherwise)."""
         p = self.p
         inner = ind + "    "
 
@@ -591,10 +592,10 @@ class ContractionGen(MaskAnalysis):
         for s in p.states:
             body.append(ld(s, "0", "", ind))
         body.append(f"{ind}n_a = tl.minimum(CHUNK, n_j) * 1.0")
-        body.append(f"{ind}for sid in range(1, NSPLIT):")
+        body.append(f"{ind}for {sid} in range(1, NSPLIT):")
         for s in p.states:
-            body.append(ld(s, "sid", "_b", inner))
-        body.append(f"{inner}n_b = (tl.minimum(sid * CHUNK + CHUNK, n_j) - sid * CHUNK) * 1.0")
+            body.append(ld(s, sid, "_b", inner))
+        body.append(f"{inner}n_b = (tl.minimum({sid} * CHUNK + CHUNK, n_j) - {sid} * CHUNK) * 1.0")
         chain = self.f.rule_chain
         ctx, em = self.region("merge", inner)
         self.emit_states(p.merge, em, body, inner, "_new",
@@ -677,7 +678,7 @@ class ContractionGen(MaskAnalysis):
                  "    ticket = tl.atomic_add(cnt, 1, sem='acq_rel')",
                  "    if ticket == NSPLIT - 1:   # the row tile's last chunk to finish: every partial state is written",
                  "        tl.debug_barrier()"]
-        self._split_fold(body, "        ", volatile=", volatile=True")
+        self._split_fold(body, "        ", volatile=", volatile=True", sid="fold_sid")
         body.append("        tl.atomic_xchg(cnt, 0)   # ready for the next launch (a cached workspace)")
         return _drop_dead("\n".join(L + self.hoisting + body))
 
