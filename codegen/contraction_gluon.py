@@ -1108,13 +1108,16 @@ def auto_gluon(kernel, inputs: dict):
     warning that names the program). Returns the outputs, or None where the caller runs the
     Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only, a program or inputs
     outside the Gluon kernel (the reason is kept in ``kernel._gluon_reason``), too little work
-    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, or the Triton kernel measured faster."""
+    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, tensor subclasses, CUDA graph capture, or the
+    Triton kernel measured faster."""
     import torch
     state = getattr(kernel, "_gluon_auto", None)
     if state is False or not inputs:
         return None
     ts = list(inputs.values())
-    if not all(isinstance(t, torch.Tensor) for t in ts) or not ts[0].is_cuda:
+    # plain tensors only (not fake, traced or distributed subclasses), outside CUDA graph capture
+    # (where the Triton kernel runs as before: timing would synchronise inside the capture)
+    if not all(type(t) is torch.Tensor for t in ts) or not ts[0].is_cuda or torch.cuda.is_current_stream_capturing():
         return None
     key = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in inputs.items())
     choice = kernel.__dict__.setdefault("_gluon_choice", {}).get(key)

@@ -502,6 +502,8 @@ def test_auto_choice_stays_off_the_gpu_and_outside_the_kernel():
     assert auto_gluon(kern, {}) is None
     assert auto_gluon(kern, dict(q=qx, k=kx, v=vx, schedule="loop")) is None
     assert getattr(kern, "_gluon_auto", None) is None      # nothing decided from a CPU call
+    sub = type("Sub", (torch.Tensor,), {})
+    assert auto_gluon(kern, dict(q=qx.as_subclass(sub), k=kx, v=vx)) is None   # a tensor subclass
     out = kern(q=qx, k=kx, v=vx)
     ref = _ref(qx, kx, vx)
     assert _rel(out, ref) < 1e-4
@@ -531,6 +533,15 @@ def test_gpu_auto_choice_is_right_and_remembered(name, N, monkeypatch):
     assert (choice == "triton") == (t_glu > 0.97 * t_tri)
     print(f"{name} N={N}: Triton {t_tri * 1e6:.1f} us, Gluon {t_glu * 1e6:.1f} us, chose "
           f"{'gluon' if choice != 'triton' else 'triton'}")
+    if name == "p_plain":   # inside CUDA graph capture: the Triton kernel, nothing timed or decided
+        from acefuse.codegen.contraction_gluon import auto_gluon
+        inner = getattr(kern, "kernel", kern)
+        n_keys = len(inner._gluon_choice)
+        qs = qx[:, :, :2048]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            assert auto_gluon(inner, dict(q=qs, k=kx, v=vx)) is None
+        assert len(inner._gluon_choice) == n_keys
     monkeypatch.setenv("ACEFUSE_GLUON", "0")
     off = af.compile(PROGS[name]())
     inner = getattr(off, "kernel", off)   # the forward kernel (af.compile may share it: decide again)
