@@ -39,6 +39,13 @@ The launcher picks the Hopper kernel on devices of capability 9.0+ for 16-bit in
 out for TMA (``hopper_ok``), and times its own tile candidates. In both, a positive scale
 of the score leaves the key max (``CContext.canon``): the score tile is multiplied once.
 
+Split-KV (programs that cannot fill the device: decode), from the derived merge, in two
+forms: ``{name}_part`` (partial states of one chunk of keys per program, to a workspace) then
+``{name}_combine`` (the merge over the chunks, the outputs), two launches; or
+``{name}_split1`` (and its TMA variant ``{name}_split1_hopper``), one launch: each program
+stores its chunk's partial states and takes a ticket on its row tile's counter, and the last
+to arrive folds the chunks with the same merge code in the same order (no program waits).
+
 Sum kernels (``SumGen``, codegen/sums.py): a program whose states are all plain sums over the loop axis
 and that the template above cannot classify (an output over a contraction axis) -- the
 stages of a derived backward such as attention's dQ (``sum_j(dS * k)``, loop over keys)
