@@ -277,3 +277,29 @@ def test_one_launch_split_on_the_gpu():
         graph.replay()
         torch.cuda.synchronize()
         check(out, static)
+
+
+GAL = runpy.run_path(str(ROOT / "examples" / "masks.py"))
+
+
+@pytest.mark.parametrize("name", ["document_mask", "paged_kv", "additive_mask", "mla_split_scores", "t5_buckets",
+                                  "natten_2d", "sigmoid_attention"])
+def test_mask_gallery_in_one_launch(name):
+    """Data-dependent masks (document ids), a paged KV cache read through a page table (no TMA
+    variant), an additive mask, two contractions in the score (MLA), bucketed biases, a 2-D
+    neighbourhood mask, sigmoid attention: the one-launch split against float64 and bit-equal to
+    the two-launch split."""
+    import warnings
+    if name not in GAL["GALLERY"]:
+        pytest.skip(f"{name} is not in examples/masks.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kern = af.compile(GAL["GALLERY"][name].program, axis="j")
+    prog = GAL["GALLERY"][name].program
+    if not kern.module.SPLIT:
+        pytest.skip(f"{name} has no split schedule")
+    inputs = GAL["make_inputs"](name, B=1, H=2, N=70, seed=int(torch.randint(0, 2 ** 31, ())))
+    ins = {n: t for n, t in inputs.items() if n in prog.tensors}
+    out = kern(**ins, schedule="split1", nsplit=3, block_j=16)
+    _close(out, GAL["reference"](name, inputs))
+    assert torch.equal(out, kern(**ins, schedule="split", nsplit=3, block_j=16))
