@@ -303,3 +303,38 @@ def test_mask_gallery_in_one_launch(name):
     out = kern(**ins, schedule="split1", nsplit=3, block_j=16)
     _close(out, GAL["reference"](name, inputs))
     assert torch.equal(out, kern(**ins, schedule="split", nsplit=3, block_j=16))
+
+
+def test_a_fastest_schedule_with_a_different_result_is_not_kept(kernels, monkeypatch):
+    """The timed choice compares the winner's result with the loop's on the same inputs: a
+    schedule whose result differs (here split-KV made wrong on purpose) is refused with a
+    warning and the loop runs; an agreeing winner is kept without one."""
+    import warnings
+    monkeypatch.setenv("ACEFUSE_TUNING_CACHE", "0")
+    mod = _kernel(kernels, "decode").module
+    ins = _decode(torch.Generator().manual_seed(13), 300)
+    key = (1, 4, 16, 16, 512, "torch.float32", (16, 16))
+
+    def fastest(cands, call, required=()):   # runs every candidate, then says split-KV was fastest
+        for c in cands:
+            call(c)
+        return cands[1]
+    monkeypatch.setattr(mod, "_fastest", fastest)
+    mod._SCHEDULES.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert mod._timed_schedule(key, ins, None, 16) == ("split", None)
+    real = mod.run
+
+    def wrong(*a, schedule=None, **kw):
+        out = real(*a, schedule=schedule, **kw)
+        if schedule == "split":   # one chunk's keys lost, say
+            out = out * 0.7
+        return out
+    monkeypatch.setattr(mod, "run", wrong)
+    mod._SCHEDULES.clear()
+    with pytest.warns(UserWarning, match="differ from the loop schedule"):
+        assert mod._timed_schedule(key, ins, None, 16) == ("loop", None)
+    mod._SCHEDULES.clear()
+    assert mod._same_result({"o": torch.ones(3)}, {"o": torch.ones(3) * (1 + 1e-3)})
+    assert not mod._same_result(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
