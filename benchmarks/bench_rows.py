@@ -65,6 +65,17 @@ def variants(mod, n_cols):
         out.append((f"loop/bj{bj}", dict(schedule="loop", block_j=bj)))
     if mod.SPLIT:
         out.append(("split/bj2048", dict(schedule="split", block_j=2048)))
+    if n_cols > 16384:
+        # the loop on a persistent grid (a row's second read from L2), and one read: the onepass
+        # schedule (a team of programs per block of rows, one chunk each; persistent teams with per_sm)
+        out.append(("loop/p1/bj16384/w16", dict(schedule="loop", block_j=16384, num_warps=16, per_sm=1)))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if mod.SPLIT and not getattr(mod, "STACKED", None):
+            for bj, nw, extra in ((16384, 16, {}), (8192, 8, {}), (16384, 16, dict(per_sm=2, maxnreg=64)),
+                                  (8192, 8, dict(per_sm=2))):
+                if -(-n_cols // bj) <= sms:
+                    lab = f"onepass/bj{bj}/w{nw}" + "".join(f"/{k}{v}" for k, v in extra.items())
+                    out.append((lab, dict(schedule="onepass", block_j=bj, num_warps=nw, **extra)))
     return out
 
 

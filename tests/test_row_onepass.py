@@ -161,8 +161,9 @@ def test_timed_candidates_of_long_rows_include_onepass_and_the_persistent_loop()
     for R, N in ((4096, 65536), (256, 262144), (8192, 32768)):
         cands = mod._launch_cands(R, N, False, programs, narrow_ok=True)
         one = [c for c in cands if c.get("schedule") == "onepass"]
-        assert {(c["block_j"], c["num_warps"], c.get("per_sm")) for c in one} == {
-            (16384, 16, None), (8192, 8, None), (16384, 16, 1), (8192, 8, 2)}, (R, N, cands)
+        assert {(c["block_j"], c["num_warps"], c.get("per_sm"), c.get("maxnreg")) for c in one} == {
+            (16384, 16, None, None), (8192, 8, None, None), (16384, 16, 1, None), (16384, 16, 2, 64),
+            (8192, 8, 2, None)}, (R, N, cands)
         assert dict(schedule="loop", block_j=16384, num_warps=16, per_sm=1) in cands
         assert cands[0] == {}
     assert not [c for c in mod._launch_cands(64, 1 << 21, False, 8 * 4) if c.get("schedule") == "onepass"]
