@@ -154,8 +154,8 @@ def test_onepass_nan_row_stays_nan():
 def test_timed_candidates_of_long_rows_include_onepass_and_the_persistent_loop():
     """For rows longer than 16384 (loop, split and single-tile regimes alike) the timed
     launch's candidates include the onepass schedule (one team per block and persistent
-    teams) and the loop on a persistent grid; where the chunks would outnumber the SMs
-    (programs // 4), or for rows of 16384 or less: none."""
+    teams) and the loop on a persistent grid; where the chunks would outnumber a quarter of the
+    SMs (programs // 16), or for rows of 16384 or less: none."""
     mod = _module("softmax")
     programs = 132 * 4
     for R, N in ((4096, 65536), (256, 262144), (8192, 32768)):
@@ -167,6 +167,8 @@ def test_timed_candidates_of_long_rows_include_onepass_and_the_persistent_loop()
         assert dict(schedule="loop", block_j=16384, num_warps=16, per_sm=1) in cands
         assert cands[0] == {}
     assert not [c for c in mod._launch_cands(64, 1 << 21, False, 8 * 4) if c.get("schedule") == "onepass"]
+    # 2^20 elements: 64 chunks of 16384 > 132 / 4
+    assert not [c for c in mod._launch_cands(64, 1 << 20, False, programs) if c.get("schedule") == "onepass"]
     assert not [c for c in mod._launch_cands(16384, 16384, False, programs) if c.get("schedule") == "onepass"]
 
 
