@@ -247,6 +247,8 @@ def run_decode(label, B, HQ, HKV, L, rows, mods):
              "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True),
              "flex": flex("global", B, HQ, L, gqa=True),
              "compile-plain": torch.compile(plain("global"), dynamic=False)}
+    if OPTS["peers"] is not None:
+        peers = {pn: fn for pn, fn in peers.items() if pn in OPTS["peers"]}
     time_peers(res, peers, (q, k, v))
     rows.append(res)
     report(label, res, peers, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GB/s")
