@@ -121,11 +121,11 @@ def test_onepass_matches_float64(name, case):
 
 
 @pytest.mark.parametrize("kw", [dict(nsplit=11, block_r=2), dict(nsplit=3, block_r=1, per_sm=3),
-                                dict(block_j=2048, block_r=1)])
+                                dict(block_j=2048, block_r=1), dict(nsplit=5, block_r=2, narrow=True)])
 def test_onepass_bfloat16_masked_rows_and_large_values(kw):
-    """bfloat16 softmax: a row -inf in its first chunks, a fully masked row (0, as the
-    single-tile schedule gives), a row of values near bfloat16's largest, +-inf mixed with
-    finite values in one row (NaN where torch gives NaN)."""
+    """bfloat16 softmax (also with the chunk held as loaded, narrow): a row -inf in its first
+    chunks, a fully masked row (0, as the single-tile schedule gives), a row of values near
+    bfloat16's largest, one -inf among finite values."""
     mod = _module("softmax")
     g = torch.Generator().manual_seed(29 + len(kw))
     x = torch.randn(7, 8191, generator=g, dtype=torch.float64) * 5
@@ -161,9 +161,12 @@ def test_timed_candidates_of_long_rows_include_onepass_and_the_persistent_loop()
     for R, N in ((4096, 65536), (256, 262144), (8192, 32768)):
         cands = mod._launch_cands(R, N, False, programs, narrow_ok=True)
         one = [c for c in cands if c.get("schedule") == "onepass"]
-        assert {(c["block_j"], c["num_warps"], c.get("per_sm"), c.get("maxnreg")) for c in one} == {
-            (16384, 16, None, None), (8192, 8, None, None), (16384, 16, 1, None), (16384, 16, 2, 64),
-            (8192, 8, 2, None)}, (R, N, cands)
+        assert {(c["block_j"], c["num_warps"], c.get("per_sm"), c.get("maxnreg"), c.get("narrow")) for c in one} == {
+            (16384, 16, None, None, None), (8192, 8, None, None, None), (16384, 16, None, 64, None),
+            (16384, 16, None, None, True), (16384, 16, 1, None, None), (16384, 16, 2, 64, None),
+            (8192, 8, 2, None, None)}, (R, N, cands)
+        # float32 rows: no narrow candidate
+        assert not [c for c in mod._launch_cands(R, N, False, programs) if c.get("narrow")]
         assert dict(schedule="loop", block_j=16384, num_warps=16, per_sm=1) in cands
         assert cands[0] == {}
     assert not [c for c in mod._launch_cands(64, 1 << 21, False, 8 * 4) if c.get("schedule") == "onepass"]
