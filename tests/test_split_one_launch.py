@@ -338,3 +338,19 @@ def test_a_fastest_schedule_with_a_different_result_is_not_kept(kernels, monkeyp
     mod._SCHEDULES.clear()
     assert mod._same_result({"o": torch.ones(3)}, {"o": torch.ones(3) * (1 + 1e-3)})
     assert not mod._same_result(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
+
+
+def test_an_unmasked_program_compiles_once_across_key_lengths(kernels):
+    """SCAN (key tiles the mask analysis bounds per step) is a compile-time constant: a program
+    with no mask keeps it fixed, so a KV cache growing across power-of-two classes reuses one
+    compiled kernel; a masked one follows the key length."""
+    mod = _kernel(kernels, "decode").module
+    assert not mod.MASKED
+    mod._PLANS.clear()
+    g = torch.Generator().manual_seed(14)
+    for n_kv in (40, 300, 1000):
+        ins = _decode(g, n_kv)
+        _close(mod.run(**ins, schedule="split1", block_j=16), _decode_ref(ins))
+    assert {p.kw["SCAN"] for p in mod._PLANS.values()} == {16} and len(mod._PLANS) == 3
+    causal = _kernel(kernels, "causal").module
+    assert causal.MASKED
