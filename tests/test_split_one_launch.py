@@ -354,3 +354,27 @@ def test_an_unmasked_program_compiles_once_across_key_lengths(kernels):
     assert {p.kw["SCAN"] for p in mod._PLANS.values()} == {16} and len(mod._PLANS) == 3
     causal = _kernel(kernels, "causal").module
     assert causal.MASKED
+
+
+def test_host_bound_candidates_are_told_apart_by_gpu_time(kernels, monkeypatch):
+    """_fastest with ``call.tie``: among candidates within the fraction of the fastest caller
+    time (host-bound ones tie), the shortest GPU time wins; one far slower for the caller does
+    not, however short its GPU time; without ``tie`` the fastest caller time wins as before."""
+    mod = _kernel(kernels, "decode").module
+    scripted = {"a": (1.00, 0.90), "b": (1.05, 0.50), "c": (2.00, 0.10)}
+    current = []
+
+    def time_calls(fn, reps=5):
+        fn()
+        t = mod._Time(scripted[current[-1]][0])
+        t.gpu = scripted[current[-1]][1]
+        return t
+    monkeypatch.setattr(mod, "_time_calls", time_calls)
+
+    def call(c):
+        current.append(c)
+    assert mod._fastest(["a", "b", "c"], call) == "a"
+    call.tie = 0.15
+    assert mod._fastest(["a", "b", "c"], call) == "b"
+    call.tie = 0.01
+    assert mod._fastest(["a", "b", "c"], call) == "a"
