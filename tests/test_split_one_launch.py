@@ -378,3 +378,25 @@ def test_host_bound_candidates_are_told_apart_by_gpu_time(kernels, monkeypatch):
     assert mod._fastest(["a", "b", "c"], call) == "b"
     call.tie = 0.01
     assert mod._fastest(["a", "b", "c"], call) == "a"
+
+
+def test_each_stream_gets_its_own_workspace(kernels, monkeypatch):
+    """Launches on one stream run in order and may share a workspace; another stream must not
+    (its launches may overlap): the cache is keyed by stream (here _stream made to report two)."""
+    mod = _kernel(kernels, "decode").module
+    mod._PLANS.clear()
+    g = torch.Generator().manual_seed(15)
+    q = torch.empty(2, 2, 4, 1, 16)
+    kc, vc = torch.empty(2, 2, 90, 16), torch.empty(2, 2, 90, 16)
+    bufs = {}
+    for step, st in enumerate((7, 8, 7, 8)):
+        monkeypatch.setattr(mod, "_stream", lambda dev, st=st: st)
+        for t in (q, kc, vc):
+            t.copy_(torch.randn(t.shape, generator=g))
+        ins = dict(q=q, k=kc, v=vc)
+        _close(mod.run(**ins, schedule="split1", block_j=16, nsplit=3), _decode_ref(ins))
+        (p,) = mod._PLANS.values()
+        views, cnt = p.wcache[st]
+        bufs.setdefault(st, views[0].data_ptr())
+        assert bufs[st] == views[0].data_ptr() and int(cnt.abs().sum()) == 0
+    assert set(p.wcache) == {7, 8} and bufs[7] != bufs[8]
