@@ -18,6 +18,8 @@ and triton, and carries its own launcher ``run(...)``.
 """
 from __future__ import annotations
 
+import re
+
 from acefuse.rewrite.terms import Term, pretty, A, B, reblock
 from acefuse.codegen.emit import Emitter, CodegenError
 from acefuse.codegen.input_types import SRC as _INPUT_TYPES_SRC
@@ -932,14 +934,20 @@ class RowGen:
              "        tk = tl.program_id(0)",
              "    sid = tk % NSPLIT"]
         outer = L
-        L = []
-        self.prologue(L, grid_rows="blk")
-        L.append("    chunk_lo = sid * CHUNK")
-        L.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
-        self.tile_setup(L, "chunk_lo", "    ", limit="chunk_hi", even=True)
+
+        def place(grid_rows):   # the block's rows, offsets, this program's chunk and its tile masks
+            P = []
+            self.prologue(P, grid_rows=grid_rows)
+            P.append("    chunk_lo = sid * CHUNK")
+            P.append("    chunk_hi = tl.minimum(chunk_lo + CHUNK, n_j)")
+            self.tile_setup(P, "chunk_lo", "    ", limit="chunk_hi", even=True)
+            return P
+        L = place("blk")
+        n_place = len(L)
         ctx, em = self.region("init", "    ")
         ctx.narrow = True
         self.emit_init(p, em, L, "    ")
+        n_init = len(L)
         # the chunk's loaded inputs, reused by the outputs below: the tiles as loaded (widened
         # again there: _rewiden, NARROW) and the other loads (rows, columns) as widened
         held = {k: v for k, v in em.cache.items() if isinstance(k, tuple) and (
@@ -968,9 +976,29 @@ class RowGen:
             L.append("        rmask = rmask & (rows * 0 + sid == 0)   # per-row outputs: written by the team's first program")
             self.emit_row_outputs(em, L)
         # a persistent team loops over its blocks; one block per team: no loop (compiled for sm_90,
-        # the loop takes softmax's 16384-element chunk at 16 warps from 60 registers to 95)
+        # the loop takes softmax's 16384-element chunk at 16 warps from 60 registers to 95).
+        # PERSISTENT == 2: the team's next block's tiles are loaded before this block's wait, so
+        # that their transfer overlaps it (the tiles carried over to the next iteration)
         body = "\n".join(L).split("\n")
-        outer.append("    if PERSISTENT:")
+        init = L[n_place:n_init]
+        tile_load = re.compile(r"^(\s*)(_lr_\d+) = tl\.load\((.*), mask=tmask, (other=.*)\)$")
+        loads = [ln for ln in init if tile_load.match(ln)]
+        lr = [tile_load.match(ln).group(2) for ln in loads]
+
+        def masked(ln, sfx):   # a tile load of the rows of the block placed last (none past n_rows)
+            return tile_load.sub(lambda m: f"{m.group(1)}{m.group(2)}{sfx} = tl.load({m.group(3)}, "
+                                 f"mask=tmask & rmask[:, None], {m.group(4)})", ln)
+        pre = [masked(ln, "") for ln in loads]
+        nxt = [masked(ln, "_nx") for ln in loads]
+        looped = (place("blk") + [ln for ln in init if ln not in loads]
+                  + ["    # the team's next block's tiles (masked past the rows), loaded before this block's wait"]
+                  + place("blk + N_TEAMS") + nxt + place("blk") + L[n_init:]
+                  + [f"    {v} = {v}_nx" for v in lr])
+        outer.append("    if PERSISTENT == 2:")
+        outer.extend("    " + ln for ln in place("tk // NSPLIT") + pre)
+        outer.append("        for blk in range(tk // NSPLIT, tl.cdiv(n_rows, BLOCK_R), N_TEAMS):")
+        outer.extend("        " + ln for ln in "\n".join(looped).split("\n"))
+        outer.append("    elif PERSISTENT:")
         outer.append("        for blk in range(tk // NSPLIT, tl.cdiv(n_rows, BLOCK_R), N_TEAMS):")
         outer.extend("        " + ln for ln in body)
         outer.append("    else:")
@@ -1285,12 +1313,14 @@ class RowGen:
             "        if on_gpu and p.ns > sms:   # a team's programs must fit the device at once (kernel_onepass)",
             f"            raise ValueError(f\"program {self.name!r}: onepass with {{p.ns}} chunks a row needs {{p.ns}} programs \"",
             "                             f\"resident at once; this device has {sms} SMs: give a larger block_j or use schedule='loop'\")",
-            "        # teams of p.ns programs: one per block of rows, or (per_sm) persistent teams",
+            "        # teams of p.ns programs: one per block of rows, or (per_sm) persistent teams; with",
+            "        # stages >= 2, each team loads its next block's chunk before it waits (PERSISTENT 2)",
             "        p.teams = rb if not per_sm else max(1, min(rb, int(sms * per_sm) // p.ns))",
             "        p.grid = (p.teams * p.ns,)",
             "        p.kw = dict(BLOCK_R=br, BLOCK_J=bj, num_warps=num_warps or min(32, max(4, bj * br // 1024)),",
             "                    NARROW=bool(narrow if narrow is not None else NARROW_MIN is not None and NARROW_MIN <= bj * br),",
-            "                    EVEN=n_j == p.ns * p.chunk and p.chunk == bj and n_rows % br == 0, PERSISTENT=p.teams < rb, **fp)",
+            "                    EVEN=n_j == p.ns * p.chunk and p.chunk == bj and n_rows % br == 0,",
+            "                    PERSISTENT=0 if p.teams >= rb else 2 if (stages or 0) >= 2 else 1, **fp)",
             "    else:",
             "        raise ValueError(f\"unknown schedule {schedule!r}; use 'single', 'loop', 'split' or 'onepass'\")",
             "    if maxnreg is not None and on_gpu:   # registers per thread (more programs per SM, some spills)",

@@ -115,7 +115,7 @@ def test_onepass_matches_float64(name, case):
     br = p.kw["BLOCK_R"]
     blocks = -(-R // br)
     assert p.ns == kw.get("nsplit", -(-N // kw.get("block_j", 1 << 30)))
-    assert p.kw["PERSISTENT"] == (p.teams < blocks) == ("per_sm" in kw)
+    assert bool(p.kw["PERSISTENT"]) == (p.teams < blocks) == ("per_sm" in kw)
     assert p.grid == (p.teams * p.ns,)
     assert p.kw["EVEN"] == (N % p.chunk == 0 and p.chunk == p.kw["BLOCK_J"] and R % br == 0)
 
@@ -160,7 +160,9 @@ def test_timed_candidates_of_long_rows_include_onepass_and_the_persistent_loop()
     programs = 132 * 4
     for R, N in ((4096, 65536), (256, 262144), (8192, 32768)):
         cands = mod._launch_cands(R, N, False, programs, narrow_ok=True)
-        one = [c for c in cands if c.get("schedule") == "onepass"]
+        one = [c for c in cands if c.get("schedule") == "onepass" and "stages" not in c]
+        assert [(c["block_j"], c["num_warps"], c["per_sm"]) for c in cands if c.get("schedule") == "onepass"
+                and c.get("stages") == 2] == [(16384, 16, 1), (8192, 8, 2)]
         assert {(c["block_j"], c["num_warps"], c.get("per_sm"), c.get("maxnreg"), c.get("narrow")) for c in one} == {
             (16384, 16, None, None, None), (8192, 8, None, None, None), (16384, 16, None, 64, None),
             (16384, 16, None, None, True), (16384, 16, 1, None, None), (16384, 16, 2, 64, None),
@@ -201,3 +203,16 @@ def test_timed_launch_may_pick_onepass(monkeypatch):
     got = mod.run(**ins)
     _check(got, _reference("layernorm", ins), rtol=2e-5, stol=2e-6)
     assert seen and list(mod._PLANS.values())[-1].schedule == "onepass"
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy", "stats"])
+@pytest.mark.parametrize("R,N,ns,per,br", [(5, 9001, 3, 2, 1), (7, 8192, 4, 4, 2), (5, 9001, 11, 1, 1)])
+def test_persistent_teams_with_the_next_block_prefetched(name, R, N, ns, per, br):
+    """stages=2 (as the timed launch passes it): persistent teams load their next block's
+    chunk before they wait (PERSISTENT 2; the last block's prefetch masked past the rows)."""
+    mod = _module(name)
+    ins = _inputs(name, R, N, seed=R * 31 + N + ns + len(name))
+    checked, sizes, ref_t, dev = mod._prepare((), dict(ins))
+    p = mod._plan(checked, sizes, ref_t, dev, "onepass", None, br, ns, None, None, False, per, 2)
+    assert p.kw["PERSISTENT"] == 2 and p.teams < -(-R // br)
+    _check(mod._launch(p, checked), _reference(name, ins), rtol=2e-5, stol=2e-6)
