@@ -912,8 +912,10 @@ class RowGen:
         outputs from the chunk it still holds (the per-row outputs: the team's first program).
 
         The grid is N_TEAMS teams of NSPLIT programs; team t visits blocks of rows t, t +
-        N_TEAMS, ... (N_TEAMS as many as blocks: one block each; fewer: persistent teams, each
-        program taking its team place once). PHASE 0 (a GPU): one launch; programs take their
+        N_TEAMS, ... (N_TEAMS as many as blocks: one block each, PERSISTENT 0; fewer: persistent
+        teams, each program taking its team place once, PERSISTENT 1, or 2: each program loads
+        its chunk of the team's next block before it waits, carrying it to the next iteration).
+        PHASE 0 (a GPU): one launch; programs take their
         places in launch order (``tick_ptr``), so a program only waits for partners that have
         started or will start: a team whose programs have all started depends on no other, and
         only the last team to fill can wait for programs not yet resident: no deadlock where
