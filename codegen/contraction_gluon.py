@@ -1153,7 +1153,15 @@ def auto_gluon(kernel, inputs: dict):
         return None
     from acefuse.codegen.compile import run_module
     want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
-    got = g(**inputs)
+    try:
+        got = g(**inputs)
+    except Exception as exc:   # e.g. a compile failure of the Gluon kernel on this Triton: the Triton kernel
+        import warnings
+        warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel failed at shapes "
+                      f"{[tuple(t.shape) for t in ts]} ({type(exc).__name__}: {str(exc)[:200]}); the Triton "
+                      "kernel runs", stacklevel=3)
+        choices[key], kernel._gluon_reason = "triton", f"{type(exc).__name__}: {exc}"
+        return want
     outs = want if isinstance(want, dict) else {next(iter(g.out_axes)): want}
     if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
         import warnings
