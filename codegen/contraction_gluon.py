@@ -987,12 +987,12 @@ def _allocator():
 
 def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
                   **fuse_kw) -> GluonKernel:
-    if pingpong and persistent:
-        raise CodegenError("the warp-specialised Gluon kernel with both pingpong and persistent hung on an H200 "
-                           "(session 14, more work items than programs); use one of them")
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
+    if pingpong and persistent:
+        raise CodegenError("the warp-specialised Gluon kernel with both pingpong and persistent hung on an H200 "
+                           "(session 14, more work items than programs); use one of them")
     import hashlib
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
@@ -1031,6 +1031,11 @@ def gluon_variant(text=None) -> dict:
     return {f: True for f in flags}
 
 
+def _result(out: dict):
+    """Outputs as ``af.compile``'s kernels return them: one output, the tensor; else the dict."""
+    return next(iter(out.values())) if len(out) == 1 else out
+
+
 def call_gluon(kernel, inputs: dict, explicit: bool):
     """The hook for ``af.compile``'s kernels (not wired in yet: see the module docstring): run
     the Gluon kernel of ``kernel.fusion`` (made once, kept on ``kernel``) on ``inputs`` and
@@ -1051,7 +1056,7 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
         warnings.warn(f"ACEFUSE_GLUON=1: program {kernel.fusion.program.name!r} runs its Triton kernel, "
                       f"not the Gluon one: {exc}", stacklevel=3)
         return None
-    return next(iter(out.values())) if len(out) == 1 else out
+    return _result(out)
 
 
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
@@ -1124,8 +1129,7 @@ def auto_gluon(kernel, inputs: dict):
     if choice == "triton":
         return None
     if choice is not None:
-        out = choice(**inputs)
-        return next(iter(out.values())) if len(out) == 1 else out
+        return _result(choice(**inputs))
     if state is None:   # first CUDA call: can this program have the kernel at all?
         if not _auto_enabled() or torch.cuda.get_device_capability(ts[0].device) != (9, 0):
             kernel._gluon_auto, kernel._gluon_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
@@ -1174,7 +1178,7 @@ def auto_gluon(kernel, inputs: dict):
     kernel.__dict__.setdefault("_gluon_times", {})[key] = (t_tri, t_glu)
     if choices[key] is not g:
         return want
-    return next(iter(got.values())) if len(got) == 1 else got
+    return _result(got)
 
 
 __all__ = ["GluonGen", "GluonKernel", "auto_gluon", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]
