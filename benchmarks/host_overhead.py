@@ -6,7 +6,8 @@ forward + backward (the augmented forward kernel, then the derived backward kern
 ``decode``: B=8, 8 key/value heads of 4 query heads, one query row, D=128, bfloat16, KV
 length ``--kv``), through the compiled kernel under no_grad and through the generated
 ``run()`` alone, with the automatic schedule and with ``schedule='split'`` (what a GPU picks
-where the programs cannot fill it: two launches, the partial states and their merge), and
+where the programs cannot fill it: two launches, the partial states and their merge), with
+``schedule='split1'`` (the same in one launch, the last program of a row merging), and
 with a KV cache growing by one position per call (each call a new signature: the launcher's
 plan is worked out again). ``--module`` times another generated decode module beside this
 checkout's, the two taking turns.
@@ -137,7 +138,7 @@ def decode(a):
     q, kk, vv = (small[n].double() for n in "qkv")
     s = torch.einsum("bgrid,bgjd->bgrij", q, kk) * ex.SCALE
     ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), vv)
-    for sched in (None, "split"):
+    for sched in (None, "split", "split1"):
         for fn in [k] + [m.run for m in mods.values()]:
             with torch.no_grad():
                 got = fn(**small, schedule=sched)
@@ -161,6 +162,7 @@ def decode(a):
     cases = [("af.compile kernel, automatic schedule", {"this checkout": lambda: k(**ins)})]
     for what, make in (("automatic schedule", lambda run: lambda: run(**ins)),
                        ("schedule='split'", lambda run: lambda: run(**ins, schedule="split")),
+                       ("schedule='split1'", lambda run: lambda: run(**ins, schedule="split1")),
                        ("automatic schedule, KV growing by one per call", growing)):
         cases.append((f"generated run(), {what}", {n: make(m.run) for n, m in mods.items()}))
     with torch.no_grad():
@@ -182,7 +184,8 @@ def decode(a):
         if a.profile:
             import cProfile
             import pstats
-            fn = cases[2][1]["this checkout"]
+            fn = cases[3][1]["this checkout"]   # the generated run(), schedule='split1'
+            print("cProfile: generated run(), schedule='split1'")
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(a.steps):
