@@ -40,7 +40,7 @@ import re
 
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.emit import CodegenError
-from acefuse.codegen.contraction import ContractionGen, _drop_dead, _flat_mul
+from acefuse.codegen.contraction import TANH_MM, ContractionGen, _drop_dead, _flat_mul
 from acefuse.codegen.contraction_ctx import CContext
 from acefuse.codegen.row import HEADER
 
@@ -783,9 +783,17 @@ class GluonGen(ContractionGen):
         f = self.f
         if len(f.passes) != 1:
             raise CodegenError(f"program {self.name!r} needs {len(f.passes)} passes; the Gluon kernel is one pass")
-        kern = self.kernel_ws() if self.ws else self.kernel()
-        if self.persistent:
-            kern += "\n\n\n" + self.kernel_ws_persistent()
+        # the contraction template's own numerics (CContext.tanh, CContext.row_quotient): the
+        # hardware's tanh.approx.f32 where the scores feed 16-bit MMAs (_tanh_mm) and the row's
+        # reciprocal factors for a quotient by a per-row value on its way to a 16-bit output
+        # (_rcp_row, _qdiv); both helpers are in this module (_helpers)
+        self.tanh_mm = True
+        try:
+            kern = self.kernel_ws() if self.ws else self.kernel()
+            if self.persistent:
+                kern += "\n\n\n" + self.kernel_ws_persistent()
+        finally:
+            self.tanh_mm = False
         helpers = _helpers(kern)
         uses_ld = any("libdevice." in x for x in helpers + [kern])
         lib = "from triton.language.extra import libdevice\n" if uses_ld else ""
@@ -799,9 +807,10 @@ class GluonGen(ContractionGen):
 
 
 def _helpers(kern: str) -> list:
-    """The module header's helpers (codegen/row.py) that the kernel calls, transitively, as
-    Gluon functions (the same text with ``gl.`` for ``tl.``)."""
-    defs, lines = {}, HEADER.replace("{{", "{").replace("}}", "}").split("\n")
+    """The module header's helpers (codegen/row.py) and the contraction family's ``_tanh_mm``
+    (codegen/contraction.py) that the kernel calls, transitively, as Gluon functions (the same
+    text with ``gl.`` for ``tl.``)."""
+    defs, lines = {}, (HEADER.replace("{{", "{").replace("}}", "}") + "\n\n\n" + TANH_MM).split("\n")
     for i, ln in enumerate(lines):
         if ln == "@triton.jit" and i + 1 < len(lines) and lines[i + 1].startswith("def _"):
             name = lines[i + 1][4:].split("(")[0]

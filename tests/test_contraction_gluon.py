@@ -55,7 +55,7 @@ WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softca
 def sources():
     src = {n: gluon_source(mk()) for n, mk in PROGS.items()}
     src.update({n + "_ov": gluon_source(PROGS[n](), overlap=True) for n in ("p_plain", "p_lower", "p_band")})
-    src.update({n + "_ws": gluon_source(PROGS[n](), ws=True) for n in ("p_plain", "p_lower", "p_band")})
+    src.update({n + "_ws": gluon_source(PROGS[n](), ws=True) for n in ("p_plain", "p_lower", "p_band", "p_cap")})
     src.update({n + "_wspp": gluon_source(PROGS[n](), ws=True, pingpong=True) for n in ("p_plain", "p_lower")})
     src.update({n + "_wsov": gluon_source(PROGS[n](), ws=True, overlap=True) for n in ("p_plain", "p_lower")})
     return src
@@ -166,6 +166,30 @@ def test_ws_structure(sources):
         gluon_source(PROGS["p_lower"](), ws=True, defer=True)
 
 
+def test_tanh_and_row_quotient_as_in_the_triton_kernel(sources):
+    """The Gluon kernels evaluate the derived expressions with the Triton kernel's numerics: a
+    tanh of the score as _tanh_mm with the same constants (the hardware's tanh.approx.f32 on
+    16-bit MMA operands), and the output's quotient by a per-row value as the row's reciprocal
+    factors (_rcp_row once per row, _qdiv per element), not _tanh and _div0."""
+    tri = af.compile(PROGS["p_cap"]()).source
+    calls = lambda t: sorted(set(re.findall(r"= _tanh_mm\(\w+, ([^)]*)\)", t)))   # noqa: E731
+    want = calls(tri)
+    assert want and all(c.endswith("DOT_T") for c in want)
+    for name in ("p_cap", "p_cap_ws"):
+        src = sources[name]
+        assert calls(src) == want, name
+        assert "def _tanh_mm(" in src and "tanh.approx.f32" in src and not re.search(r"= _tanh\(", src), name
+    cap_pers = gluon_source(PROGS["p_cap"](), ws=True, persistent=True)
+    assert calls(cap_pers) == want
+    for name, src in list(sources.items()) + [("p_cap_pers", cap_pers)]:
+        # the program's own functions (kernels, partitions), not the helpers
+        code = "".join(f for f in src.split("@gluon.jit\n") if re.match(r"def _?p_", f))
+        kernels = len(re.findall(r"def \w+_consume\(", src)) or len(re.findall(r"def \w+_gluon\(", src))
+        assert code.count("= _rcp_row(s2)") == kernels, name   # the row's reciprocal, once per row
+        assert "_qdiv(s, s2[:, None]" in code and "_div0(" not in code, name
+        assert ("_tanh_mm(" in code) == name.startswith("p_cap"), name
+
+
 def test_ws_persistent_structure_and_choice():
     """The persistent kernel (in the module beside the one-shot WS kernel): every partition
     walks the work items with the running tile count; the launcher takes it only when the
@@ -272,12 +296,13 @@ if ws:
 sig = {a: ("constexpr" if a in const else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
 kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 128), options=opts)
 ptx = kern.asm["ptx"]
-print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.tensor"))
+print("WGMMA", ptx.count("wgmma.mma_async"), "TMA", ptx.count("cp.async.bulk.tensor"), "TANH",
+      ptx.count("tanh.approx.f32"))
 """
 
 
 @pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_lower_ov", "p_band_ov", "p_lower_ws", "p_plain_wspp",
-                                  "p_lower_wsov"])
+                                  "p_lower_wsov", "p_cap_ws"])
 def test_compiles_for_sm90_offline(sources, tmp_path, name):
     """Compile for sm_90 without a GPU (triton.compile for a GPUTarget; in a subprocess, as
     Triton's interpreter, which conftest turns on without a GPU, has no Gluon), then look for
@@ -298,8 +323,10 @@ def test_compiles_for_sm90_offline(sources, tmp_path, name):
     if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
-    m = re.search(r"WGMMA (\d+) TMA (\d+)", r.stdout)
+    m = re.search(r"WGMMA (\d+) TMA (\d+) TANH (\d+)", r.stdout)
     assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, r.stdout
+    # the soft cap's tanh is the hardware's (_tanh_mm's native branch), as in the Triton kernel
+    assert (int(m.group(3)) > 0) == name.startswith("p_cap"), r.stdout
 
 
 # ---- GPU --------------------------------------------------------------------------------
