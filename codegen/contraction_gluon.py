@@ -1114,24 +1114,61 @@ def _agree(a, b):
     return (a[fa] - b[fb]).abs().max().item() <= 2e-2 * scale
 
 
+def _cuda_eager(ts) -> bool:
+    """Whether these inputs are plain CUDA tensors (not fake, traced or distributed subclasses)
+    outside CUDA graph capture (where the Triton kernel runs as before: timing would
+    synchronise inside the capture)."""
+    import torch
+    return (all(type(t) is torch.Tensor for t in ts) and ts[0].is_cuda
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _sm90(dev) -> bool:
+    import torch
+    return torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+def _choice_source(kernel, g) -> str | None:
+    """What a remembered choice belongs to: a hash of both generated sources (the Triton
+    module's and the Gluon kernel's), so that a change to either times again."""
+    import hashlib
+    tri = getattr(kernel, "source", None)
+    if tri is None:
+        return None
+    return hashlib.sha256(f"{tri}\0{g.source}".encode()).hexdigest()
+
+
+def _remembered(stored):
+    """A stored choice as (kernel, (Triton s, Gluon s)), or None when it is not one
+    (another version wrote it: then the choice is timed again and rewritten)."""
+    if (isinstance(stored, dict) and stored.get("kernel") in ("gluon", "triton")
+            and all(isinstance(stored.get(k), (int, float)) for k in ("triton_s", "gluon_s"))):
+        return stored["kernel"], (float(stored["triton_s"]), float(stored["gluon_s"]))
+    return None
+
+
 def auto_gluon(kernel, inputs: dict):
     """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU: the warp-specialised
     Gluon kernel (``ws``) or the Triton kernel, whichever runs faster here, timed on the first
-    call per input shapes, dtypes and device and remembered on ``kernel``. On that first call
-    both kernels run and their outputs must agree (else the Triton kernel is kept, with a
-    warning that names the program). Returns the outputs, or None where the caller runs the
-    Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only, a program or inputs
-    outside the Gluon kernel (the reason is kept in ``kernel._gluon_reason``), too little work
-    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, tensor subclasses, CUDA graph capture, or the
-    Triton kernel measured faster."""
-    import torch
+    call per input shapes, strides, dtypes and device, remembered on ``kernel`` and on disk
+    (codegen/tuning.py, ``what='gluon'``: keyed by a hash of both generated sources, the
+    inputs' names, shapes, strides and dtypes, and the device; ``ACEFUSE_TUNING_CACHE=0``
+    turns the disk off), so that a fresh process or kernel object runs the remembered kernel
+    without timing (nor compiling the other one). On the timed call both kernels run and
+    their outputs must agree, else the Triton kernel is kept, with a warning that names the
+    program, and nothing is written to disk (another process checks again, and warns again);
+    only a choice between two agreeing kernels is recorded. Returns the outputs, or None where
+    the caller runs the Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only,
+    a program or inputs outside the Gluon kernel (the reason is kept in
+    ``kernel._gluon_reason``), too little work to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``,
+    tensor subclasses, CUDA graph capture, or the Triton kernel measured (or remembered)
+    faster. ``kernel._gluon_times``: (Triton s, Gluon s) per shapes, measured here or read
+    back with the choice."""
     state = getattr(kernel, "_gluon_auto", None)
     if state is False or not inputs:
         return None
     ts = list(inputs.values())
-    # plain tensors only (not fake, traced or distributed subclasses), outside CUDA graph capture
-    # (where the Triton kernel runs as before: timing would synchronise inside the capture)
-    if not all(type(t) is torch.Tensor for t in ts) or not ts[0].is_cuda or torch.cuda.is_current_stream_capturing():
+    if not _cuda_eager(ts):
         return None
     key = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in inputs.items())
     choice = kernel.__dict__.setdefault("_gluon_choice", {}).get(key)
@@ -1140,7 +1177,7 @@ def auto_gluon(kernel, inputs: dict):
     if choice is not None:
         return _result(choice(**inputs))
     if state is None:   # first CUDA call: can this program have the kernel at all?
-        if not _auto_enabled() or torch.cuda.get_device_capability(ts[0].device) != (9, 0):
+        if not _auto_enabled() or not _sm90(ts[0].device):
             kernel._gluon_auto, kernel._gluon_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
             return None
         try:
@@ -1164,7 +1201,28 @@ def auto_gluon(kernel, inputs: dict):
     if work < AUTO_MIN_WORK:
         choices[key] = "triton"
         return None
+    from acefuse.codegen import tuning
     from acefuse.codegen.compile import run_module
+    src = _choice_source(kernel, g)
+    disk_key = tuple((n, tuple(t.shape), tuple(t.stride()), str(t.dtype)) for n, t in inputs.items())
+    stored = _remembered(tuning.lookup(src, "gluon", disk_key, ts[0].device))
+    if stored is not None:   # measured (and the outputs checked) by an earlier process on this device
+        which, times = stored
+        kernel.__dict__.setdefault("_gluon_times", {})[key] = times
+        if which == "triton":
+            choices[key] = "triton"
+            return None
+        try:
+            out = g(**inputs)
+        except Exception as exc:   # the Gluon kernel fails here (its compile, say): the Triton kernel
+            import warnings
+            warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel remembered as the faster "
+                          f"failed at shapes {[tuple(t.shape) for t in ts]} ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); the Triton kernel runs", stacklevel=3)
+            choices[key], kernel._gluon_reason = "triton", f"{type(exc).__name__}: {exc}"
+            return None
+        choices[key] = g
+        return _result(out)
     want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
     try:
         got = g(**inputs)
@@ -1185,6 +1243,8 @@ def auto_gluon(kernel, inputs: dict):
     t_tri, t_glu = _time_pair([lambda: run_module(kernel.module, (), inputs), lambda: g(**inputs)])
     choices[key] = g if t_glu <= AUTO_MARGIN * t_tri else "triton"
     kernel.__dict__.setdefault("_gluon_times", {})[key] = (t_tri, t_glu)
+    tuning.record(src, "gluon", disk_key, ts[0].device,
+                  {"kernel": "triton" if choices[key] == "triton" else "gluon", "triton_s": t_tri, "gluon_s": t_glu})
     if choices[key] is not g:
         return want
     return _result(got)

@@ -9,6 +9,7 @@ plain and masked scores at odd and power-of-two lengths, and derived score varia
 """
 import importlib.util
 import math
+import os
 import re
 
 import pytest
@@ -560,6 +561,17 @@ def test_gpu_auto_choice_is_right_and_remembered(name, N, monkeypatch):
     assert (choice == "triton") == (t_glu > 0.97 * t_tri)
     print(f"{name} N={N}: Triton {t_tri * 1e6:.1f} us, Gluon {t_glu * 1e6:.1f} us, chose "
           f"{'gluon' if choice != 'triton' else 'triton'}")
+    # a fresh kernel object (a fresh process alike) runs the choice remembered on disk, untimed
+    import acefuse.codegen.contraction_gluon as cg
+    if os.environ.get("ACEFUSE_TUNING_CACHE", "1") != "0":
+        def no_timing(*a, **kw):
+            raise AssertionError("timed again")
+        monkeypatch.setattr(cg, "_time_pair", no_timing)
+        again = af.compile(PROGS[name]())
+        assert _rel(again(q=qx, k=kx, v=vx), ref) < 2e-2
+        (c2,) = again.kernel._gluon_choice.values()
+        assert (c2 == "triton") == (choice == "triton")
+        monkeypatch.undo()
     if name == "p_plain":   # inside CUDA graph capture: the Triton kernel, nothing timed or decided
         from acefuse.codegen.contraction_gluon import auto_gluon
         inner = getattr(kern, "kernel", kern)
