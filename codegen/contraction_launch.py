@@ -3,6 +3,7 @@ host code that checks inputs, picks tile shapes and the schedule (loop or split-
 launches the kernels."""
 from __future__ import annotations
 
+from acefuse.codegen.fastlaunch import SRC as SITE_SRC
 from acefuse.codegen.row import PREPARE
 
 
@@ -169,6 +170,8 @@ def launcher(self, split):
     vec = {s.name: self._is_vec(s) for s in p.states}
     L = [
         "import os   # (ACEFUSE_HOPPER is read on every call: part of run's signature)",
+        "",
+        *SITE_SRC,
         "",
         "",
         f"PROGRAM = {self.name!r}",
@@ -386,7 +389,7 @@ def launcher(self, split):
         "    are made from (the number of chunks asked for, else the chunks that fill the device), the",
         "    workspace per chunk, the merge's launch options and (one launch) the cached workspaces.\"\"\"",
         "    __slots__ = ('dev', 'auto', 'outs', 'argv', 'in_slots', 'out_slots', 'kernel', 'grid', 'kw',",
-        "                 'nsplit', 'fill', 'ws', 'combine_kw', 'wcache')",
+        "                 'nsplit', 'fill', 'ws', 'combine_kw', 'wcache', 'sites')",
         "",
         "",
         "@_on_input_device",
@@ -458,7 +461,7 @@ def launcher(self, split):
         "    and device, and on the launch options; of the key length only its power-of-two class",
         "    (the schedule, tiles and scan bound are the same across it; _launch takes the length).\"\"\"",
         "    p = _Plan()",
-        "    p.dev, p.auto = dev, auto",
+        "    p.dev, p.auto, p.sites = dev, auto, {}",
         "    n_j = _np2(sizes[AXIS])   # the key length's class (choose_schedule's test of it is exact)",
         "    n_work = n_j",
         "    for a in set(ROW_AXES + GRID_AXES) - {AXIS}:",
@@ -606,7 +609,7 @@ def launcher(self, split):
         "    on one stream run one after another, whichever thread makes them; another stream gets",
         "    its own), unless bigger than WS_CACHE_BYTES or captured into a CUDA graph (then allocated",
         "    per call).\"\"\"",
-        "    if p.dev.type == 'cuda' and torch.cuda.is_current_stream_capturing():",
+        "    if p.dev.type == 'cuda' and torch._C._cuda_isCurrentStreamCapturing():",
         "        st = None   # captured into a CUDA graph: buffers of the graph's own (zeroed by the graph)",
         "    else:",
         "        st = _stream(p.dev)",
@@ -624,6 +627,16 @@ def launcher(self, split):
         "    return got",
         "",
         "",
+        "def _site(p, kernel, fn):",
+        "    \"\"\"The launch site of kernel ``fn`` in plan ``p`` (acefuse/codegen/fastlaunch.py: after the",
+        "    first launch through Triton's JIT, the compiled kernel is launched directly while nothing",
+        "    Triton specialises on changes); made on the plan's first launch of it.\"\"\"",
+        "    s = p.sites.get(kernel)",
+        "    if s is None:",
+        "        s = p.sites[kernel] = _Site(fn, p.argv)",
+        "    return s",
+        "",
+        "",
         "def _launch(p, inputs, n_j):",
         "    \"\"\"Allocate the outputs of plan ``p`` and launch its kernel(s) on ``inputs`` (by name), whose",
         "    key length is ``n_j``.\"\"\"",
@@ -636,9 +649,9 @@ def launcher(self, split):
         "        argv[n] = outs[o]",
         "    if p.kernel == 'hopper':",
         "        _allocator()",
-        f"        {self.name}_attn_hopper[p.grid](*argv, **p.kw)",
+        f"        _site(p, 'hopper', {self.name}_attn_hopper)(p.grid, argv, p.kw)",
         "    elif p.kernel == 'loop':",
-        f"        {self.name}_attn[p.grid](*argv, **p.kw)",
+        f"        _site(p, 'loop', {self.name}_attn)(p.grid, argv, p.kw)",
         "    else:   # split-KV: partial states per chunk of keys to a workspace, then their derived merge",
         "        bj, (rt, n_g) = p.kw['BLOCK_J'], p.grid",
         "        nsp = p.nsplit or max(1, min(_cdiv(n_j, bj), p.fill))",
@@ -646,16 +659,16 @@ def launcher(self, split):
         "        nsp = _cdiv(n_j, chunk)",
         "        if p.kernel == 'split1':   # one launch: the last program of each row tile merges",
         "            wsp, cnt = _workspace(p)",
-        f"            {self.name}_split1[(rt, n_g, nsp)](*argv, *wsp, cnt, chunk, nsp, n_g, **p.kw)",
+        f"            _site(p, 'split1', {self.name}_split1)((rt, n_g, nsp), argv + [*wsp, cnt, chunk, nsp, n_g], p.kw)",
         "            return outs[p.outs[0][0]] if len(p.outs) == 1 else outs",
         "        if p.kernel == 'split1_hopper':   # the same with TMA copies of the key and value tiles",
         "            wsp, cnt = _workspace(p)",
         "            _allocator()",
-        f"            {self.name}_split1_hopper[(rt, n_g, nsp)](*argv, *wsp, cnt, chunk, nsp, n_g, **p.kw)",
+        f"            _site(p, 'split1_hopper', {self.name}_split1_hopper)((rt, n_g, nsp), argv + [*wsp, cnt, chunk, nsp, n_g], p.kw)",
         "            return outs[p.outs[0][0]] if len(p.outs) == 1 else outs",
         "        wsp = [torch.empty(nsp * n, device=p.dev, dtype=torch.float32) for n in p.ws]",
-        f"        {self.name}_part[(rt, n_g, nsp)](*argv, *wsp, chunk, n_g, **p.kw)",
-        f"        {self.name}_combine[p.grid](*argv, *wsp, chunk, nsp, n_g, **p.combine_kw)",
+        f"        _site(p, 'part', {self.name}_part)((rt, n_g, nsp), argv + [*wsp, chunk, n_g], p.kw)",
+        f"        _site(p, 'combine', {self.name}_combine)(p.grid, argv + [*wsp, chunk, nsp, n_g], p.combine_kw)",
         "    return outs[p.outs[0][0]] if len(p.outs) == 1 else outs",
     ]
     return "\n".join(L)

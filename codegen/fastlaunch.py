@@ -1,0 +1,220 @@
+"""A direct launch of a generated kernel that Triton has compiled already.
+
+Triton's ``kernel[grid](*args, **kw)`` binds every argument, specialises each one (a
+tensor by its dtype and 16-byte alignment, an integer by being 1, being divisible by 16
+and its int32/int64 range), looks the compiled kernel up by that key and the launch
+options, checks the global values the kernel read, then calls the compiled kernel's
+launcher. For a 37-argument decode kernel on an H200 host that Python path took about as
+long as the rest of acefuse's launcher (benchmarks/results/session15/
+h200_25f6e46_triton_launch.txt: 15.6 us per launch of a 12-argument kernel, 8.8 us calling
+the ``CompiledKernel`` directly).
+
+A ``Site`` is one kernel launched by one launch plan of a generated launcher (the plan
+fixes the shapes, strides, dtypes, alignment of the inputs and the launch options). It is
+made from the plan's argument *template*: the kernel's positional arguments with ``None``
+in each slot the launcher fills per call (tensors, the key length); every other entry is
+an integer fixed for the plan, and arguments past the template are per call too. The
+first launch of each *specialisation key* (what Triton specialises on, computed over the
+per-call slots only) goes through Triton's JIT, and the ``CompiledKernel`` it returns is
+kept; a later launch with the same key, the same constexprs and options (the same ``kw``
+object: a retry with safer options makes a new one) is made by calling that kernel's
+launcher directly. The JIT path is taken instead whenever:
+
+- the Triton version is not one this was checked against (3.6.x: ``jit.py``'s ``run``), or
+  Triton's interpreter runs the kernel, or ``ACEFUSE_FAST_LAUNCH=0`` (read at import;
+  ``set_enabled`` switches it at run time);
+- a per-call argument is of a type not handled here (the key is None);
+- a launch hook is set (``knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``: the
+  JIT path calls them), the kernel has pre-run hooks, ``knobs.runtime.debug`` or the
+  instrumentation mode differ from the kept kernel's, a global value the kernel read is
+  no longer the same object, or the current device is not the kept kernel's.
+
+A ``Site`` whose fast path is off costs one attribute test per launch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+VERSIONS = ("3.6.",)   # Triton versions whose JITFunction.run this mirrors (checked against 3.6.0's source)
+ENABLED = os.environ.get("ACEFUSE_FAST_LAUNCH", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the direct launch on or off for every launch from now on (a benchmark's
+    comparison; the environment's ACEFUSE_FAST_LAUNCH=0 sets the default)."""
+    global ENABLED
+    ENABLED = bool(on)
+
+
+def _version_ok() -> bool:
+    return triton.__version__.startswith(VERSIONS)
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fast_ok(fn) -> bool:
+    """Whether kernel ``fn`` may be launched directly: a compiled (not interpreted)
+    JITFunction of a checked Triton version."""
+    if not _version_ok() or _interpreted():
+        return False
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return _device is not None and isinstance(fn, JITFunction) and all(hasattr(fn, a) for a in ("params", "used_global_vals", "pre_run_hooks"))
+
+
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+# the current CUDA device and a device's current stream, as Triton 3.6's driver reads them (C calls)
+_device = getattr(torch._C, "_cuda_getDevice", None)
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def spec_key(args, watch):
+    """What Triton 3.6 specialises on, for the arguments at positions ``watch`` of ``args``
+    (a conservative superset: an equal key means an equal specialisation): a tensor by its
+    dtype and whether its data pointer is 16-byte aligned; an integer by being 1, being
+    divisible by 16 and its range (int32, uint64, int64); bool, float and None by their
+    type. None where some argument is of another type (then the JIT path decides)."""
+    key = []
+    for i in watch:
+        a = args[i]
+        t = type(a)
+        if t is int:
+            if _I32[0] <= a <= _I32[1]:
+                key.append(1 if a == 1 else 2 if a % 16 == 0 else 3)
+            elif 2 ** 63 <= a <= 2 ** 64 - 1:
+                key.append(4 if a % 16 == 0 else 5)
+            else:
+                key.append(6 if a % 16 == 0 else 7)
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif a is None:
+            key.append(0)
+        elif t is bool:
+            key.append(8)
+        elif t is float:
+            key.append(9)
+        else:
+            return None
+    return tuple(key)
+
+
+def _hooks_set(runtime) -> bool:
+    """A launch hook is set (Triton 3.6: a HookChain with calls; a plain callable)."""
+    for h in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
+
+
+class _Kept:
+    """A compiled kernel kept for one specialisation key."""
+    __slots__ = ("kw", "launcher", "function", "packed", "tail", "dev", "globs", "debug", "instr")
+
+
+class Site:
+    """One kernel of one launch plan: ``site(grid, args, kw)`` launches ``fn[grid](*args, **kw)``,
+    directly where a kernel compiled for the same specialisation is kept (see the module's
+    docstring). ``template``: the plan's fixed positional arguments, None in each per-call slot."""
+    __slots__ = ("fn", "fast", "watch", "n_fixed", "template", "kept", "direct", "_n", "_w")
+
+    def __init__(self, fn, template):
+        self.fn = fn
+        self.template = list(template)
+        self.n_fixed = len(self.template)
+        self.watch = tuple(i for i, v in enumerate(self.template) if v is None)
+        self.kept = {}
+        self.direct = 0   # launches made directly (tests, benchmarks)
+        self._n, self._w = self.n_fixed, self.watch   # (the watched positions for calls of _n arguments)
+        self.fast = ENABLED and fast_ok(fn)
+
+    def __call__(self, grid, args, kw):
+        if not (self.fast and ENABLED) or len(args) < self.n_fixed:
+            return self.fn[grid](*args, **kw)
+        if len(args) != self._n:
+            self._n, self._w = len(args), self.watch + tuple(range(self.n_fixed, len(args)))
+        key = spec_key(args, self._w)
+        k = self.kept.get(key) if key is not None else None
+        if k is not None and k.kw is kw and self._same_state(k):
+            g = tuple(grid)
+            k.launcher(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
+                       _stream(k.dev), k.function, k.packed, None, None, None,
+                       *args, *k.tail)
+            self.direct += 1
+            return None
+        ck = self.fn[grid](*args, **kw)
+        if key is not None:
+            self._keep(key, ck, args, kw)
+        return ck
+
+    def _same_state(self, k) -> bool:
+        """Nothing outside the arguments that the JIT path would look at has changed."""
+        runtime = triton.knobs.runtime
+        if _hooks_set(runtime) or self.fn.pre_run_hooks:
+            return False
+        if runtime.debug != k.debug or triton.knobs.compilation.instrumentation_mode != k.instr:
+            return False
+        if _device() != k.dev:
+            return False
+        for d, name, val in k.globs:
+            if d.get(name) is not val:
+                return False
+        return True
+
+    def _keep(self, key, ck, args, kw) -> None:
+        """Keep ``ck``, what the JIT launch just returned, for ``key``: only a CompiledKernel
+        with its launcher loaded, and only where every fixed argument is the template's."""
+        if hasattr(ck, "result"):   # (an asynchronous compile's future)
+            return
+        launcher, function, packed = getattr(ck, "_run", None), getattr(ck, "function", None), \
+            getattr(ck, "packed_metadata", None)
+        if launcher is None or function is None or packed is None:
+            return
+        for i, v in enumerate(self.template):
+            if v is not None and (type(args[i]) is not type(v) or args[i] != v):
+                return   # (a caller that filled a fixed slot: not kept, the JIT path stays)
+        params = self.fn.params
+        if len(args) > len(params):
+            return
+        tail = []
+        for p in params[len(args):]:
+            if p.name in kw:
+                tail.append(kw[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return
+        k = _Kept()
+        k.kw, k.launcher, k.function, k.packed, k.tail = kw, launcher, function, packed, tuple(tail)
+        k.dev = _device()
+        k.globs = tuple((d, name, d.get(name)) for (name, _), (_, d) in self.fn.used_global_vals.items())
+        runtime = triton.knobs.runtime
+        k.debug = runtime.debug
+        k.instr = triton.knobs.compilation.instrumentation_mode
+        if len(self.kept) >= 64:
+            self.kept.clear()
+        self.kept[key] = k
+
+
+# the generated launchers' import of Site (a module run without acefuse, exported for torch and
+# triton only, launches through Triton's JIT)
+SRC = [
+    "try:   # the direct launch of kernels Triton has compiled (acefuse/codegen/fastlaunch.py)",
+    "    from acefuse.codegen.fastlaunch import Site as _Site",
+    "except ImportError:  # pragma: no cover",
+    "    class _Site:",
+    "        def __init__(self, fn, template):",
+    "            self.fn = fn",
+    "",
+    "        def __call__(self, grid, args, kw):",
+    "            return self.fn[grid](*args, **kw)",
+]

@@ -1,0 +1,301 @@
+"""The direct launch of compiled kernels (codegen/fastlaunch.py): its guard.
+
+A kept CompiledKernel is only correct for arguments Triton would specialise the same way.
+On the CPU the decision is tested, not the launch: ``spec_key`` must tell apart everything
+Triton 3.6 specialises on (a bfloat16 view one element off its 16-byte aligned base, an
+integer becoming 1 or divisible by 16 or leaving int32, a dtype), and a ``Site`` over a
+stand-in JIT function must go back to the JIT path for each of those, for new launch
+options, a launch hook, a changed global, another device or the switch; the interpreter,
+and a Triton version not checked, never take the direct path. The GPU test compares the
+direct path's outputs bit for bit with the JIT path's and with float64."""
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from acefuse.codegen import fastlaunch as fl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rand_int(g, lo, hi):
+    return int(torch.randint(lo, hi, (1,), generator=g))
+
+
+def test_spec_key_tells_apart_what_triton_specialises_on():
+    g = torch.Generator().manual_seed(_rand_int(torch.Generator().manual_seed(15), 0, 2 ** 30))
+    base = torch.randn(64, generator=g).to(torch.bfloat16)
+    other = torch.randn(64, generator=g).to(torch.bfloat16)
+    n = 16 * _rand_int(g, 2, 1000) + _rand_int(g, 1, 16)   # > 1, not divisible by 16
+    key = fl.spec_key([base, n], (0, 1))
+    assert fl.spec_key([other, n + 16], (0, 1)) == key           # same specialisation: same key
+    assert fl.spec_key([base[1:], n], (0, 1)) != key             # 2 bytes off: not 16-byte aligned
+    assert fl.spec_key([base[8:], n], (0, 1)) == key             # 16 bytes off: aligned again
+    assert fl.spec_key([base.to(torch.float16), n], (0, 1)) != key   # another dtype
+    assert fl.spec_key([base, 1], (0, 1)) != key                 # 1 is a constexpr for Triton
+    assert fl.spec_key([base, 16 * (n // 16)], (0, 1)) != key    # divisible by 16
+    assert fl.spec_key([base, n + 2 ** 31], (0, 1)) != key       # int64
+    assert fl.spec_key([base, None], (0, 1)) != key
+    assert fl.spec_key([base, True], (0, 1)) != fl.spec_key([base, 1], (0, 1))
+    assert fl.spec_key([base, 2.5], (0, 1)) != key
+    assert fl.spec_key([base, n], (0,)) == fl.spec_key([base, 16], (0,))   # (only the watched positions)
+    assert fl.spec_key([base, "x"], (0, 1)) is None              # unknown type: the JIT path
+
+
+class _Param:
+    def __init__(self, name, default=None, has_default=False):
+        self.name, self.default, self.has_default = name, default, has_default
+
+
+class _CK:
+    """A stand-in CompiledKernel: its launcher records the direct launches."""
+
+    def __init__(self):
+        self.launches = []
+        self._run = lambda *a: self.launches.append(a)
+        self.function = object()
+        self.packed_metadata = (4, 1, 0)
+
+
+class _FakeJIT:
+    """A stand-in JITFunction: kernel(x_ptr, n, N, BLOCK: constexpr, FLAG: constexpr = 7)."""
+
+    def __init__(self):
+        self.params = [_Param("x_ptr"), _Param("n"), _Param("N"), _Param("BLOCK"), _Param("FLAG", 7, True)]
+        self.pre_run_hooks = []
+        self.used_global_vals = {}
+        self.jit = []
+        self.ck = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.jit.append((grid, args, dict(kw)))
+            return self.ck.setdefault(fl.spec_key(args, range(len(args))), _CK())
+        return launch
+
+
+@pytest.fixture
+def site(monkeypatch):
+    """A Site over a stand-in kernel with the direct path allowed (as on a checked Triton and a
+    GPU): template (x_ptr: per call, n: per call, N: fixed 4096)."""
+    monkeypatch.setattr(fl, "fast_ok", lambda fn: True)
+    monkeypatch.setattr(fl, "_device", lambda: 0)
+    monkeypatch.setattr(fl, "_stream", lambda dev: 1234)
+    monkeypatch.setattr(fl, "_hooks_set", lambda runtime: False)
+    monkeypatch.setattr(fl, "ENABLED", True)
+    fn = _FakeJIT()
+    return fn, fl.Site(fn, [None, None, 4096])
+
+
+def _x(g, n=64, dtype=torch.bfloat16):
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def test_the_second_launch_of_a_key_is_direct_with_every_argument_in_order(site):
+    fn, s = site
+    g = torch.Generator().manual_seed(1)
+    kw = dict(BLOCK=64, num_warps=4)
+    s((3,), [_x(g), 35, 4096], kw)
+    assert len(fn.jit) == 1 and s.direct == 0
+    x2 = _x(g)
+    s((3, 2), [x2, 37, 4096], kw)   # another tensor, another odd length: same specialisation
+    assert len(fn.jit) == 1 and s.direct == 1
+    (ck,) = fn.ck.values()
+    (launch,) = ck.launches
+    # grid (3, 2, 1), the stream, the kernel, its metadata, no launch metadata nor hooks, then
+    # every argument in signature order: positional, the constexpr from kw, the default
+    assert launch[:4] == (3, 2, 1, 1234) and launch[4] is ck.function and launch[5] == ck.packed_metadata
+    assert launch[6:9] == (None, None, None)
+    assert launch[9] is x2 and launch[10:] == (37, 4096, 64, 7)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "one", "div16", "int64"])
+def test_a_changed_specialisation_takes_the_jit_path(site, change):
+    fn, s = site
+    g = torch.Generator().manual_seed(2)
+    kw = dict(BLOCK=64)
+    x = _x(g, 80)
+    s((1,), [x, 35, 4096], kw)
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (1, 1)
+    args = {"misaligned": [x[1:], 35, 4096], "dtype": [x.to(torch.float16), 35, 4096],
+            "one": [x, 1, 4096], "div16": [x, 48, 4096], "int64": [x, 2 ** 31 + 3, 4096]}[change]
+    s((1,), args, kw)
+    assert (len(fn.jit), s.direct) == (2, 1)
+    s((1,), args, kw)   # (now kept for its own key)
+    assert (len(fn.jit), s.direct) == (2, 2)
+    s((1,), [x, 35, 4096], kw)   # the first key's kernel is still kept
+    assert (len(fn.jit), s.direct) == (2, 3)
+
+
+def test_arguments_past_the_template_are_watched(site):
+    fn, s = site
+    g = torch.Generator().manual_seed(3)
+    x, kw = _x(g), dict(BLOCK=64)
+    s((1,), [x, 35, 4096, 33], kw)
+    s((1,), [x, 35, 4096, 35], kw)
+    assert (len(fn.jit), s.direct) == (1, 1)
+    s((1,), [x, 35, 4096, 32], kw)
+    assert (len(fn.jit), s.direct) == (2, 1)
+
+
+def test_new_options_a_hook_a_global_a_device_or_the_switch_take_the_jit_path(site, monkeypatch):
+    fn, s = site
+    g = torch.Generator().manual_seed(4)
+    x = _x(g)
+    kw = dict(BLOCK=64, num_warps=4)
+    s((1,), [x, 35, 4096], kw)
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (1, 1)
+    kw2 = dict(kw, num_stages=1)   # a retry with safer options: a new kw object
+    s((1,), [x, 35, 4096], kw2)
+    assert (len(fn.jit), s.direct) == (2, 1)
+    with monkeypatch.context() as m:
+        m.setattr(fl, "_hooks_set", lambda runtime: True)
+        s((1,), [x, 35, 4096], kw2)
+        assert (len(fn.jit), s.direct) == (3, 1)
+    with monkeypatch.context() as m:
+        m.setattr(fl, "_device", lambda: 1)
+        s((1,), [x, 35, 4096], kw2)
+        assert (len(fn.jit), s.direct) == (4, 1)
+    fl.set_enabled(False)
+    try:
+        s((1,), [x, 35, 4096], kw2)
+        assert (len(fn.jit), s.direct) == (5, 1)
+    finally:
+        fl.set_enabled(True)
+    s((1,), [x, 35, 4096], kw2)   # (kept last for device 1: the JIT path, kept for device 0 again)
+    assert (len(fn.jit), s.direct) == (6, 1)
+    s((1,), [x, 35, 4096], kw2)
+    assert (len(fn.jit), s.direct) == (6, 2)
+    fn.pre_run_hooks.append(lambda *a, **k: None)
+    s((1,), [x, 35, 4096], kw2)
+    assert (len(fn.jit), s.direct) == (7, 2)
+
+
+def test_a_changed_global_takes_the_jit_path(site):
+    fn, s = site
+    g = torch.Generator().manual_seed(5)
+    x, kw = _x(g), dict(BLOCK=64)
+    glob = {"NATIVE": object()}
+    fn.used_global_vals = {("NATIVE", id(glob)): (glob["NATIVE"], glob)}
+    s((1,), [x, 35, 4096], kw)
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (1, 1)
+    glob["NATIVE"] = object()
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (2, 1)
+
+
+def test_a_fixed_slot_given_another_value_is_not_kept(site):
+    fn, s = site
+    g = torch.Generator().manual_seed(6)
+    x, kw = _x(g), dict(BLOCK=64)
+    for _ in range(2):
+        s((1,), [x, 35, 4095], kw)   # the template says 4096
+    assert (len(fn.jit), s.direct) == (2, 0)
+
+
+def test_hooks_set_reads_triton_hook_chains():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    class Runtime:
+        def __init__(self, enter, exit_):
+            self.launch_enter_hook, self.launch_exit_hook = enter, exit_
+    assert not fl._hooks_set(Runtime(Chain([]), Chain([])))
+    assert not fl._hooks_set(Runtime(None, None))
+    assert fl._hooks_set(Runtime(Chain([print]), Chain([])))
+    assert fl._hooks_set(Runtime(Chain([]), Chain([print])))
+    assert fl._hooks_set(Runtime(print, None))   # (a plain callable assigned)
+
+
+def test_only_a_checked_triton_version_and_no_interpreter(monkeypatch):
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    def k(x_ptr, n):
+        pass
+    monkeypatch.setattr(fl, "_device", lambda: 0)
+    fn = JITFunction(k)
+    monkeypatch.setattr(fl, "_interpreted", lambda: False)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert fl.fast_ok(fn)
+    assert not fl.fast_ok(lambda: None)
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert not fl.fast_ok(fn)
+    monkeypatch.setattr(triton, "__version__", "3.6.1")
+    monkeypatch.setattr(fl, "_interpreted", lambda: True)
+    assert not fl.fast_ok(fn)
+
+
+def test_the_interpreter_never_launches_directly(monkeypatch):
+    """A decode through the generated launcher under TRITON_INTERPRET=1 (as a checked version
+    would see it): every launch goes through Triton, and the result matches float64."""
+    import triton
+    import acefuse as af
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    ex = runpy.run_path(str(ROOT / "examples" / "attention.py"))
+    k = af.compile(ex["decode"])
+    mod = getattr(k, "kernel", k).module
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 2, 1, 16, generator=g)
+    kk, vv = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    s = torch.einsum("bgrid,bgjd->bgrij", q.double(), kk.double()) * ex["SCALE"]
+    ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), vv.double())
+    for sched in ("loop", "split1", "split"):
+        for _ in range(2):
+            got = mod.run(q=q, k=kk, v=vv, schedule=sched)
+            assert (got.double() - ref).abs().max().item() < 1e-4
+    sites = [st for p in mod._PLANS.values() for st in p.sites.values()]
+    assert len(sites) >= 4 and not any(st.fast or st.direct for st in sites)
+
+
+def _gpu_decode_inputs(g, kv, dev, dtype=torch.bfloat16):
+    return dict(q=torch.randn(2, 4, 4, 1, 128, generator=g).to(dev, dtype),
+                k=torch.randn(2, 4, kv, 128, generator=g).to(dev, dtype),
+                v=torch.randn(2, 4, kv, 128, generator=g).to(dev, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_direct_launches_give_the_jit_paths_bits():
+    """decode with schedule 'loop' and 'split1': the direct path's output equals the JIT
+    path's bit for bit (fresh inputs each call, KV lengths of one power-of-two class, then a
+    view one element off its base: a new signature), and both match float64."""
+    import triton
+    import acefuse as af
+    if not triton.__version__.startswith(fl.VERSIONS):
+        pytest.skip(f"the direct path is off on Triton {triton.__version__}")
+    ex = runpy.run_path(str(ROOT / "examples" / "attention.py"))
+    mod = getattr(af.compile(ex["decode"]), "kernel", None) or af.compile(ex["decode"])
+    mod = mod.module
+    g = torch.Generator().manual_seed(_rand_int(torch.Generator().manual_seed(8), 0, 2 ** 30))
+    for sched in ("loop", "split1"):
+        for kv in (1000, 1003, 1024, 1000):
+            ins = _gpu_decode_inputs(g, kv, "cuda")
+            fl.set_enabled(False)
+            jit = mod.run(**ins, schedule=sched).clone()
+            fl.set_enabled(True)
+            direct = [mod.run(**ins, schedule=sched).clone() for _ in range(3)]
+            torch.cuda.synchronize()
+            for d in direct:
+                assert torch.equal(d, jit), (sched, kv)
+            q, k, v = (ins[n].double() for n in "qkv")
+            s = torch.einsum("bgrid,bgjd->bgrij", q, k) * ex["SCALE"]
+            ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), v)
+            assert (jit.double() - ref).abs().max().item() < 2e-2
+        # a misaligned view (k and v one bf16 element off): its own plan, the JIT path first
+        ins = _gpu_decode_inputs(g, 1001, "cuda")
+        bk = torch.randn(2 * 4 * 1001 * 128 + 1, generator=g).to("cuda", torch.bfloat16)
+        ins["k"] = bk[1:].view(2, 4, 1001, 128)
+        fl.set_enabled(False)
+        jit = mod.run(**ins, schedule=sched).clone()
+        fl.set_enabled(True)
+        for _ in range(3):
+            assert torch.equal(mod.run(**ins, schedule=sched), jit), (sched, "misaligned")
+    sites = [st for p in mod._PLANS.values() for st in p.sites.values()]
+    assert sum(st.direct for st in sites) > 0, "no launch took the direct path"
