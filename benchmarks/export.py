@@ -50,7 +50,11 @@ def main(argv=None) -> int:
             print(f"FAILED {f}:{var}: {exc}")
             continue
         dst = OUT / f"{var}.py"
-        dst.write_text(k.source)
+        # written whole, then renamed: a reader in another process (pytest-xdist workers of
+        # tests/test_gpu.py export on first use, each of them) never sees a half-written module
+        tmp = dst.with_name(f".{var}.{os.getpid()}.tmp")
+        tmp.write_text(k.source)
+        os.replace(tmp, dst)
         print(f"wrote {dst.relative_to(ROOT)} ({'fused' if k.fusible else 'not fusible'}, "
               f"HBM passes {k.fusion.hbm_passes})")
     return 0
