@@ -162,7 +162,10 @@ class GContext(CContext):
         if self.g.ws:   # the value tile has its own barrier (the key tile's was waited on at the top)
             em.lines.append(f"{ind}mbarrier.wait(v_bar.index(stage), ph)")
         if self.g.pingpong:   # this warpgroup's turn: the other one issued its score MMA of this tile
-            em.lines.append(f"{ind}mbarrier.wait(turn.index(WG), (t_i + WG) & 1)")
+            # (the persistent kernel: each item before adds one arrival on each turn barrier,
+            # GluonGen._pingpong_item_end, so the phase counts items too)
+            it = " + it" if getattr(self.g, "_pp_items", False) else ""
+            em.lines.append(f"{ind}mbarrier.wait(turn.index(WG), (t_i{it} + WG) & 1)")
         if self.g.defer:   # left running into the next tile (GluonGen._ws_pipeline waits for it there)
             em.lines.append(f"{ind}{name} = warpgroup_mma({pa}, v_cur, {acc}{use}, is_async=True)")
         elif self.g.overlap:   # asynchronous; its wait also completes the next tile's score MMA
@@ -505,6 +508,33 @@ class GluonGen(ContractionGen):
         return ["    if WG == 0:   # ping-pong: the turn after the last score MMA",
                 "        mbarrier.arrive(turn.index(1), count=1)"]
 
+    @staticmethod
+    def _pingpong_item_start():
+        # the persistent kernel, per work item: turn[1] has had tc + it arrivals before this
+        # item (one per score MMA of the first warpgroup, and one at the end of each item)
+        return ["    if WG == 1:   # ping-pong: this item's first score MMA waits for the first warpgroup's",
+                "        mbarrier.wait(turn.index(1), (tc + it) & 1)"]
+
+    @staticmethod
+    def _pingpong_item_end():
+        # the persistent kernel, per work item. Without these lines (session 14, an H200) the
+        # second warpgroup's last P @ V of an item waited for the first one's next score MMA, of
+        # the next item, whose key tile the load partition copies only after the second
+        # warpgroup released its query buffer at the end of this item: a deadlock wherever a
+        # program has two or more items. Here each item ends its turns itself: the first
+        # warpgroup's arrival after its last score (the one-shot kernel's _pingpong_end), which
+        # the second one's last wait takes; and, since mbarrier waits are by phase parity, the
+        # first warpgroup does not start the next item (its next arrival on turn[1]) before the
+        # second one took that arrival: the second warpgroup acknowledges on turn[0] (tc + it
+        # arrivals before this item there too: one per score MMA, one acknowledgement per item)
+        n = "(end - first + BLOCK_J - 1) // BLOCK_J"
+        return ["    if WG == 0:   # ping-pong: the turn after this item's last score MMA",
+                "        mbarrier.arrive(turn.index(1), count=1)",
+                "    else:   # taken (its last wait is behind it): the first warpgroup may start the next item",
+                "        mbarrier.arrive(turn.index(0), count=1)",
+                "    if WG == 0:",
+                f"        mbarrier.wait(turn.index(0), (tc + {n} + it) & 1)"]
+
     def kernel_ws_persistent(self) -> str:
         """The persistent warp-specialised kernel: ``grid = (number of SMs,)``; each program walks
         work items (a pair of query row tiles of one grid-axes slice; the longest first) with
@@ -521,7 +551,11 @@ class GluonGen(ContractionGen):
         (r,), (c,), (e,) = self.R, self.C, self.E
         pids = {"    pid_r = ": "    pid_r = n_rp - 1 - item // n_g   # the longest row tiles first",
                 "    pid_g = ": "    pid_g = item % n_g"}
-        _, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
+        self._pp_items = True   # the turn phases count work items too (GContext.reduce_tile)
+        try:
+            _, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
+        finally:
+            self._pp_items = False
         n_g = " * ".join(f"len_{a}" for a in self.G) or "1"
         sig = ", ".join(self.sig())
         ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
@@ -612,18 +646,18 @@ class GluonGen(ContractionGen):
               "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])"] + loop_over_items(ld_body)
 
         con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)", "    mbarrier.wait(q_bar.index(WG), it & 1)"]
+        if self.pingpong:
+            con_body += self._pingpong_item_start()
         con_body += self.hoisting + self._ws_pipeline(loops, base="tc + ")
+        if self.pingpong:
+            con_body += self._pingpong_item_end()
         con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
         con_body += store + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J", "    it = it + 1"]
         C = ["@gluon.jit",
              f"def _{nm}_consume(WG: gl.constexpr, {sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
              "    # a consumer warpgroup: per item, the template's key loop over the ring on rows WG of the pair",
              "    DOT_T: gl.constexpr = q_bufs.dtype"] + self._layouts(4)
-        if self.pingpong:   # the turns run on over the items: tile t_i counts from the first item
-            C += self._pingpong_start()
         C += loop_over_items(con_body)
-        if self.pingpong:
-            C += self._pingpong_end()
         wrappers = []
         for w in (0, 1):
             wrappers += ["@gluon.jit",
@@ -1001,7 +1035,8 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     (Triton >= 3.5) and an sm_90 GPU to run."""
     if pingpong and persistent:
         raise CodegenError("the warp-specialised Gluon kernel with both pingpong and persistent hung on an H200 "
-                           "(session 14, more work items than programs); use one of them")
+                           "(session 14, more work items than programs; the deadlock found then is fixed, "
+                           "GluonGen._pingpong_item_end, but not yet run on a GPU); use one of them")
     import hashlib
     import acefuse as af
     from acefuse.fuse import certified_or_unfused

@@ -214,13 +214,16 @@ def test_ws_persistent_structure_and_choice():
     assert len(kern.launch_args(dict(q=x(333), k=x(500), v=x(500)))[0]) == 2   # a partial key tile
     kt = torch.randn(2, 512, 3, D, dtype=torch.bfloat16, generator=g).transpose(1, 2)
     assert len(kern.launch_args(dict(q=x(333), k=kt, v=kt))[0]) == 2             # strides that do not nest
-    # ping-pong: the second warpgroup's first wait once, before the items (the turns count tiles over items)
+    # ping-pong: each item starts and ends its turns itself (the turn phases count tiles and
+    # items; tests/test_gluon_pingpong_protocol.py runs the protocol)
     pp = _partition(gluon_source(PROGS["p_lower"](), ws=True, persistent=True, pingpong=True), "_p_lower_p_consume")
     head, loop = pp.split("for item in range(")
-    assert "if WG == 1:\n        mbarrier.wait(turn.index(1), 0)" in head and "turn.index(1), 0)" not in loop
-    assert "mbarrier.wait(turn.index(WG), (t_i + WG) & 1)" in loop
-    assert loop.rstrip().endswith("if WG == 0:   # ping-pong: the turn after the last score MMA\n"
-                                  "        mbarrier.arrive(turn.index(1), count=1)")
+    assert "turn.index" not in head and "tc + it) & 1)" in loop
+    assert loop.count("mbarrier.wait(turn.index(WG), (t_i + it + WG) & 1)") == 3
+    assert loop.index("mbarrier.wait(turn.index(1), (tc + it) & 1)") < loop.index("for start in range(")
+    end = loop.split("for start in range(")[-1]
+    assert end.index("mbarrier.arrive(turn.index(1), count=1)") < end.index("mbarrier.arrive(turn.index(0), count=1)") \
+        < end.index("mbarrier.wait(turn.index(0), ") < end.index("mbarrier.arrive(q_free.index(WG)")
 
 
 def test_outside_phase_one_is_refused():
