@@ -170,3 +170,30 @@ def test_the_model_finds_a_deadlock():
     it = lambda x: items[x]   # noqa: E731
     parts = {"consume0": con(0, it, 3, 2), "consume1": con(1, it, 3, 2), "load": load(None, it, 3, 2)}
     assert _run(parts, 3, seed=0).startswith("deadlock")
+
+
+def test_without_the_acknowledgement_parity_waits_alias():
+    """Why the second warpgroup acknowledges the end of an item: without it (its turn phases
+    counted accordingly) the first warpgroup's end-of-item arrival and its next item's first
+    score arrival can both land before the second warpgroup's wait, which then sees the
+    barrier's parity unchanged and waits forever, in some interleavings only."""
+    gen = GluonGen(_fusion(False), ws=True, pingpong=True, persistent=True)
+    src = gen.module()
+    ack = ("        else:   # taken (its last wait is behind it): the first warpgroup may start the next item\n"
+           "            mbarrier.arrive(turn.index(0), count=1)\n"
+           "        if WG == 0:\n"
+           "            mbarrier.wait(turn.index(0), (tc + (end - first + BLOCK_J - 1) // BLOCK_J + it) & 1)\n")
+    assert ack in src
+    noack = src.replace(ack, "").replace("(t_i + it + WG) & 1", "(t_i + it * WG + WG) & 1")
+    nm = f"{gen.name}_p"
+    con, _ = _protocol(noack, f"_{nm}_consume", True)
+    load, _ = _protocol(noack, f"_{nm}_load", True)
+    rng, hung = random.Random(1), 0
+    for trial in range(300):
+        NS = rng.choice((2, 3, 4))
+        items = _items(rng, rng.randint(1, 6), 5)
+        it = lambda x, items=items: items[x]   # noqa: E731
+        parts = {"consume0": con(0, it, NS, len(items)), "consume1": con(1, it, NS, len(items)),
+                 "load": load(None, it, NS, len(items))}
+        hung += _run(parts, NS, seed=trial) is not None
+    assert 0 < hung < 300
