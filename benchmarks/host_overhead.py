@@ -18,6 +18,10 @@ checkout's, the two taking turns.
     ... --program decode --stub --cpu-time --module OLD.py         # against another version's module
     ... --profile                                   # cProfile of the Python path, by own time
 
+``--compare-fast`` times every case twice, taking turns: with the direct launch of compiled
+kernels (codegen/fastlaunch.py: Triton 3.6 on a GPU) and without it (``ACEFUSE_FAST_LAUNCH=0``,
+every launch through Triton's JIT), labelled ``[fast launch]`` and ``[JIT launch]``.
+
 ``--stub`` replaces every Triton launch by a no-op (Triton's interpreter on the CPU would
 otherwise dominate), so what is timed is acefuse's Python path (acefuse/autograd.py, the
 generated launchers) and torch's autograd engine. On a GPU the loop issues the kernels
@@ -42,6 +46,8 @@ def main():
     ap.add_argument("--kv", type=int, default=4096, help="decode: key/value length")
     ap.add_argument("--cpu-time", action="store_true", help="with --stub: this thread's CPU time, not "
                     "wall time (steadier on a shared host)")
+    ap.add_argument("--compare-fast", action="store_true", help="time each case with the direct launch "
+                    "of compiled kernels and without it (codegen/fastlaunch.py), taking turns")
     ap.add_argument("--module", help="decode: time run() of this generated module file instead (another "
                     "version's launcher, to compare)")
     a = ap.parse_args()
@@ -76,10 +82,10 @@ def main():
         step()
     if dev == "cuda":
         torch.cuda.synchronize()
-    times = _repeat(step, a.steps, dev)
-    print(f"softmax {a.rows}x{a.cols} forward+backward via af.compile on {dev}"
-          f"{' (launches stubbed)' if a.stub else ''}: host time per step median {times[7] * 1e3:.3f} ms, "
-          f"min {times[0] * 1e3:.3f} ms")
+    for label, times in _timed({"": step}, a, dev).items():
+        print(f"softmax {a.rows}x{a.cols} forward+backward via af.compile on {dev}"
+              f"{' (launches stubbed)' if a.stub else ''}{label}: host time per step median {times[7] * 1e6:.1f} us, "
+              f"min {times[0] * 1e6:.1f} us")
     if a.profile:
         import cProfile
         import pstats
@@ -90,6 +96,27 @@ def main():
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
+
+
+def _timed(fns, a, dev, reps=15):
+    """{label: sorted seconds per call}: each of ``fns`` (label -> fn) timed by _repeat, one
+    repetition each in turn (a busy host drifts); with --compare-fast each twice, with the
+    direct launch of compiled kernels on (" [fast launch]") and off (" [JIT launch]")."""
+    from acefuse.codegen import fastlaunch
+    modes = ((" [fast launch]", True), (" [JIT launch]", False)) if a.compare_fast else (("", fastlaunch.ENABLED),)
+    was = fastlaunch.ENABLED
+    times = {f"{n}{m}": [] for n in fns for m, _ in modes}
+    try:
+        for _ in range(reps):
+            for n, fn in fns.items():
+                for m, on in modes:
+                    fastlaunch.set_enabled(on)
+                    for _ in range(3):   # (a switch: the first calls of the other path)
+                        fn()
+                    times[f"{n}{m}"] += _repeat(fn, a.steps, dev, reps=1)
+    finally:
+        fastlaunch.set_enabled(was)
+    return {n: sorted(t) for n, t in times.items()}
 
 
 def _stub_launches():
@@ -173,14 +200,9 @@ def decode(a):
             if dev == "cuda":
                 torch.cuda.synchronize()
             # the launchers compared take turns, repetition by repetition (a busy host drifts)
-            times = {n: [] for n in fns}
-            for _ in range(15):
-                for n, fn in fns.items():
-                    times[n] += _repeat(fn, a.steps, dev, reps=1)
-            for n, t in times.items():
-                t.sort()
+            for n, t in _timed({f" [{n}]": fn for n, fn in fns.items()}, a, dev).items():
                 print(f"decode B=8 G=8 R=4 D=128 KV={a.kv} bf16 on {dev}{' (launches stubbed)' if a.stub else ''}, "
-                      f"{what} [{n}]: host time per call median {t[7] * 1e6:.1f} us, min {t[0] * 1e6:.1f} us")
+                      f"{what}{n}: host time per call median {t[7] * 1e6:.1f} us, min {t[0] * 1e6:.1f} us")
         if a.profile:
             import cProfile
             import pstats
