@@ -72,7 +72,7 @@ def fast_ok(fn) -> bool:
     return _device is not None and isinstance(fn, JITFunction) and all(hasattr(fn, a) for a in ("params", "used_global_vals", "pre_run_hooks"))
 
 
-_I32 = (-(2 ** 31), 2 ** 31 - 1)
+_Tensor = torch.Tensor
 # the current CUDA device and a device's current stream, as Triton 3.6's driver reads them (C calls)
 _device = getattr(torch._C, "_cuda_getDevice", None)
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -89,13 +89,13 @@ def spec_key(args, watch):
         a = args[i]
         t = type(a)
         if t is int:
-            if _I32[0] <= a <= _I32[1]:
+            if -2147483648 <= a <= 2147483647:
                 key.append(1 if a == 1 else 2 if a % 16 == 0 else 3)
             elif 2 ** 63 <= a <= 2 ** 64 - 1:
                 key.append(4 if a % 16 == 0 else 5)
             else:
                 key.append(6 if a % 16 == 0 else 7)
-        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+        elif t is _Tensor or isinstance(a, _Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif a is None:
             key.append(0)
@@ -124,14 +124,16 @@ class _Kept:
 class Site:
     """One kernel of one launch plan: ``site(grid, args, kw)`` launches ``fn[grid](*args, **kw)``,
     directly where a kernel compiled for the same specialisation is kept (see the module's
-    docstring). ``template``: the plan's fixed positional arguments, None in each per-call slot."""
+    docstring). ``template``: the plan's fixed positional arguments, None in each per-call slot;
+    ``keyed``: per-call slots whose specialisation the caller's own plan key holds already (the
+    contraction launcher's inputs: their dtype and alignment), not looked at again."""
     __slots__ = ("fn", "fast", "watch", "n_fixed", "template", "kept", "direct", "_n", "_w")
 
-    def __init__(self, fn, template):
+    def __init__(self, fn, template, keyed=()):
         self.fn = fn
         self.template = list(template)
         self.n_fixed = len(self.template)
-        self.watch = tuple(i for i, v in enumerate(self.template) if v is None)
+        self.watch = tuple(i for i, v in enumerate(self.template) if v is None and i not in keyed)
         self.kept = {}
         self.direct = 0   # launches made directly (tests, benchmarks)
         self._n, self._w = self.n_fixed, self.watch   # (the watched positions for calls of _n arguments)

@@ -299,3 +299,16 @@ def test_direct_launches_give_the_jit_paths_bits():
             assert torch.equal(mod.run(**ins, schedule=sched), jit), (sched, "misaligned")
     sites = [st for p in mod._PLANS.values() for st in p.sites.values()]
     assert sum(st.direct for st in sites) > 0, "no launch took the direct path"
+
+
+def test_keyed_slots_are_left_to_the_callers_key(site):
+    """A slot in ``keyed`` (the contraction launcher's inputs: their dtype and alignment are in its
+    plan key, so a misaligned input gets another plan and another Site) is not looked at again."""
+    fn, _ = site
+    s = fl.Site(fn, [None, None, 4096], keyed=[0])
+    assert s.watch == (1,)
+    g = torch.Generator().manual_seed(9)
+    x, kw = _x(g, 80), dict(BLOCK=64)
+    s((1,), [x, 35, 4096], kw)
+    s((1,), [x[1:], 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (1, 1)
