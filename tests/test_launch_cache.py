@@ -380,9 +380,9 @@ def test_decode_bad_input_raises_the_same_errors_after_a_cached_call(decode_kern
 
 @pytest.mark.gpu
 def test_decode_launches_the_kernel_its_timing_chose():
-    """A decode whose programs cannot fill the GPU times loop against split-KV; the loop it
-    times is run(schedule='loop')'s (the Hopper kernel where it applies). The automatic call
-    must launch that same kernel: before, it launched the portable loop (at KV 4K on an H100,
+    """A decode whose programs cannot fill the GPU times loop against split-KV (two launches, or
+    one: split1 and its TMA variant); the loop it times is run(schedule='loop')'s (the Hopper
+    kernel where it applies). The automatic call must launch that same kernel: before, it launched the portable loop (at KV 4K on an H100,
     881 GB/s where schedule='loop' gave 1742). Output against float64 torch."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -393,14 +393,19 @@ def test_decode_launches_the_kernel_its_timing_chose():
     k, v = torch.randn(B, G, L, D, generator=g), torch.randn(B, G, L, D, generator=g)
     ins = {n: t.to("cuda", torch.bfloat16) for n, t in dict(q=q, k=k, v=v).items()}
     out = mod.run(**ins)
-    chosen = [s for s, _ in mod._SCHEDULES.values()]
+    # a choice is (schedule, block_j[, nsplit, num_warps, path, num_stages]): the one-launch
+    # split (session 14) is timed too, with and without its TMA variant
+    chosen = list(mod._SCHEDULES.values())
     plans = [p for key, p in mod._PLANS.items() if key[0][0] is None]   # schedule=None: the automatic call
     assert chosen and plans, "the automatic call should have timed its schedule and kept a plan"
-    if chosen[-1] == "loop":
+    sched, path = chosen[-1][0], (chosen[-1][4] if len(chosen[-1]) > 4 else None)
+    if sched == "loop":
         want = "hopper" if mod.hopper_ok(ins, torch.device("cuda"), torch.bfloat16) else "loop"
-        assert plans[-1].kernel == want, f"timed the {want} loop, launched {plans[-1].kernel}"
+    elif sched == "split1":
+        want = "split1_hopper" if path == "hopper" else "split1"
     else:
-        assert plans[-1].kernel == "split"
+        want = "split"
+    assert plans[-1].kernel == want, f"timed {chosen[-1]}, launched {plans[-1].kernel}"
     s = torch.einsum("bgrid,bgjd->bgrij", ins["q"].double(), ins["k"].double()) / D ** 0.5
     ref = torch.einsum("bgrij,bgjd->bgrid", torch.softmax(s, -1), ins["v"].double())
     err = ((out.double() - ref).norm() / ref.norm()).item()
