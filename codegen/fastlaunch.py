@@ -137,7 +137,7 @@ class Site:
         self.kept = {}
         self.direct = 0   # launches made directly (tests, benchmarks)
         self._n, self._w = self.n_fixed, self.watch   # (the watched positions for calls of _n arguments)
-        self.fast = ENABLED and fast_ok(fn)
+        self.fast = fast_ok(fn)   # (ENABLED is read per launch: a Site made while it is off launches directly later)
 
     def __call__(self, grid, args, kw):
         if not (self.fast and ENABLED) or len(args) < self.n_fixed:

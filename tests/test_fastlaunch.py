@@ -312,3 +312,20 @@ def test_keyed_slots_are_left_to_the_callers_key(site):
     s((1,), [x, 35, 4096], kw)
     s((1,), [x[1:], 35, 4096], kw)
     assert (len(fn.jit), s.direct) == (1, 1)
+
+
+def test_a_site_made_while_switched_off_launches_directly_once_on(site):
+    fn, _ = site
+    fl.set_enabled(False)
+    try:
+        s = fl.Site(fn, [None, None, 4096])
+        g = torch.Generator().manual_seed(10)
+        x, kw = _x(g), dict(BLOCK=64)
+        s((1,), [x, 35, 4096], kw)
+        s((1,), [x, 35, 4096], kw)
+        assert (len(fn.jit), s.direct) == (2, 0)
+    finally:
+        fl.set_enabled(True)
+    s((1,), [x, 35, 4096], kw)
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct) == (3, 1)
