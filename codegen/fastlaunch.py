@@ -108,6 +108,16 @@ def spec_key(args, watch):
     return tuple(key)
 
 
+_KNOBS = []
+
+
+def _knobs():
+    """(triton.knobs.runtime, triton.knobs.compilation), looked up once."""
+    if not _KNOBS:
+        _KNOBS.append((triton.knobs.runtime, triton.knobs.compilation))
+    return _KNOBS[0]
+
+
 def _hooks_set(runtime) -> bool:
     """A launch hook is set (Triton 3.6: a HookChain with calls; a plain callable)."""
     for h in (runtime.launch_enter_hook, runtime.launch_exit_hook):
@@ -118,7 +128,7 @@ def _hooks_set(runtime) -> bool:
 
 class _Kept:
     """A compiled kernel kept for one specialisation key."""
-    __slots__ = ("kw", "launcher", "function", "packed", "tail", "dev", "globs", "debug", "instr")
+    __slots__ = ("kw", "launcher", "raw", "function", "packed", "tail", "dev", "globs", "debug", "instr")
 
 
 class Site:
@@ -147,10 +157,14 @@ class Site:
         key = spec_key(args, self._w)
         k = self.kept.get(key) if key is not None else None
         if k is not None and k.kw is kw and self._same_state(k):
-            g = tuple(grid)
-            k.launcher(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
-                       _stream(k.dev), k.function, k.packed, None, None, None,
+            n = len(grid)
+            g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+            if k.raw is not None:   # CudaLauncher.__call__ without scratch buffers: its C launch
+                launch, coop, pdl = k.raw
+                launch(g0, g1, g2, _stream(k.dev), k.function, coop, pdl, None, None, k.packed, None, None, None,
                        *args, *k.tail)
+            else:
+                k.launcher(g0, g1, g2, _stream(k.dev), k.function, k.packed, None, None, None, *args, *k.tail)
             self.direct += 1
             return None
         ck = self.fn[grid](*args, **kw)
@@ -160,10 +174,10 @@ class Site:
 
     def _same_state(self, k) -> bool:
         """Nothing outside the arguments that the JIT path would look at has changed."""
-        runtime = triton.knobs.runtime
+        runtime, compilation = _knobs()
         if _hooks_set(runtime) or self.fn.pre_run_hooks:
             return False
-        if runtime.debug != k.debug or triton.knobs.compilation.instrumentation_mode != k.instr:
+        if runtime.debug != k.debug or compilation.instrumentation_mode != k.instr:
             return False
         if _device() != k.dev:
             return False
@@ -197,11 +211,18 @@ class Site:
                 return
         k = _Kept()
         k.kw, k.launcher, k.function, k.packed, k.tail = kw, launcher, function, packed, tuple(tail)
+        # Triton 3.6's CudaLauncher.__call__ allocates scratch buffers where the kernel has them, then
+        # calls its C launch with the cooperative-grid and PDL flags: where it has none, that call
+        k.raw = None
+        if (type(launcher).__name__ == "CudaLauncher" and callable(getattr(launcher, "launch", None))
+                and getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
+                and hasattr(launcher, "launch_cooperative_grid") and hasattr(launcher, "launch_pdl")):
+            k.raw = (launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl)
         k.dev = _device()
         k.globs = tuple((d, name, d.get(name)) for (name, _), (_, d) in self.fn.used_global_vals.items())
-        runtime = triton.knobs.runtime
+        runtime, compilation = _knobs()
         k.debug = runtime.debug
-        k.instr = triton.knobs.compilation.instrumentation_mode
+        k.instr = compilation.instrumentation_mode
         if len(self.kept) >= 64:
             self.kept.clear()
         self.kept[key] = k

@@ -65,7 +65,8 @@ def _on_input_device(fn):
     def call(*args, **kw):
         for t in (*args, *kw.values()):
             if isinstance(t, torch.Tensor):
-                if t.is_cuda and t.device.index != torch.cuda.current_device():
+                # (torch's C getter: torch.cuda.current_device() adds its Python on every call)
+                if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
                     with torch.cuda.device(t.device):
                         return fn(*args, **kw)
                 break

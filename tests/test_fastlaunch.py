@@ -329,3 +329,51 @@ def test_a_site_made_while_switched_off_launches_directly_once_on(site):
     s((1,), [x, 35, 4096], kw)
     s((1,), [x, 35, 4096], kw)
     assert (len(fn.jit), s.direct) == (3, 1)
+
+
+class CudaLauncher:
+    """A stand-in for Triton 3.6's launcher (its class name): the C ``launch`` and the scratch sizes."""
+
+    def __init__(self, scratch):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.raw, self.called = [], []
+        self.launch = lambda *a: self.raw.append(a)
+
+    def __call__(self, *a):
+        self.called.append(a)
+
+
+@pytest.mark.parametrize("scratch", [0, 128])
+def test_the_c_launch_is_called_as_the_launcher_would(site, scratch):
+    """Without scratch buffers the kept kernel's C launch is called with the arguments
+    CudaLauncher.__call__ gives it (grid, stream, kernel, cooperative grid, PDL, no scratch, then
+    metadata, hooks and the kernel's arguments); with them, CudaLauncher.__call__ itself."""
+    fn, s = site
+    g = torch.Generator().manual_seed(11)
+    x, kw = _x(g), dict(BLOCK=64)
+    s((2, 3), [x, 35, 4096], kw)
+    (ck,) = fn.ck.values()
+    lau = CudaLauncher(scratch)
+    for k in s.kept.values():   # (the stand-in kernel was kept with its plain launcher: swap it)
+        k.launcher, k.raw = lau, ((lau.launch, False, True) if scratch == 0 else None)
+    s((2, 3), [x, 37, 4096], kw)
+    if scratch:
+        assert not lau.raw and lau.called[0][:3] == (2, 3, 1) and lau.called[0][-4:] == (37, 4096, 64, 7)
+    else:
+        (a,) = lau.raw
+        assert a[:4] == (2, 3, 1, 1234) and a[4] is ck.function and a[5:9] == (False, True, None, None)
+        assert a[9] == ck.packed_metadata and a[10:13] == (None, None, None) and a[13] is x
+        assert a[14:] == (37, 4096, 64, 7)
+
+
+def test_keep_chooses_the_c_launch_only_without_scratch(site):
+    fn, s = site
+    g = torch.Generator().manual_seed(12)
+    x, kw = _x(g), dict(BLOCK=64)
+    for scratch, raw in ((0, True), (256, False)):
+        ck = _CK()
+        ck._run = CudaLauncher(scratch)
+        s.kept.clear()
+        s._keep(("k",), ck, [x, 35, 4096], kw)
+        assert (s.kept[("k",)].raw is not None) == raw
