@@ -271,34 +271,39 @@ def test_direct_launches_give_the_jit_paths_bits():
     if not triton.__version__.startswith(fl.VERSIONS):
         pytest.skip(f"the direct path is off on Triton {triton.__version__}")
     ex = runpy.run_path(str(ROOT / "examples" / "attention.py"))
-    mod = getattr(af.compile(ex["decode"]), "kernel", None) or af.compile(ex["decode"])
-    mod = mod.module
+    kern = af.compile(ex["decode"])
+    mod = getattr(kern, "kernel", kern).module
     g = torch.Generator().manual_seed(_rand_int(torch.Generator().manual_seed(8), 0, 2 ** 30))
-    for sched in ("loop", "split1"):
-        for kv in (1000, 1003, 1024, 1000):
-            ins = _gpu_decode_inputs(g, kv, "cuda")
-            fl.set_enabled(False)
+
+    def direct_count():
+        return sum(st.direct for p in mod._PLANS.values() for st in p.sites.values())
+
+    def jit_then_direct(ins, sched):
+        fl.set_enabled(False)
+        try:
             jit = mod.run(**ins, schedule=sched).clone()
+        finally:
             fl.set_enabled(True)
-            direct = [mod.run(**ins, schedule=sched).clone() for _ in range(3)]
-            torch.cuda.synchronize()
-            for d in direct:
-                assert torch.equal(d, jit), (sched, kv)
-            q, k, v = (ins[n].double() for n in "qkv")
-            s = torch.einsum("bgrid,bgjd->bgrij", q, k) * ex["SCALE"]
-            ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), v)
-            assert (jit.double() - ref).abs().max().item() < 2e-2
-        # a misaligned view (k and v one bf16 element off): its own plan, the JIT path first
+        before = direct_count()
+        direct = [mod.run(**ins, schedule=sched).clone() for _ in range(3)]
+        torch.cuda.synchronize()
+        assert direct_count() > before, f"schedule {sched!r}: no launch took the direct path"
+        for d in direct:
+            assert torch.equal(d, jit), sched
+        qd, kd, vd = (ins[n].double() for n in "qkv")
+        s = torch.einsum("bgrid,bgjd->bgrij", qd, kd) * ex["SCALE"]
+        ref = torch.einsum("bgrij,bgje->bgrie", torch.softmax(s, -1), vd)
+        assert (jit.double() - ref).abs().max().item() < 2e-2
+
+    for sched in ("loop", "split1"):
+        for kv in (1000, 1003, 1024, 1000):   # (odd and 16-divisible lengths: their own keys)
+            jit_then_direct(_gpu_decode_inputs(g, kv, "cuda"), sched)
+        # a misaligned view (k one bf16 element off its base): its own plan, the JIT path first
         ins = _gpu_decode_inputs(g, 1001, "cuda")
         bk = torch.randn(2 * 4 * 1001 * 128 + 1, generator=g).to("cuda", torch.bfloat16)
         ins["k"] = bk[1:].view(2, 4, 1001, 128)
-        fl.set_enabled(False)
-        jit = mod.run(**ins, schedule=sched).clone()
-        fl.set_enabled(True)
-        for _ in range(3):
-            assert torch.equal(mod.run(**ins, schedule=sched), jit), (sched, "misaligned")
-    sites = [st for p in mod._PLANS.values() for st in p.sites.values()]
-    assert sum(st.direct for st in sites) > 0, "no launch took the direct path"
+        assert ins["k"].data_ptr() % 16
+        jit_then_direct(ins, sched)
 
 
 def test_keyed_slots_are_left_to_the_callers_key(site):
