@@ -126,6 +126,16 @@ def _hooks_set(runtime) -> bool:
     return False
 
 
+_WARNED = set()
+
+
+def _warn_once(msg):
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        import warnings
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 class _Kept:
     """A compiled kernel kept for one specialisation key."""
     __slots__ = ("kw", "launcher", "raw", "function", "packed", "tail", "dev", "globs", "debug", "instr")
@@ -159,12 +169,20 @@ class Site:
         if k is not None and k.kw is kw and self._same_state(k):
             n = len(grid)
             g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
-            if k.raw is not None:   # CudaLauncher.__call__ without scratch buffers: its C launch
-                launch, coop, pdl = k.raw
-                launch(g0, g1, g2, _stream(k.dev), k.function, coop, pdl, None, None, k.packed, None, None, None,
-                       *args, *k.tail)
-            else:
-                k.launcher(g0, g1, g2, _stream(k.dev), k.function, k.packed, None, None, None, *args, *k.tail)
+            try:
+                if k.raw is not None:   # CudaLauncher.__call__ without scratch buffers: its C launch
+                    launch, coop, pdl = k.raw
+                    launch(g0, g1, g2, _stream(k.dev), k.function, coop, pdl, None, None, k.packed, None, None, None,
+                           *args, *k.tail)
+                else:
+                    k.launcher(g0, g1, g2, _stream(k.dev), k.function, k.packed, None, None, None, *args, *k.tail)
+            except TypeError as exc:
+                # the launcher refused the arguments while parsing them (nothing was launched): this
+                # Triton's launcher is not the one this mirrors; the JIT path from now on, said once
+                self.fast = False
+                _warn_once(f"acefuse: the direct launch of {getattr(self.fn, '__name__', self.fn)} failed ({exc}); "
+                           "launching through Triton's JIT from now on (ACEFUSE_FAST_LAUNCH=0 silences this)")
+                return self.fn[grid](*args, **kw)
             self.direct += 1
             return None
         ck = self.fn[grid](*args, **kw)

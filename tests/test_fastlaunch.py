@@ -382,3 +382,20 @@ def test_keep_chooses_the_c_launch_only_without_scratch(site):
         s.kept.clear()
         s._keep(("k",), ck, [x, 35, 4096], kw)
         assert (s.kept[("k",)].raw is not None) == raw
+
+
+def test_a_launcher_that_refuses_the_arguments_turns_the_site_to_the_jit_path(site):
+    """A TypeError from the kept launcher (its argument parsing: nothing launched) is said once
+    and the launch is made through the JIT, as every later one of that site."""
+    fn, s = site
+    g = torch.Generator().manual_seed(13)
+    x, kw = _x(g), dict(BLOCK=64)
+    s((1,), [x, 35, 4096], kw)
+    for k in s.kept.values():
+        def refuse(*a):
+            raise TypeError("function takes exactly 40 arguments (41 given)")
+        k.launcher, k.raw = refuse, None
+    with pytest.warns(RuntimeWarning, match="direct launch"):
+        s((1,), [x, 35, 4096], kw)
+    s((1,), [x, 35, 4096], kw)
+    assert (len(fn.jit), s.direct, s.fast) == (3, 0, False)
