@@ -93,8 +93,10 @@ def spec_key(args, watch):
                 key.append(1 if a == 1 else 2 if a % 16 == 0 else 3)
             elif 2 ** 63 <= a <= 2 ** 64 - 1:
                 key.append(4 if a % 16 == 0 else 5)
-            else:
+            elif -2 ** 63 <= a < 2 ** 63:
                 key.append(6 if a % 16 == 0 else 7)
+            else:
+                return None   # (no 64-bit type holds it: Triton refuses it)
         elif t is _Tensor or isinstance(a, _Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif a is None:

@@ -43,6 +43,55 @@ def test_spec_key_tells_apart_what_triton_specialises_on():
     assert fl.spec_key([base, "x"], (0, 1)) is None              # unknown type: the JIT path
 
 
+def _native_specialisation():
+    """Triton's own per-argument specialisation (what JITFunction.run keys its kernels on) for an
+    sm_90 target, or None where this Triton has no native one."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        backend = CUDABackend(GPUTarget("cuda", 90, 32))
+        native_specialize_impl(backend, 16, False, True, True)
+    except Exception:  # noqa: BLE001
+        return None
+    return lambda a: native_specialize_impl(backend, a, False, True, True)
+
+
+def test_spec_key_classes_are_tritons_specialisations():
+    """Over random integers (near 1, multiples of 16, the int32/uint64/int64 bounds), bool, float,
+    None and tensor views of four dtypes at random element offsets: arguments with one key have
+    one specialisation in the installed Triton's native_specialize_impl (on the GPU machine
+    Triton 3.6, the version the direct path runs on; checked against 3.6.0 and 3.9.0 offline),
+    and keys are not merged beyond it (15 classes for these types, each its own)."""
+    native = _native_specialisation()
+    if native is None:
+        pytest.skip("this Triton has no native_specialize_impl")
+    seed = _rand_int(torch.Generator().manual_seed(16), 0, 2 ** 30)
+    g = torch.Generator().manual_seed(seed)
+    bufs = {dt: torch.empty(256, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32, torch.int32)}
+    edges = [0, 1, -1, 16, 2 ** 31 - 1, 2 ** 31, -2 ** 31, -2 ** 31 - 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, -2 ** 63]
+    classes, seen = {}, 0
+    for n in range(20000):
+        r = n % 7
+        if r == 0:
+            a = edges[_rand_int(g, 0, len(edges))]
+        elif r == 1:
+            a = 16 * _rand_int(g, -2 ** 20, 2 ** 20) + [0, 1, 8][n % 3]
+        elif r == 2:
+            a = _rand_int(g, -2 ** 40, 2 ** 40) * [1, 2 ** 23][n % 2]
+        elif r == 3:
+            a = [True, False, 0.5, None][n % 4]
+        else:
+            buf = list(bufs.values())[n % 4]
+            a = buf[_rand_int(g, 0, 64):]
+        k = fl.spec_key([a], (0,))
+        assert k is not None
+        seen += 1
+        nat = native(a)
+        assert classes.setdefault(k, nat) == nat, (seed, a, k, classes[k], nat)
+    assert len(set(classes.values())) == len(classes) >= 15, classes   # (no two keys for one specialisation)
+
+
 class _Param:
     def __init__(self, name, default=None, has_default=False):
         self.name, self.default, self.has_default = name, default, has_default
