@@ -255,7 +255,7 @@ SRC = [
     "    from acefuse.codegen.fastlaunch import Site as _Site",
     "except ImportError:  # pragma: no cover",
     "    class _Site:",
-    "        def __init__(self, fn, template):",
+    "        def __init__(self, fn, template, keyed=()):",
     "            self.fn = fn",
     "",
     "        def __call__(self, grid, args, kw):",

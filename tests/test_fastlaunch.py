@@ -448,3 +448,25 @@ def test_a_launcher_that_refuses_the_arguments_turns_the_site_to_the_jit_path(si
         s((1,), [x, 35, 4096], kw)
     s((1,), [x, 35, 4096], kw)
     assert (len(fn.jit), s.direct, s.fast) == (3, 0, False)
+
+
+def test_a_module_without_acefuse_launches_through_the_jit():
+    """The generated launchers' import (fastlaunch.SRC) falls back to a plain JIT launch where
+    acefuse is not importable (an exported module), taking the same arguments."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_acefuse(name, *a, **k):
+        if name.startswith("acefuse"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    ns = {"__builtins__": dict(vars(builtins), __import__=no_acefuse)}
+    exec("\n".join(fl.SRC), ns)
+    assert ns["_Site"] is not fl.Site
+    fn = _FakeJIT()
+    s = ns["_Site"](fn, [None, None, 4096], keyed=[0])
+    g = torch.Generator().manual_seed(14)
+    x, kw = _x(g), dict(BLOCK=64)
+    for _ in range(2):
+        s((1,), [x, 35, 4096], kw)
+    assert len(fn.jit) == 2
