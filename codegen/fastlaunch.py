@@ -36,8 +36,10 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
+# (no module-level ``import triton``: acefuse imports this module, and Triton must not be imported
+# before codegen/compile.py's _ensure_backend has chosen its interpreter on a machine without a
+# GPU: kernels and Triton's own library functions are made interpreted or compiled at import)
 VERSIONS = ("3.6.",)   # Triton versions whose JITFunction.run this mirrors (checked against 3.6.0's source)
 ENABLED = os.environ.get("ACEFUSE_FAST_LAUNCH", "1") != "0"
 
@@ -50,10 +52,12 @@ def set_enabled(on: bool) -> None:
 
 
 def _version_ok() -> bool:
+    import triton
     return triton.__version__.startswith(VERSIONS)
 
 
 def _interpreted() -> bool:
+    import triton
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
@@ -116,6 +120,7 @@ _KNOBS = []
 def _knobs():
     """(triton.knobs.runtime, triton.knobs.compilation), looked up once."""
     if not _KNOBS:
+        import triton
         _KNOBS.append((triton.knobs.runtime, triton.knobs.compilation))
     return _KNOBS[0]
 
