@@ -888,6 +888,7 @@ class GluonKernel:
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
         self.ws, self.overlap, self.persistent, self.defer = gen.ws, gen.overlap, gen.persistent, gen.defer
+        self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
 
@@ -1033,10 +1034,6 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
-    if pingpong and persistent:
-        raise CodegenError("the warp-specialised Gluon kernel with both pingpong and persistent hung on an H200 "
-                           "(session 14, more work items than programs; the deadlock found then is fixed, "
-                           "GluonGen._pingpong_item_end, but not yet run on a GPU); use one of them")
     import hashlib
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
@@ -1069,9 +1066,6 @@ def gluon_variant(text=None) -> dict:
     if flags and "ws" not in flags and set(flags) != {"overlap"}:
         raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: pingpong and persistent are options of the "
                          "warp-specialised kernel; add 'ws'")
-    if {"pingpong", "persistent"} <= set(flags):
-        raise ValueError(f"ACEFUSE_GLUON_VARIANT={text!r}: pingpong with persistent hung on an H200 (session 14: "
-                         "global attention, B=16, H=16, N=1024, more work items than programs); use one of them")
     return {f: True for f in flags}
 
 
@@ -1103,12 +1097,14 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
     return _result(out)
 
 
-# the Gluon kernel the automatic choice times against the Triton kernel: warp-specialised, on the
+# the Gluon kernels the automatic choice times against the Triton kernel (the fastest of those
+# whose outputs agree is kept where it beats the Triton kernel): warp-specialised, on the
 # persistent grid where the operands allow it (nested strides, whole key tiles; else the same
-# module's one-shot grid). Session 14 (one H200, bf16, D=128, H=16, B*N=16384, TFLOP/s; the
-# persistent / one-shot kernels): global 1K 384.5 / 354.2, causal 1K 223.5 / 211.1, global 4K
-# 531.2 / 523.6
-AUTO_VARIANT = {"ws": True, "persistent": True}
+# module's one-shot grid), without and with the consumers' ping-pong. One H200, bf16, D=128,
+# H=16, B*N=16384, TFLOP/s: session 14, persistent / one-shot grid: global 1K 384.5 / 354.2,
+# causal 1K 223.5 / 211.1, global 4K 531.2 / 523.6; session 15, persistent ping-pong (another
+# run): global 1K 402.5, causal 1K 250.6, global 4K 482.5, causal 4K 420.7
+AUTO_VARIANTS = ({"ws": True, "persistent": True}, {"ws": True, "persistent": True, "pingpong": True})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 
@@ -1169,42 +1165,54 @@ def _sm90(dev) -> bool:
     return torch.cuda.get_device_capability(dev) == (9, 0)
 
 
-def _choice_source(kernel, g) -> str | None:
-    """What a remembered choice belongs to: a hash of both generated sources (the Triton
-    module's and the Gluon kernel's), so that a change to either times again."""
+def _variant_tag(g) -> str:
+    """A Gluon kernel's variant as remembered on disk: its compile_gluon flags."""
+    return ",".join(f for f in VARIANT_FLAGS if getattr(g, f, False))
+
+
+def _choice_source(kernel, gs) -> str | None:
+    """What a remembered choice belongs to: a hash of the generated sources (the Triton
+    module's and each Gluon variant's), so that a change to any of them times again."""
     import hashlib
     tri = getattr(kernel, "source", None)
     if tri is None:
         return None
-    return hashlib.sha256(f"{tri}\0{g.source}".encode()).hexdigest()
+    return hashlib.sha256("\0".join([tri] + [g.source for g in gs]).encode()).hexdigest()
 
 
-def _remembered(stored):
-    """A stored choice as (kernel, (Triton s, Gluon s)), or None when it is not one
-    (another version wrote it: then the choice is timed again and rewritten)."""
-    if (isinstance(stored, dict) and stored.get("kernel") in ("gluon", "triton")
+def _remembered(stored, gs):
+    """A stored choice as (the kept kernel: 'triton' or one of ``gs``, (Triton s, fastest
+    Gluon s)), or None when it is not one (another version wrote it: then the choice is timed
+    again and rewritten)."""
+    if not (isinstance(stored, dict) and stored.get("kernel") in ("gluon", "triton")
             and all(isinstance(stored.get(k), (int, float)) for k in ("triton_s", "gluon_s"))):
-        return stored["kernel"], (float(stored["triton_s"]), float(stored["gluon_s"]))
-    return None
+        return None
+    times = (float(stored["triton_s"]), float(stored["gluon_s"]))
+    if stored["kernel"] == "triton":
+        return "triton", times
+    hit = [g for g in gs if _variant_tag(g) == stored.get("variant")]
+    return (hit[0], times) if hit else None
 
 
 def auto_gluon(kernel, inputs: dict):
-    """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU: the warp-specialised
-    Gluon kernel (AUTO_VARIANT) or the Triton kernel, whichever runs faster here, timed on the first
-    call per input shapes, strides, dtypes and device, remembered on ``kernel`` and on disk
-    (codegen/tuning.py, ``what='gluon'``: keyed by a hash of both generated sources, the
-    inputs' names, shapes, strides and dtypes, and the device; ``ACEFUSE_TUNING_CACHE=0``
-    turns the disk off), so that a fresh process or kernel object runs the remembered kernel
-    without timing (nor compiling the other one). On the timed call both kernels run and
-    their outputs must agree, else the Triton kernel is kept, with a warning that names the
-    program, and nothing is written to disk (another process checks again, and warns again);
-    only a choice between two agreeing kernels is recorded. Returns the outputs, or None where
-    the caller runs the Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only,
-    a program or inputs outside the Gluon kernel (the reason is kept in
-    ``kernel._gluon_reason``), too little work to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``,
-    tensor subclasses, CUDA graph capture, or the Triton kernel measured (or remembered)
-    faster. ``kernel._gluon_times``: (Triton s, Gluon s) per shapes, measured here or read
-    back with the choice."""
+    """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU: a warp-specialised
+    Gluon kernel (the fastest of AUTO_VARIANTS) or the Triton kernel, whichever runs faster
+    here, timed on the first call per input shapes, strides, dtypes and device, remembered on
+    ``kernel`` and on disk (codegen/tuning.py, ``what='gluon'``: keyed by a hash of the
+    generated sources, the inputs' names, shapes, strides and dtypes, and the device;
+    ``ACEFUSE_TUNING_CACHE=0`` turns the disk off), so that a fresh process or kernel object
+    runs the remembered kernel without timing (nor compiling the others). On the timed call
+    every kernel runs and the Gluon kernels' outputs must agree with the Triton kernel's: a
+    disagreement keeps the Triton kernel, with a warning that names the program, and nothing
+    is written to disk (another process checks again, and warns again); only a choice among
+    agreeing kernels is recorded. Returns the outputs, or None where the caller runs the
+    Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only, a program or inputs
+    outside the Gluon kernel (the reason is kept in ``kernel._gluon_reason``), too little work
+    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, tensor subclasses, CUDA graph capture, or
+    the Triton kernel measured (or remembered) faster. ``kernel._gluon_times``: (Triton s,
+    fastest Gluon s) per shapes, measured here or read back with the choice;
+    ``kernel._gluon_all_times``: each variant's seconds, where measured here."""
+    import warnings
     state = getattr(kernel, "_gluon_auto", None)
     if state is False or not inputs:
         return None
@@ -1217,36 +1225,39 @@ def auto_gluon(kernel, inputs: dict):
         return None
     if choice is not None:
         return _result(choice(**inputs))
+    name = kernel.fusion.program.name
+    shapes = [tuple(t.shape) for t in ts]
     if state is None:   # first CUDA call: can this program have the kernel at all?
         if not _auto_enabled() or not _sm90(ts[0].device):
             kernel._gluon_auto, kernel._gluon_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
             return None
         try:
-            kernel._gluon_auto = compile_gluon(kernel.fusion, **AUTO_VARIANT)
+            kernel._gluon_auto = tuple(compile_gluon(kernel.fusion, **v) for v in AUTO_VARIANTS)
         except Exception as exc:   # outside the kernel's scope (or no Gluon in this Triton): Triton's kernel
             kernel._gluon_auto, kernel._gluon_reason = False, f"{type(exc).__name__}: {exc}"
             return None
-    g = kernel._gluon_auto
+    gs = kernel._gluon_auto
     choices = kernel._gluon_choice
     try:
-        g.launch_args(inputs)
+        gs[0].launch_args(inputs)   # (the variants check inputs alike)
     except (ValueError, TypeError) as exc:   # these inputs: dtype, layout, sizes
         choices[key], kernel._gluon_reason = "triton", str(exc)
         return None
+    g0 = gs[0]
     lens = {}
-    for n, axes in g.tensors.items():
+    for n, axes in g0.tensors.items():
         lens.update(zip(axes, inputs[n].shape))
-    work = lens[g.axis] * lens[g.R[0]]
-    for a in g.G:
+    work = lens[g0.axis] * lens[g0.R[0]]
+    for a in g0.G:
         work *= lens[a]
     if work < AUTO_MIN_WORK:
         choices[key] = "triton"
         return None
     from acefuse.codegen import tuning
     from acefuse.codegen.compile import run_module
-    src = _choice_source(kernel, g)
+    src = _choice_source(kernel, gs)
     disk_key = tuple((n, tuple(t.shape), tuple(t.stride()), str(t.dtype)) for n, t in inputs.items())
-    stored = _remembered(tuning.lookup(src, "gluon", disk_key, ts[0].device))
+    stored = _remembered(tuning.lookup(src, "gluon", disk_key, ts[0].device), gs)
     if stored is not None:   # measured (and the outputs checked) by an earlier process on this device
         which, times = stored
         kernel.__dict__.setdefault("_gluon_times", {})[key] = times
@@ -1254,41 +1265,50 @@ def auto_gluon(kernel, inputs: dict):
             choices[key] = "triton"
             return None
         try:
-            out = g(**inputs)
+            out = which(**inputs)
         except Exception as exc:   # the Gluon kernel fails here (its compile, say): the Triton kernel
-            import warnings
-            warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel remembered as the faster "
-                          f"failed at shapes {[tuple(t.shape) for t in ts]} ({type(exc).__name__}: "
-                          f"{str(exc)[:200]}); the Triton kernel runs", stacklevel=3)
+            warnings.warn(f"program {name!r}: the Gluon kernel remembered as the faster ({_variant_tag(which)}) "
+                          f"failed at shapes {shapes} ({type(exc).__name__}: {str(exc)[:200]}); the Triton kernel "
+                          "runs", stacklevel=3)
             choices[key], kernel._gluon_reason = "triton", f"{type(exc).__name__}: {exc}"
             return None
-        choices[key] = g
+        choices[key] = which
         return _result(out)
     want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
-    try:
-        got = g(**inputs)
-    except Exception as exc:   # e.g. a compile failure of the Gluon kernel on this Triton: the Triton kernel
-        import warnings
-        warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel failed at shapes "
-                      f"{[tuple(t.shape) for t in ts]} ({type(exc).__name__}: {str(exc)[:200]}); the Triton "
-                      "kernel runs", stacklevel=3)
-        choices[key], kernel._gluon_reason = "triton", f"{type(exc).__name__}: {exc}"
-        return want
-    outs = want if isinstance(want, dict) else {next(iter(g.out_axes)): want}
-    if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
-        import warnings
-        warnings.warn(f"program {kernel.fusion.program.name!r}: the Gluon kernel's outputs differ from the Triton "
-                      f"kernel's at shapes {[tuple(t.shape) for t in ts]}; the Triton kernel is kept", stacklevel=3)
+    outs = want if isinstance(want, dict) else {next(iter(g0.out_axes)): want}
+    ran, first = [], {}
+    for g in gs:
+        try:
+            got = g(**inputs)
+        except Exception as exc:   # e.g. a compile failure of this Gluon variant on this Triton: left out
+            warnings.warn(f"program {name!r}: the Gluon kernel ({_variant_tag(g)}) failed at shapes {shapes} "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); it is left out of the choice", stacklevel=3)
+            kernel._gluon_reason = f"{_variant_tag(g)}: {type(exc).__name__}: {exc}"
+            continue
+        if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
+            warnings.warn(f"program {name!r}: the Gluon kernel's ({_variant_tag(g)}) outputs differ from the "
+                          f"Triton kernel's at shapes {shapes}; the Triton kernel is kept", stacklevel=3)
+            choices[key] = "triton"
+            return want
+        ran.append(g)
+        first[g] = got
+    if not ran:
         choices[key] = "triton"
         return want
-    t_tri, t_glu = _time_pair([lambda: run_module(kernel.module, (), inputs), lambda: g(**inputs)])
-    choices[key] = g if t_glu <= AUTO_MARGIN * t_tri else "triton"
+    times = _time_pair([lambda: run_module(kernel.module, (), inputs)]
+                       + [lambda g=g: g(**inputs) for g in ran])
+    t_tri, t_glu = times[0], min(times[1:])
+    best = ran[times[1:].index(t_glu)]
+    choices[key] = best if t_glu <= AUTO_MARGIN * t_tri else "triton"
     kernel.__dict__.setdefault("_gluon_times", {})[key] = (t_tri, t_glu)
-    tuning.record(src, "gluon", disk_key, ts[0].device,
-                  {"kernel": "triton" if choices[key] == "triton" else "gluon", "triton_s": t_tri, "gluon_s": t_glu})
-    if choices[key] is not g:
+    kernel.__dict__.setdefault("_gluon_all_times", {})[key] = {_variant_tag(g): t for g, t in zip(ran, times[1:])}
+    if len(ran) == len(gs):   # (a variant that failed to run here is not judged: nothing recorded)
+        tuning.record(src, "gluon", disk_key, ts[0].device,
+                      {"kernel": "triton" if choices[key] == "triton" else "gluon", "variant": _variant_tag(best),
+                       "triton_s": t_tri, "gluon_s": t_glu})
+    if choices[key] == "triton":
         return want
-    return _result(got)
+    return _result(first[best])
 
 
 __all__ = ["GluonGen", "GluonKernel", "auto_gluon", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]

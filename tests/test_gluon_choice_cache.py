@@ -55,6 +55,7 @@ def gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(cg, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
     monkeypatch.setattr(cg, "_sm90", lambda dev: True)
     monkeypatch.setattr(cg, "AUTO_MIN_WORK", 0)
+    monkeypatch.setattr(cg, "AUTO_VARIANTS", ({"ws": True, "persistent": True},))   # one Gluon kernel (but below)
 
     class State:
         times = (2e-3, 1e-3)   # Gluon faster
@@ -65,10 +66,11 @@ def gpu(tmp_path, monkeypatch):
 
     def time_pair(fns, rounds=3, reps=5):
         st.timed.append(len(fns))
+        assert len(fns) == len(st.times)
         return list(st.times)
 
     def launch(self, **inputs):
-        st.launched.append(tuple(inputs["q"].shape))
+        st.launched.append(cg._variant_tag(self))
         o = _ref(inputs["q"], inputs["k"], inputs["v"])
         if st.wrong:
             o = -o
@@ -163,3 +165,24 @@ def test_an_unreadable_entry_is_timed_again(gpu):
     f.write_text(json.dumps(data))
     _call(af.compile(_prog()), ins)
     assert gpu.timed == [2, 2] and json.loads(f.read_text())["value"]["kernel"] == "gluon"
+
+
+def test_the_fastest_of_several_gluon_kernels_is_kept_and_remembered(gpu, monkeypatch):
+    """With two Gluon variants, both run and are checked on the timed call; the faster (here
+    the second, ping-pong) is kept, remembered, and a fresh kernel launches only it."""
+    monkeypatch.setattr(cg, "AUTO_VARIANTS", ({"ws": True, "persistent": True},
+                                              {"ws": True, "persistent": True, "pingpong": True}))
+    gpu.times = (2e-3, 1.5e-3, 1e-3)
+    ins = _inputs(40, 10)
+    a = _call(af.compile(_prog()), ins)
+    assert gpu.timed == [3] and gpu.launched == ["ws,persistent", "ws,pingpong,persistent"]
+    (kept,) = a._gluon_choice.values()
+    assert cg._variant_tag(kept) == "ws,pingpong,persistent"
+    assert list(a._gluon_times.values()) == [(2e-3, 1e-3)]
+    b = _call(af.compile(_prog()), ins)
+    assert gpu.timed == [3] and gpu.launched[2:] == ["ws,pingpong,persistent"]
+    assert cg._variant_tag(next(iter(b._gluon_choice.values()))) == "ws,pingpong,persistent"
+    gpu.wrong = True   # one variant's outputs disagreeing: Triton kept, nothing recorded
+    with pytest.warns(UserWarning, match="differ"):
+        c = _call(af.compile(_prog()), _inputs(44, 11))
+    assert list(c._gluon_choice.values()) == ["triton"] and len(list(gpu.store.glob("*.json"))) == 1
