@@ -85,7 +85,7 @@ class CContext(Context):
         nonzero constant (a soft cap's ``tanh(s / c)``), and a constant factor of its dividend (the
         score's scale), are passed as constants: the hardware form multiplies once by ``k / c``,
         the accurate one computes ``(s * k) / c`` as written (``tl.div_rn``, as torch)."""
-        if not getattr(self.g, "tanh_mm", False):   # (a generator whose module has no _tanh_mm: Gluon's)
+        if not getattr(self.g, "tanh_mm", False):   # (a generator whose module has no _tanh_mm)
             a, sa = em.emit(t.args[0])
             return em.bind(f"_tanh({a})", sa)
         x = t.args[0]
@@ -112,8 +112,8 @@ class CContext(Context):
         """The finalize's quotient by a per-row value (``o = s / l``, an ``rvec`` over the value
         axis) on its way to a float16/bfloat16 output: R's ``_qdiv`` of the row family (the row's
         reciprocal factors, once per row; within 1.5 ulp of float32, far below the output's
-        rounding), else None (``_div0``, correctly rounded). Only in ContractionGen's own module
-        (``tanh_mm`` set: Gluon's generator keeps _div0)."""
+        rounding), else None (``_div0``, correctly rounded). Only in a module that defines the
+        family's helpers (``tanh_mm`` set: ContractionGen's and, since session 15, GluonGen's)."""
         if not getattr(self.g, "tanh_mm", False):
             return super().row_quotient(t, a, b, sb, s, em) if s == "tile" else None
         return super().row_quotient(t, a, b, sb, s, em, shape="rvec")
