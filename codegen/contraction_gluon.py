@@ -1100,11 +1100,14 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 # the Gluon kernels the automatic choice times against the Triton kernel (the fastest of those
 # whose outputs agree is kept where it beats the Triton kernel): warp-specialised, on the
 # persistent grid where the operands allow it (nested strides, whole key tiles; else the same
-# module's one-shot grid), without and with the consumers' ping-pong. One H200, bf16, D=128,
-# H=16, B*N=16384, TFLOP/s: session 14, persistent / one-shot grid: global 1K 384.5 / 354.2,
-# causal 1K 223.5 / 211.1, global 4K 531.2 / 523.6; session 15, persistent ping-pong (another
-# run): global 1K 402.5, causal 1K 250.6, global 4K 482.5, causal 4K 420.7
-AUTO_VARIANTS = ({"ws": True, "persistent": True}, {"ws": True, "persistent": True, "pingpong": True})
+# module's one-shot grid). One H200, bf16, D=128, H=16, B*N=16384, TFLOP/s: session 14,
+# persistent / one-shot grid: global 1K 384.5 / 354.2, causal 1K 223.5 / 211.1, global 4K
+# 531.2 / 523.6; session 15, persistent ping-pong (another run): global 1K 402.5, causal 1K
+# 250.6, global 4K 482.5, causal 4K 420.7. Ping-pong on the persistent grid deadlocked in
+# session 14 and ran after its fix at those four shapes only; it joins this tuple (where an
+# automatic first call would wait on it for every program shape) once the automatic-choice GPU
+# test has run with it, masked programs included: a hang here would stop the user's first call
+AUTO_VARIANTS = ({"ws": True, "persistent": True},)
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 
