@@ -254,7 +254,7 @@ class Site:
 
 
 # the generated launchers' import of Site (a module run without acefuse, exported for torch and
-# triton only, launches through Triton's JIT)
+# triton only, launches through Triton's JIT) and their _site(plan, kernel, fn, template)
 SRC = [
     "try:   # the direct launch of kernels Triton has compiled (acefuse/codegen/fastlaunch.py)",
     "    from acefuse.codegen.fastlaunch import Site as _Site",
@@ -265,4 +265,18 @@ SRC = [
     "",
     "        def __call__(self, grid, args, kw):",
     "            return self.fn[grid](*args, **kw)",
+    "",
+    "",
+    "def _site(p, kernel, fn, template, keyed=()):",
+    "    \"\"\"The launch site of kernel ``fn`` in plan ``p`` (acefuse/codegen/fastlaunch.py: after the",
+    "    first launch through Triton's JIT, the compiled kernel is launched directly while nothing",
+    "    Triton specialises on changes), made on the plan's first launch of it. Its template is",
+    "    ``template`` with each tensor (or None) a per-call slot; every other entry, a stride or a",
+    "    size, is fixed by the plan. ``keyed``: (position, name) of the per-call slots whose dtype",
+    "    and alignment the plan's own key holds already.\"\"\"",
+    "    s = p.sites.get(kernel)",
+    "    if s is None:",
+    "        s = p.sites[kernel] = _Site(fn, [None if isinstance(a, torch.Tensor) else a for a in template],",
+    "                                    keyed=[n for n, _ in keyed])",
+    "    return s",
 ]
