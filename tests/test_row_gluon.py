@@ -1,0 +1,309 @@
+"""The row family's staged Gluon kernel (codegen/row_gluon.py): generated from the derived
+expressions, compiled offline for sm_90 here (Gluon has no interpreter), its refusals, the
+automatic staged-or-Triton choice with counting stand-ins for the timing and the launch, and,
+on a Hopper GPU, the kernel itself against float64 references on fresh random inputs.
+
+    python -m pytest -q tests/test_row_gluon.py -p no:cacheprovider
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import acefuse as af
+from acefuse.codegen import row_gluon as rg
+from acefuse.codegen.emit import CodegenError
+
+
+def _programs():
+    x = af.tensor("x", "r j")
+    w, b = af.tensor("w", "j"), af.tensor("b", "j")
+    t = af.tensor("t", "r")
+    m = af.max(x, "j")
+    l = af.sum(af.exp(x - m), "j")
+    mu = af.mean(x, "j")
+    var = af.mean((x - mu) ** 2, "j")
+    return {
+        "softmax": (af.program("rg_softmax", y=af.exp(x - m) / l), lambda x: torch.softmax(x, -1)),
+        "log_softmax": (af.program("rg_log_softmax", y=x - m - af.log(l)), lambda x: torch.log_softmax(x, -1)),
+        "layernorm": (af.program("rg_layernorm", y=(x - mu) * af.rsqrt(var + 1e-5) * w + b),
+                      lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)),
+        "rmsnorm": (af.program("rg_rmsnorm", y=x * af.rsqrt(af.mean(x * x, "j") + 1e-6) * w),
+                    lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w),
+        "logsumexp": (af.program("rg_logsumexp", lse=m + af.log(l)), lambda x: torch.logsumexp(x, -1)),
+        "cross_entropy": (af.program("rg_cross_entropy", loss=m + af.log(l) - af.take(x, t, "j")),
+                          lambda x, t: torch.logsumexp(x, -1) - x.gather(-1, t[:, None])[:, 0]),
+        "stats": (af.program("rg_stats", mu=mu, y=x - mu),
+                  lambda x: {"mu": x.mean(-1), "y": x - x.mean(-1, keepdim=True)}),
+    }
+
+
+PROGRAMS = _programs()
+_FUSED = {}
+
+
+def _fusion(name):
+    if name not in _FUSED:
+        _FUSED[name] = af.fuse(PROGRAMS[name][0])
+    return _FUSED[name]
+
+
+def _inputs(name, R, N, seed, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, N, generator=g, dtype=torch.float64) * 3 + torch.randn(R, 1, generator=g, dtype=torch.float64) * 5
+    ins = {"x": x.to(dtype)}
+    if name in ("layernorm", "rmsnorm"):
+        ins["w"] = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    if name == "layernorm":
+        ins["b"] = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    if name == "cross_entropy":
+        ins["t"] = torch.randint(0, N, (R,), generator=g)
+    return {k: v.to(device) for k, v in ins.items()}
+
+
+def _reference(name, ins):
+    return PROGRAMS[name][1](**{k: (v.double() if v.is_floating_point() else v) for k, v in ins.items()})
+
+
+def _check(got, ref, tol=2e-2):
+    """16-bit outputs against the float64 reference: error relative to the row's scale."""
+    if isinstance(ref, dict):
+        for k in ref:
+            _check(got[k], ref[k], tol)
+        return
+    got = got.double()
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    scale = ref.abs().amax(-1, keepdim=True).clamp_min(1e-30) if ref.dim() > 1 else ref.abs().clamp_min(1.0)
+    err = ((got - ref).abs() / scale).max().item()
+    assert err < tol, err
+
+
+# ---- generation ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_generated_from_the_derived_forms(name):
+    src = rg.staged_source(_fusion(name))
+    assert src == rg.staged_source(_fusion(name))   # deterministic
+    assert "warp_specialize" in src and "_tma_load" in src and "gl.reduce((" in src
+    low = src.lower()
+    for word in ("softmax", "layernorm", "rmsnorm", "logsumexp", "entropy", "welford"):
+        # no workload named outside the program's own name and the explanation docstring
+        body = src.split('"""', 2)[2].replace(PROGRAMS[name][0].name, "PROGRAM")
+        assert word not in body.lower(), word
+    assert "derived by:" in src            # the rule chain of every correction
+    assert "tl." not in re.sub(r"import triton\.language as tl|tl\.PropagateNan", "", src)
+    assert low.count("@gluon.jit") >= 4
+
+
+def test_refusals_say_why():
+    x = af.tensor("x", "r j")
+    q, k = af.tensor("q", "i d"), af.tensor("k", "j d")
+    with pytest.raises(ValueError, match="no input spans|nothing to stage|contraction"):
+        s = af.sum(q * k, "d")
+        rg.compile_staged(af.program("rg_attn_scores", o=af.sum(af.exp(s - af.max(s, "j")), "j")))
+    kern = rg.compile_staged(_fusion("softmax"))
+    ok = _inputs("softmax", 3, 8192, 1)
+    grid, args, kw, out = kern.launch_args(ok)
+    assert kw["NC"] == 2 and kw["CR"] * kw["CW"] == 4096 and grid == (3,)
+    with pytest.raises(ValueError, match="16-bit"):
+        kern.launch_args({"x": ok["x"].float()})
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.launch_args({"x": _inputs("softmax", 8192, 3, 1)["x"].t()})
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kern.launch_args(_inputs("softmax", 3, 8190, 1))
+    with pytest.raises(ValueError, match="fewer than one chunk"):
+        kern.launch_args(_inputs("softmax", 3, 2048, 1))
+    with pytest.raises(ValueError, match="shared memory"):   # 262144 bf16 elements: 64 slots of 8 KB
+        kern.launch_args(_inputs("softmax", 1, 262144, 1))
+    with pytest.raises(TypeError, match="missing"):
+        kern.launch_args({})
+    # a tail row: 50000 = 12 chunks and 848 elements, sub-rows of 16 (50000 = 16 * 3125)
+    grid, args, kw, out = kern.launch_args(_inputs("softmax", 2, 50000, 1))
+    assert kw["CW"] == 16 and kw["CR"] == 256 and kw["NC"] == 13 and kw["NBUF"] >= 13
+
+
+def test_two_passes_are_refused():
+    x = af.tensor("x", "r j")
+    m = af.max(x, "j")
+    # a reduction of a value normalised by a whole-row sum: not always one pass; whatever the
+    # fusion finds, compile_staged either generates one pass or says why not
+    p = af.program("rg_twopass", y=af.max(x / af.sum(af.abs(x), "j") - m, "j"))
+    f = af.fuse(p)
+    if len(f.passes) > 1:
+        with pytest.raises(ValueError, match="passes"):
+            rg.staged_source(f)
+    else:
+        rg.staged_source(f)
+
+
+_COMPILE = r"""
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+path, name, NC, NBUF, CW, NW = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+spec = importlib.util.spec_from_file_location("gluon_offline", path)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+fn = getattr(mod, name + "_staged")
+const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, num_warps=NW)
+const.update({a: gl.bfloat16 for a in fn.arg_names if a.startswith("DT_")})
+sig = {a: ("constexpr" if a in const else ("*i64" if a == "t_ptr" else "*bf16") if a.endswith("_ptr") else "i32")
+       for a in fn.arg_names}
+kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": NW})
+ptx = kern.asm["ptx"]
+print("TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "SHARED", kern.metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("name,cfg", [("softmax", (16, 24, 64, 8)), ("layernorm", (16, 24, 64, 8)),
+                                      ("rmsnorm", (8, 16, 64, 16)), ("logsumexp", (16, 24, 64, 8)),
+                                      ("cross_entropy", (16, 24, 64, 8)), ("stats", (16, 24, 64, 8)),
+                                      ("softmax", (13, 16, 16, 8))])   # the tail shape's chunks (50000)
+def test_compiles_for_sm90_offline(tmp_path, name, cfg):
+    """Compile the generated kernel for sm_90 without a GPU (in a subprocess: the interpreter,
+    which conftest turns on without a GPU, has no Gluon) and find the TMA copies in the PTX."""
+    pytest.importorskip("triton.experimental.gluon")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests run the kernels themselves")
+    src, script = tmp_path / "k.py", tmp_path / "compile.py"
+    src.write_text(rg.staged_source(_fusion(name)))
+    script.write_text(_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "tc"), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, str(script), str(src), PROGRAMS[name][0].name, *map(str, cfg)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"TMA (\d+) MBAR (\d+) SHARED (\d+)", r.stdout)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, r.stdout
+    assert int(m.group(3)) <= rg.SMEM_SM90, r.stdout
+
+
+# ---- the automatic choice, with counting stand-ins ------------------------------------------
+@pytest.fixture
+def gpu(tmp_path, monkeypatch):
+    """An sm_90 GPU as auto_staged sees it: the timing and the staged launch replaced by counting
+    stand-ins (the staged stand-in returns the float64 reference rounded to the output's dtype,
+    or a wrong one); the Triton module runs in the interpreter."""
+    monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ACEFUSE_TUNING_CACHE", raising=False)
+    monkeypatch.delenv("ACEFUSE_GLUON", raising=False)
+    monkeypatch.setattr(rg, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
+    monkeypatch.setattr(rg, "_sm90", lambda dev: True)
+    monkeypatch.setattr(rg, "AUTO_MIN_NJ", 0)
+    monkeypatch.setattr(rg, "AUTO_MIN_WORK", 0)
+
+    class State:
+        times = (2e-3, 1e-3)   # staged faster
+        wrong = False
+        timed = []
+        launched = []
+    st = State()
+
+    def time_pair(fns, rounds=3, reps=5):
+        st.timed.append(len(fns))
+        return list(st.times)
+
+    def launch(self, **inputs):
+        name = next(n for n, (p, _) in PROGRAMS.items() if p.name == self.name)
+        self.launch_args(inputs)   # the real checks
+        st.launched.append(self.name)
+        ref = _reference(name, inputs)
+        ref = ref if isinstance(ref, dict) else {self.stores[0][0]: ref}
+        return {k: (-v if st.wrong else v).to(inputs["x"].dtype) for k, v in ref.items()}
+    monkeypatch.setattr(rg, "_time_pair", time_pair)
+    monkeypatch.setattr(rg.RowStagedKernel, "__call__", launch)
+    st.store = tmp_path / "tuning"
+    return st
+
+
+def _call(kern, name, ins):
+    out = kern(**ins)
+    _check(out, _reference(name, ins))
+    return kern.kernel if hasattr(kern, "kernel") else kern
+
+
+def test_auto_keeps_the_faster_and_remembers_it(gpu):
+    ins = _inputs("softmax", 3, 8192, 11)
+    a = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", ins)
+    assert gpu.timed == [2] and len(gpu.launched) == 1
+    assert isinstance(next(iter(a._staged_choice.values())), rg.RowStagedKernel)
+    assert len(list(gpu.store.glob("*.json"))) == 1
+    _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 12))   # fresh object: from disk
+    assert gpu.timed == [2] and len(gpu.launched) == 2
+    _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 4, 8192, 13))   # other shape: timed
+    assert gpu.timed == [2, 2]
+
+
+def test_auto_keeps_triton_when_it_is_faster(gpu):
+    gpu.times = (1e-3, 2e-3)
+    ins = _inputs("layernorm", 2, 8192, 14)
+    k = _call(af.compile(PROGRAMS["layernorm"][0]), "layernorm", ins)
+    assert list(k._staged_choice.values()) == ["triton"] and gpu.timed == [2]
+    b = _call(af.compile(PROGRAMS["layernorm"][0]), "layernorm", ins)
+    assert list(b._staged_choice.values()) == ["triton"] and gpu.timed == [2] and len(gpu.launched) == 1
+
+
+def test_disagreeing_outputs_keep_triton_warn_and_are_not_remembered(gpu):
+    gpu.wrong = True
+    ins = _inputs("rmsnorm", 2, 8192, 15)
+    kern = af.compile(PROGRAMS["rmsnorm"][0])
+    with pytest.warns(UserWarning, match="differ"):
+        k = _call(kern, "rmsnorm", ins)   # the Triton kernel's (right) result
+    assert list(k._staged_choice.values()) == ["triton"] and not gpu.timed
+    _call(kern, "rmsnorm", ins)
+    assert len(gpu.launched) == 1 and not list(gpu.store.glob("*.json"))
+
+
+def test_auto_leaves_short_rows_and_off_switch_to_triton(gpu, monkeypatch):
+    monkeypatch.setattr(rg, "AUTO_MIN_NJ", 16384)
+    k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 16))
+    assert list(k._staged_choice.values()) == ["triton"] and not gpu.launched and not gpu.timed
+    monkeypatch.setenv("ACEFUSE_GLUON", "0")
+    k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 17))
+    assert k._staged_auto is False and not gpu.launched
+
+
+def test_auto_inputs_outside_the_kernel_run_triton(gpu):
+    ins = _inputs("softmax", 3, 8192, 18, dtype=torch.float32)   # not 16-bit: the Triton kernel
+    k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", ins)
+    assert list(k._staged_choice.values()) == ["triton"] and "16-bit" in k._staged_reason and not gpu.launched
+
+
+# ---- GPU --------------------------------------------------------------------------------
+def _on_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "logsumexp", "cross_entropy", "stats"])
+@pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000), (133, 20480)])
+def test_staged_kernel_against_float64(name, R, N):
+    if not _on_hopper():
+        pytest.skip("the staged kernel needs an sm_90 GPU")
+    kern = rg.compile_staged(_fusion(name))
+    for dtype in (torch.bfloat16, torch.float16):
+        ins = _inputs(name, R, N, int(time.time() * 1000) % 100000, dtype=dtype, device="cuda")
+        out = kern(**ins)
+        out = out if len(out) > 1 else next(iter(out.values()))
+        _check(out, _reference(name, ins))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "layernorm"])
+def test_automatic_call_is_right_whichever_kernel_it_keeps(name, tmp_path, monkeypatch):
+    if not _on_hopper():
+        pytest.skip("the automatic staged choice is made on sm_90 only")
+    monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    kern = af.compile(PROGRAMS[name][0])
+    for seed in (1, 2):
+        ins = _inputs(name, 512, 65536, int(time.time() * 1000) % 100000 + seed, device="cuda")
+        _check(kern(**ins), _reference(name, ins))
+    k = kern.kernel if hasattr(kern, "kernel") else kern
+    assert getattr(k, "_staged_choice", None), getattr(k, "_staged_reason", None)
