@@ -117,7 +117,10 @@ class SContext(Context):
         if key in em.cache:
             return em.cache[key]
         base = f"{name}_ptr + off_{name}" if g.row_axes_of(name) else f"{name}_ptr"
-        if name in g.staged:   # the chunk from its ring slot (pass 1 waited for it)
+        if name in g.staged and g.emulate:   # the CPU emulation: the chunk from global memory
+            out = em.bind(f"tl.load({base} + cols * s_{name}_{g.axis}, mask=tmask, other=0.0).to(tl.float32)",
+                          "tile", "ld_")
+        elif name in g.staged:   # the chunk from its ring slot (pass 1 waited for it)
             out = em.bind(f"slots_{name}.index(z_slot).load(BL).to(tl.float32)", "tile", "ld_")
         elif g.axis in g.tensors[name]:   # a per-column input: plain loads (L2 serves the rows after the first)
             out = em.bind(f"tl.load({base} + cols * s_{name}_{g.axis}, mask=tmask, other=0.0).to(tl.float32)",
@@ -161,8 +164,11 @@ class StagedGen(RowGen):
 
     context = SContext
 
-    def __init__(self, fusion):
+    def __init__(self, fusion, emulate=False):
         super().__init__(fusion)
+        # emulate: the compute partition's arithmetic as a Triton kernel reading its chunks from
+        # global memory (no ring, no copy warp), which Triton's interpreter runs on the CPU
+        self.emulate = emulate
         f = fusion
         name = self.name
         if len(f.passes) != 1:
@@ -217,7 +223,7 @@ class StagedGen(RowGen):
         L.append(f"{ind}z_col0 = z_c * (CR * CW) + z_sub * CW")
         L.append(f"{ind}cols = z_col0[:, None] + z_lane[None, :]")
         L.append(f"{ind}tmask = cols < n_j")
-        L.append(f"{ind}n_b = gl.minimum(gl.maximum(n_j - z_col0, 0), CW) * 1.0")
+        L.append(f"{ind}n_b = tl.minimum(tl.maximum(n_j - z_col0, 0), CW) * 1.0")
 
     def emit_states(self, p, forms, L, ind, mode, kind):
         ctx, em = self.region(mode, ind)
@@ -229,7 +235,7 @@ class StagedGen(RowGen):
             if sh == "scalar":
                 e = f"({e}) + tl.zeros([BLOCK_R], tl.float32)"
             elif sh != "row":
-                raise CodegenError(f"a state update came out with shape {sh} ({e}); expected one value per z_sub-row")
+                raise CodegenError(f"a state update came out with shape {sh} ({e}); expected one value per sub-row")
             em.assign(s.name if mode == "init" else s.name + "_new", e)
         L.extend(em.lines)
         if mode == "roll":
@@ -288,18 +294,28 @@ class StagedGen(RowGen):
         descs = ", ".join(f"{t}_desc" for t in self.staged)
         dts = ", ".join(f"DT_{t}: gl.constexpr" for t in self.staged)
         # -- compute partition
-        L = ["@gluon.jit",
-             f"def _{self.name}_compute({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
-             "CR: gl.constexpr, CW: gl.constexpr, NW: gl.constexpr):",
-             "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
-             "    # outputs from the same slots and releases each to the copy warp",
-             "    BL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CW // 8), CW // 8], [NW, 1], [1, 0])",
-             "    ROW_L: gl.constexpr = gl.SliceLayout(1, BL)",
-             "    z_pid = gl.program_id(0)",
-             "    z_P = gl.num_programs(0)",
-             "    z_sub = gl.arange(0, CR, layout=ROW_L)",
-             "    z_lane = gl.arange(0, CW, layout=gl.SliceLayout(0, BL))",
-             "    nj_f = n_j * 1.0"]
+        if self.emulate:
+            L = ["@triton.jit",
+                 f"def {self.name}_emulated({sig}, NC: tl.constexpr, CR: tl.constexpr, CW: tl.constexpr):",
+                 "    # the compute partition's arithmetic with its chunks loaded from global memory",
+                 "    z_pid = tl.program_id(0)",
+                 "    z_P = tl.num_programs(0)",
+                 "    z_sub = tl.arange(0, CR)",
+                 "    z_lane = tl.arange(0, CW)",
+                 "    nj_f = n_j * 1.0"]
+        else:
+            L = ["@gluon.jit",
+                 f"def _{self.name}_compute({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
+                 "CR: gl.constexpr, CW: gl.constexpr, NW: gl.constexpr):",
+                 "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
+                 "    # outputs from the same slots and releases each to the copy warp",
+                 "    BL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CW // 8), CW // 8], [NW, 1], [1, 0])",
+                 "    ROW_L: gl.constexpr = gl.SliceLayout(1, BL)",
+                 "    z_pid = gl.program_id(0)",
+                 "    z_P = gl.num_programs(0)",
+                 "    z_sub = gl.arange(0, CR, layout=ROW_L)",
+                 "    z_lane = gl.arange(0, CW, layout=gl.SliceLayout(0, BL))",
+                 "    nj_f = n_j * 1.0"]
         for a in self.row_axes:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    z_mine = (n_rows - z_pid + z_P - 1) // z_P")
@@ -308,23 +324,27 @@ class StagedGen(RowGen):
         L.append(f"{ind}z_row = z_pid + z_k * z_P")
         L.append(f"{ind}z_base = z_k * NC")
         self.row_setup(L, ind)
-        L.append(f"{ind}# ---- pass 1: the row's chunks as they land, carrying {', '.join(names)} per z_sub-row")
+        L.append(f"{ind}# ---- pass 1: the row's chunks as they land, carrying {', '.join(names)} per sub-row")
         L.append(f"{ind}z_c = 0")
-        L.append(f"{ind}z_slot = z_base % NBUF")
-        L.append(f"{ind}mbarrier.wait(full.index(z_slot), (z_base // NBUF) & 1)")
+        if not self.emulate:
+            L.append(f"{ind}z_slot = z_base % NBUF")
+        if not self.emulate:
+            L.append(f"{ind}mbarrier.wait(full.index(z_slot), (z_base // NBUF) & 1)")
         self.chunk_setup(L, ind)
         self.emit_states(p, p.init, L, ind, "init", "init")
         L.append(f"{ind}n_a = n_b")
         L.append(f"{ind}for z_c in range(1, NC):")
         i2 = ind + "    "
         L.append(f"{i2}z_t = z_base + z_c")
-        L.append(f"{i2}z_slot = z_t % NBUF")
-        L.append(f"{i2}mbarrier.wait(full.index(z_slot), (z_t // NBUF) & 1)")
+        if not self.emulate:
+            L.append(f"{i2}z_slot = z_t % NBUF")
+        if not self.emulate:
+            L.append(f"{i2}mbarrier.wait(full.index(z_slot), (z_t // NBUF) & 1)")
         self.chunk_setup(L, i2)
         self.emit_states(p, p.rolling, L, i2, "roll", "rolling")
         L.append(f"{i2}n_a = n_a + n_b")
-        L.append(f"{ind}# the z_sub-rows' partial states folded into the row's with the derived merge")
-        L.append(f"{ind}{', '.join(names)}, n_a = gl.reduce(({', '.join(names)}, n_a), 0, _{self.name}_merge)")
+        L.append(f"{ind}# the sub-rows' partial states folded into the row's with the derived merge")
+        L.append(f"{ind}{', '.join(names)}, n_a = tl.reduce(({', '.join(names)}, n_a), 0, _{self.name}_merge)")
         for q in names:
             L.append(f"{ind}{q} = {q} + tl.zeros([BLOCK_R], tl.float32)")
         ctx, em = self.region("final", ind)
@@ -334,10 +354,13 @@ class StagedGen(RowGen):
         L.append(f"{ind}# ---- pass 2: the outputs elementwise over {self.axis!r}, from the staged chunks")
         L.append(f"{ind}for z_c in range(0, NC):")
         L.append(f"{i2}z_t = z_base + z_c")
-        L.append(f"{i2}z_slot = z_t % NBUF")
+        if not self.emulate:
+            L.append(f"{i2}z_slot = z_t % NBUF")
         self.chunk_setup(L, i2)
         self.emit_elem_outputs_staged(L, i2)
-        L.append(f"{i2}_sync()   # every compute warp has read the z_slot")
+        if self.emulate:
+            return "\n\n\n".join([self.merge_fn(p).replace("@gluon.jit", "@triton.jit"), "\n".join(L)])
+        L.append(f"{i2}_sync()   # every compute warp has read the slot")
         L.append(f"{i2}mbarrier.arrive(empty.index(z_slot), count=1)")
         compute = _gluonize("\n".join(L))
         # -- copy partition
@@ -400,6 +423,21 @@ class StagedGen(RowGen):
         return "\n\n".join([head] + helpers + [kern]) + "\n"
 
 
+def emulation_source(fusion) -> str:
+    """A Triton module (codegen/row.py's header and helpers) whose kernel ``<name>_emulated`` is
+    the staged kernel's compute partition, the same generated arithmetic (chunks of CR sub-rows
+    of CW, per-sub-row states, the merge over sub-rows, the masks), with each chunk loaded from
+    global memory instead of its ring slot: what Triton's interpreter can check on the CPU. Its
+    arguments: the staged kernel's, without NSUB, NBUF and the dtypes."""
+    from acefuse.codegen.row import HEADER
+    g = StagedGen(fusion, emulate=True)
+    kern = g.kernel()
+    kern = re.sub(r"tl\.zeros\(\[BLOCK_R\], ", "tl.zeros([CR], ", kern)
+    kern = re.sub(r"\[BLOCK_R, BLOCK_J\]", "[CR, CW]", kern)
+    head = HEADER.format(name=g.name, axis=g.axis, explain="the staged kernel's arithmetic, emulated")
+    return head + "\n\n" + kern + "\n"
+
+
 def staged_source(fusion) -> str:
     """The staged Gluon module source of a row-family Fusion (CodegenError, a ValueError, where
     the program has no staged form)."""
@@ -432,7 +470,7 @@ class RowStagedKernel:
         self.stores = list(gen.stores())
         self.store_dtypes = dict(gen.launch_store_dtypes())
         self.nbuf, self.num_warps, self.chunk = nbuf, num_warps or DEFAULT_WARPS, chunk or CHUNK
-        self.fn = getattr(module, f"{gen.name}_staged")
+        self.fn = getattr(module, f"{gen.name}_staged", None)
 
     @property
     def tag(self) -> str:
@@ -541,6 +579,24 @@ class RowStagedKernel:
             kw[f"DT_{n}"] = gl.bfloat16 if inputs[n].dtype == torch.bfloat16 else gl.float16
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         return (min(sms, n_rows),), args, kw, out
+
+
+def run_emulated(fusion, programs=2, chunk=None, **inputs) -> dict:
+    """Run ``emulation_source``'s kernel in Triton's interpreter (the CPU; TRITON_INTERPRET=1) on
+    ``inputs`` (checked as the staged kernel checks them), ``programs`` persistent programs:
+    the staged kernel's generated arithmetic, masks and merge against a float64 reference
+    without a GPU. Returns the outputs by name."""
+    import hashlib as _h
+    from acefuse.codegen.compile import cached_source, load_module
+    gen = StagedGen(fusion, emulate=True)
+    src = emulation_source(fusion)
+    h = _h.sha256(src.encode()).hexdigest()[:16]
+    mod = load_module(cached_source(f"{gen.name}_emulated", h, src), f"acefuse_emulated_{gen.name}_{h}")
+    k = RowStagedKernel(fusion, src, mod, gen, chunk=chunk)
+    grid, args, kw, out = k.launch_args(inputs)
+    kw = {n: v for n, v in kw.items() if n in ("NC", "CR", "CW")}
+    getattr(mod, f"{gen.name}_emulated")[(min(programs, grid[0]),)](*args[:-1], **kw)
+    return out
 
 
 def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, **fuse_kw) -> RowStagedKernel:

@@ -139,6 +139,37 @@ def test_two_passes_are_refused():
         rg.staged_source(f)
 
 
+@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("R,N", [(3, 8192), (5, 12360), (2, 9000)])
+def test_emulated_arithmetic_against_float64(name, R, N):
+    """The staged kernel's generated arithmetic (run_emulated: its compute partition with the
+    chunks read from global memory, in Triton's interpreter) against float64, fresh inputs:
+    sub-row states, the merge over sub-rows, a tail chunk (12360 = 6 chunks of 2048 + 72, sub-rows
+    of 8; 9000 = 2 chunks of 4096 + 808, sub-rows of 8: some sub-rows of the last chunk empty), a
+    spike in one sub-row (the merge's rescaling), several rows per program."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests run the kernel itself")
+    ins = _inputs(name, R, N, int(time.time() * 1000) % 100000)
+    x = ins["x"].double()
+    x[:, N // 3] += 25.0
+    ins["x"] = x.to(ins["x"].dtype)
+    out = rg.run_emulated(_fusion(name), programs=2, **ins)
+    _check(out if len(out) > 1 else next(iter(out.values())), _reference(name, ins))
+
+
+def test_emulation_check_can_fail(monkeypatch):
+    """A merge that drops the second block's state is caught by the same check."""
+    real = rg.StagedGen.merge_fn
+
+    def broken(self, p):
+        return real(self, p).replace(", s_new, n_a + n_b", ", s, n_a + n_b")
+    monkeypatch.setattr(rg.StagedGen, "merge_fn", broken)
+    ins = _inputs("softmax", 2, 8192, 3)
+    out = rg.run_emulated(_fusion("softmax"), **ins)["y"]
+    with pytest.raises(AssertionError):
+        _check(out, _reference("softmax", ins))
+
+
 _COMPILE = r"""
 import importlib.util, sys
 import triton
