@@ -194,3 +194,39 @@ def test_direct_launch_of_a_sum_kernel_is_bit_identical_to_the_jit_launch():
                 assert sum(s.direct for s in sites) > 0
     finally:
         fl.set_enabled(True)
+
+
+def test_riders_plan_reused_with_fresh_buffers_each_call():
+    """Causal attention's backward through af.compile: the pass over queries (dK, dV) carries dQ
+    as a rider (float32 buffers every program adds into). Calls with fresh inputs of the same
+    shapes reuse that kernel's plan; each call's buffers start at zero (a reused buffer would
+    add the previous call's dQ in), checked against float64 torch autograd."""
+    import math
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import attention as A
+
+    kern = af.compile(A.causal)
+    g = _gen()
+    n, d = random.randint(20, 40), 16
+    host_mods = []
+    for call in range(3):
+        ins = {x: torch.randn(1, 2, n, d, generator=g) for x in "qkv"}
+        cot = torch.randn(1, 2, n, d, generator=g)
+        leaves = {x: t.clone().requires_grad_() for x, t in ins.items()}
+        kern(**leaves).backward(cot)
+        ref = {x: t.double().requires_grad_() for x, t in ins.items()}
+        s = ref["q"] @ ref["k"].transpose(-1, -2) * A.SCALE
+        s = torch.where(torch.arange(n)[None, :] <= torch.arange(n)[:, None], s, -math.inf)
+        (torch.softmax(s, -1) @ ref["v"]).backward(cot.double())
+        for x in "qkv":
+            err = (leaves[x].grad.double() - ref[x].grad).abs().max().item()
+            assert err <= 2e-5 * (1 + ref[x].grad.abs().max().item()), f"call {call}: grad {x}: max error {err:.3e}"
+        if not host_mods:
+            bk = kern._bwd_kernel
+            host_mods = [bk.kernels[h].module for h in set(bk._riders.values())]
+            assert host_mods, "the stage of sums over keys should ride the pass over queries"
+    for m in host_mods:
+        ride = [p for p in m._PLANS.values() if p.ride]
+        assert len(ride) == 1, f"{m.PROGRAM}: one riders plan, reused ({len(m._PLANS)} plans)"
