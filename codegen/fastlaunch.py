@@ -87,7 +87,8 @@ def spec_key(args, watch):
     (a conservative superset: an equal key means an equal specialisation): a tensor by its
     dtype and whether its data pointer is 16-byte aligned; an integer by being 1, being
     divisible by 16 and its range (int32, uint64, int64); bool, float and None by their
-    type. None where some argument is of another type (then the JIT path decides)."""
+    type; a host-side tensor descriptor by everything but its base's address (_desc_key). None
+    where some argument is of another type (then the JIT path decides)."""
     key = []
     for i in watch:
         a = args[i]
@@ -109,8 +110,39 @@ def spec_key(args, watch):
             key.append(8)
         elif t is float:
             key.append(9)
+        elif t.__name__ == "TensorDescriptor":
+            d = _desc_key(a)
+            if d is None:
+                return None
+            key.append(d)
         else:
             return None
+    return tuple(key)
+
+
+def _desc_key(d):
+    """A host-side tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``: Triton
+    3.6 specialises on its base's dtype and its block shape) by everything but its base's
+    address: the base's dtype and 16-byte alignment, then every other field (shape, strides,
+    block shape, padding, ...) as it is, so that an equal key is an equal specialisation
+    whatever Triton reads of it. None where the base is not a tensor or a field is of a type
+    not handled (a Gluon layout object: then the JIT path decides)."""
+    import dataclasses
+    base = getattr(d, "base", None)
+    if not dataclasses.is_dataclass(d) or not isinstance(base, _Tensor):
+        return None
+    key = ["desc", base.dtype, base.data_ptr() % 16 == 0]
+    for f in dataclasses.fields(d):
+        if f.name == "base":
+            continue
+        v = getattr(d, f.name)
+        if type(v) in (list, tuple):
+            if not all(type(x) is int for x in v):
+                return None
+            v = tuple(v)
+        elif type(v) not in (int, str, bool, type(None)):
+            return None
+        key.append((f.name, v))
     return tuple(key)
 
 

@@ -338,7 +338,7 @@ def launcher(self):
         "        for n, o, shape, block in p.tma_slots:",
         "            v = racc[o].view(shape)",
         "            argv[n] = TensorDescriptor(v, list(shape), list(v.stride()), block)",
-        "        try:   # (a descriptor is not what the direct launch handles: Triton's JIT launches it)",
+        "        try:   # (the descriptors: keyed by all but their base's address, fastlaunch._desc_key)",
         f"            _site(p, 'sum', {self.name}_sum, p.argv, p.in_slots)(p.grid, argv, p.kw)",
         "        except Exception as exc:  # noqa: BLE001 - visible: warned, recorded, pointer atomics from now on",
         "            import warnings",

@@ -470,3 +470,49 @@ def test_a_module_without_acefuse_launches_through_the_jit():
     for _ in range(2):
         s((1,), [x, 35, 4096], kw)
     assert len(fn.jit) == 2
+
+
+def test_a_tensor_descriptor_is_keyed_by_everything_but_its_address():
+    """A host-side TensorDescriptor (the sum kernels' riders on a Hopper GPU): two with the same
+    dtype, alignment, shape, strides, block shape and padding over different buffers share a
+    key; any of those changed makes another; a field of a type not handled (a Gluon layout
+    object) gives None (the JIT path). Where this Triton has its native specialisation, one key
+    never covers two of its specialisations."""
+    import dataclasses
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+    g = torch.Generator().manual_seed(_rand_int(torch.Generator().manual_seed(16), 0, 2 ** 30))
+    n_g, n_f, e = _rand_int(g, 1, 5), 16 * _rand_int(g, 1, 9), 16 * _rand_int(g, 1, 5)
+    a, b = torch.zeros(n_g, n_f, e), torch.zeros(n_g, n_f, e)
+
+    def desc(x, shape=None, block=(1, 16, 16), **kw):
+        shape = list(shape or x.shape)
+        return TD(x, shape, list(x.stride()), list(block), **kw)
+    key = fl.spec_key([desc(a)], (0,))
+    assert key is not None and fl.spec_key([desc(b)], (0,)) == key
+    assert fl.spec_key([desc(a.to(torch.bfloat16))], (0,)) != key                       # dtype
+    assert fl.spec_key([desc(a, block=(1, 32, 16))], (0,)) != key                      # block shape
+    assert fl.spec_key([desc(a, shape=(n_g, n_f - 1, e))], (0,)) != key               # shape
+    assert fl.spec_key([desc(a, padding="nan")], (0,)) != key                          # padding
+    t = torch.zeros(n_g, n_f, e + 16)[:, :, :e]
+    assert fl.spec_key([TD(t, list(t.shape), list(t.stride()), [1, 16, 16])], (0,)) != key   # strides
+    flat = torch.zeros(n_g * n_f * e + 4)
+    off = flat[4:].view(n_g, n_f, e)   # 16 bytes in: aligned, the same key
+    assert fl.spec_key([desc(off)], (0,)) == key
+
+    @dataclasses.dataclass
+    class TensorDescriptor:   # a Gluon-like descriptor with a layout object
+        base: torch.Tensor
+        shape: list
+        layout: object
+    assert fl.spec_key([TensorDescriptor(a, [1], object())], (0,)) is None
+    native = _native_specialisation()
+    if native is None:
+        return
+    classes = {}
+    for n in range(300):
+        dt = [torch.float32, torch.bfloat16, torch.float16][n % 3]
+        blk = [(1, 16, 16), (1, 32, 16), (1, 16, 64)][(n // 3) % 3]
+        x = torch.zeros(n_g, n_f, e, dtype=dt)
+        d = TD(x, list(x.shape), list(x.stride()), list(blk), padding=["zero", "nan"][n % 2])
+        k = fl.spec_key([d], (0,))
+        assert classes.setdefault(k, native(d)) == native(d)

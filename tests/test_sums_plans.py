@@ -230,3 +230,41 @@ def test_riders_plan_reused_with_fresh_buffers_each_call():
     for m in host_mods:
         ride = [p for p in m._PLANS.values() if p.ride]
         assert len(ride) == 1, f"{m.PROGRAM}: one riders plan, reused ({len(m._PLANS)} plans)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_riders_launch_directly_on_the_gpu():
+    """Causal attention's backward (bf16) on the GPU, three steps with fresh inputs: gradients
+    against float64 every step; the riding kernel's launches after the first are direct where
+    this Triton is one the direct launch checked (on a Hopper GPU with its TMA descriptors:
+    keyed by all but their base's address). Atomic adds: not compared bit for bit."""
+    import math
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import attention as A
+
+    kern = af.compile(A.causal)
+    g = torch.Generator().manual_seed(random.randrange(2 ** 31))
+    n, d = 200 + random.randint(0, 99), 64
+    for step in range(3):
+        ins = {x: torch.randn(1, 4, n, d, generator=g).to("cuda", torch.bfloat16) for x in "qkv"}
+        cot = torch.randn(1, 4, n, d, generator=g).to("cuda", torch.bfloat16)
+        leaves = {x: t.clone().requires_grad_() for x, t in ins.items()}
+        kern(**leaves).backward(cot)
+        ref = {x: t.double().requires_grad_() for x, t in ins.items()}
+        s = ref["q"] @ ref["k"].transpose(-1, -2) * A.SCALE
+        ar = torch.arange(n, device="cuda")
+        s = torch.where(ar[None, :] <= ar[:, None], s, -math.inf)
+        (torch.softmax(s, -1) @ ref["v"]).backward(cot.double())
+        for x in "qkv":
+            got, r = leaves[x].grad.double(), ref[x].grad
+            rel = ((got - r).norm() / r.norm()).item()
+            assert rel < 2e-2, f"step {step}: grad {x}: relative error {rel:.3e}"
+    bk = kern._bwd_kernel
+    for h in set(bk._riders.values()):
+        m = bk.kernels[h].module
+        sites = [p.sites["sum"] for p in m._PLANS.values() if p.ride and "sum" in p.sites]
+        if sites and fl.fast_ok(sites[0].fn):
+            assert sum(s.direct for s in sites) > 0, f"{m.PROGRAM}: no direct launch (tma {[p.tma for p in m._PLANS.values()]})"
