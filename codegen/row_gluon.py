@@ -222,7 +222,10 @@ class StagedGen(RowGen):
         """Chunk ``c`` of the row: its global columns, their mask, each z_sub-row's element count."""
         L.append(f"{ind}z_col0 = z_c * (CR * CW) + z_sub * CW")
         L.append(f"{ind}cols = z_col0[:, None] + z_lane[None, :]")
-        L.append(f"{ind}tmask = cols < n_j")
+        L.append(f"{ind}if EVEN:   # every chunk whole: no column masked (the compiler drops the selects)")
+        L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
+        L.append(f"{ind}else:")
+        L.append(f"{ind}    tmask = cols < n_j")
         L.append(f"{ind}n_b = tl.minimum(tl.maximum(n_j - z_col0, 0), CW) * 1.0")
 
     def emit_states(self, p, forms, L, ind, mode, kind):
@@ -296,7 +299,7 @@ class StagedGen(RowGen):
         # -- compute partition
         if self.emulate:
             L = ["@triton.jit",
-                 f"def {self.name}_emulated({sig}, NC: tl.constexpr, CR: tl.constexpr, CW: tl.constexpr):",
+                 f"def {self.name}_emulated({sig}, NC: tl.constexpr, CR: tl.constexpr, CW: tl.constexpr, EVEN: tl.constexpr):",
                  "    # the compute partition's arithmetic with its chunks loaded from global memory",
                  "    z_pid = tl.program_id(0)",
                  "    z_P = tl.num_programs(0)",
@@ -306,7 +309,7 @@ class StagedGen(RowGen):
         else:
             L = ["@gluon.jit",
                  f"def _{self.name}_compute({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
-                 "CR: gl.constexpr, CW: gl.constexpr, NW: gl.constexpr):",
+                 "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
                  "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
                  "    # outputs from the same slots and releases each to the copy warp",
                  "    BL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CW // 8), CW // 8], [NW, 1], [1, 0])",
@@ -387,7 +390,7 @@ class StagedGen(RowGen):
         # -- the kernel
         K = ["@gluon.jit",
              f"def {self.name}_staged({sig}, NSUB, NC: gl.constexpr, NBUF: gl.constexpr, CR: gl.constexpr, "
-             f"CW: gl.constexpr, {dts}, num_warps: gl.constexpr):",
+             f"CW: gl.constexpr, EVEN: gl.constexpr, {dts}, num_warps: gl.constexpr):",
              "    # a persistent program per SM; each row of the staged inputs is read once, through the ring"]
         for t in self.staged:
             K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
@@ -401,7 +404,7 @@ class StagedGen(RowGen):
               "        mbarrier.init(empty.index(i), count=1)",
               "    fence_async_shared()",
               "    gl.warp_specialize([",
-              f"        (_{self.name}_compute, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, num_warps)),",
+              f"        (_{self.name}_compute, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
               f"        (_{self.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
               "    ], [1], [24])",
               "    for i in gl.static_range(NBUF):",
@@ -574,7 +577,7 @@ class RowStagedKernel:
             args += [out[o].stride(i) for i in range(len(axes))]
         args += [lens[a] for a in self.row_axes]
         args += [n_rows, n_j, nsub]
-        kw = dict(NC=NC, NBUF=nbuf, CR=CR, CW=CW, num_warps=nw)
+        kw = dict(NC=NC, NBUF=nbuf, CR=CR, CW=CW, EVEN=n_j % (CR * CW) == 0, num_warps=nw)
         for n in self.staged:
             kw[f"DT_{n}"] = gl.bfloat16 if inputs[n].dtype == torch.bfloat16 else gl.float16
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
@@ -594,7 +597,7 @@ def run_emulated(fusion, programs=2, chunk=None, **inputs) -> dict:
     mod = load_module(cached_source(f"{gen.name}_emulated", h, src), f"acefuse_emulated_{gen.name}_{h}")
     k = RowStagedKernel(fusion, src, mod, gen, chunk=chunk)
     grid, args, kw, out = k.launch_args(inputs)
-    kw = {n: v for n, v in kw.items() if n in ("NC", "CR", "CW")}
+    kw = {n: v for n, v in kw.items() if n in ("NC", "CR", "CW", "EVEN")}
     getattr(mod, f"{gen.name}_emulated")[(min(programs, grid[0]),)](*args[:-1], **kw)
     return out
 

@@ -181,7 +181,7 @@ spec = importlib.util.spec_from_file_location("gluon_offline", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 fn = getattr(mod, name + "_staged")
-const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, num_warps=NW)
+const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, EVEN=(NC != 13), num_warps=NW)
 const.update({a: gl.bfloat16 for a in fn.arg_names if a.startswith("DT_")})
 sig = {a: ("constexpr" if a in const else ("*i64" if a == "t_ptr" else "*bf16") if a.endswith("_ptr") else "i32")
        for a in fn.arg_names}
