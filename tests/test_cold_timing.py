@@ -194,3 +194,19 @@ def test_the_schedule_choice_asks_for_the_cold_view(monkeypatch):
     s = torch.einsum("bgrid,bgjd->bgrij", q, k) * ex["SCALE"]
     ref = torch.einsum("bgrij,bgjd->bgrid", torch.softmax(s, -1), v)
     assert (out.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_the_scratch_is_twice_the_l2_cache():
+    """_l2_scratch: int32 elements for twice the L2 size torch reports (256 MB where it reports
+    none), on the current GPU."""
+    made = []
+    for l2, want in ((random.randint(1, 64) << 20, None), (0, 256 << 20)):
+        fake = types.SimpleNamespace(
+            int32=torch.int32,
+            empty=lambda n, dtype=None, device=None: made.append((n, dtype, device)),
+            cuda=types.SimpleNamespace(current_device=lambda: 0,
+                                       get_device_properties=lambda d, l2=l2: types.SimpleNamespace(L2_cache_size=l2)))
+        ns = {"torch": fake}
+        exec(compile("\n".join(TIMING_SRC), "<TIMING_SRC>", "exec"), ns)   # noqa: S102
+        ns["_l2_scratch"]()
+        assert made[-1] == ((want or 2 * l2) // 4, torch.int32, "cuda")
