@@ -23,6 +23,7 @@ def _programs():
     x = af.tensor("x", "r j")
     w, b = af.tensor("w", "j"), af.tensor("b", "j")
     t = af.tensor("t", "r")
+    g = af.tensor("g", "r j")
     m = af.max(x, "j")
     l = af.sum(af.exp(x - m), "j")
     mu = af.mean(x, "j")
@@ -39,6 +40,9 @@ def _programs():
                           lambda x, t: torch.logsumexp(x, -1) - x.gather(-1, t[:, None])[:, 0]),
         "stats": (af.program("rg_stats", mu=mu, y=x - mu),
                   lambda x: {"mu": x.mean(-1), "y": x - x.mean(-1, keepdim=True)}),
+        # two staged inputs (a softmax-backward-like form): both rows in each ring slot
+        "two": (af.program("rg_two", d=x * (g - af.sum(x * g, "j"))),
+                lambda x, g: x * (g - (x * g).sum(-1, keepdim=True))),
     }
 
 
@@ -62,6 +66,8 @@ def _inputs(name, R, N, seed, dtype=torch.bfloat16, device="cpu"):
         ins["b"] = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
     if name == "cross_entropy":
         ins["t"] = torch.randint(0, N, (R,), generator=g)
+    if name == "two":
+        ins["g"] = (torch.randn(R, N, generator=g, dtype=torch.float64) / N ** 0.5).to(dtype)
     return {k: v.to(device) for k, v in ins.items()}
 
 
@@ -194,6 +200,7 @@ print("TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "
 @pytest.mark.parametrize("name,cfg", [("softmax", (16, 24, 64, 8)), ("layernorm", (16, 24, 64, 8)),
                                       ("rmsnorm", (8, 16, 64, 16)), ("logsumexp", (16, 24, 64, 8)),
                                       ("cross_entropy", (16, 24, 64, 8)), ("stats", (16, 24, 64, 8)),
+                                      ("two", (8, 12, 64, 8)),
                                       ("softmax", (13, 16, 16, 8))])   # the tail shape's chunks (50000)
 def test_compiles_for_sm90_offline(tmp_path, name, cfg):
     """Compile the generated kernel for sm_90 without a GPU (in a subprocess: the interpreter,
@@ -313,7 +320,7 @@ def _on_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "logsumexp", "cross_entropy", "stats"])
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "logsumexp", "cross_entropy", "stats", "two"])
 @pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000)])
 def test_staged_kernel_against_float64(name, R, N):
     """The kernel on the GPU: more rows than SMs (persistent programs), a tail (50000: sub-rows
@@ -321,6 +328,10 @@ def test_staged_kernel_against_float64(name, R, N):
     if not _on_hopper():
         pytest.skip("the staged kernel needs an sm_90 GPU")
     kern = rg.compile_staged(_fusion(name))
+    if name == "two" and N == 65536:   # two staged rows of 65536: 16 slots of 16 KB, more than fit
+        with pytest.raises(ValueError, match="shared memory"):
+            kern(**_inputs(name, R, N, 1, device="cuda"))
+        return
     for dtype in (torch.bfloat16, torch.float16) if name == "softmax" else (torch.bfloat16,):
         ins = _inputs(name, R, N, int(time.time() * 1000) % 100000, dtype=dtype, device="cuda")
         out = kern(**ins)
