@@ -16,6 +16,7 @@ import torch
 
 import acefuse as af
 from acefuse.codegen import row_gluon as rg
+from acefuse.codegen import row_gluon_auto as ra
 from acefuse.codegen.emit import CodegenError
 
 
@@ -226,16 +227,16 @@ def test_compiles_for_sm90_offline(tmp_path, name, cfg):
 # ---- the automatic choice, with counting stand-ins ------------------------------------------
 @pytest.fixture
 def gpu(tmp_path, monkeypatch):
-    """An sm_90 GPU as auto_staged sees it: the timing and the staged launch replaced by counting
+    """An sm_90 GPU as auto_staged (codegen/row_gluon_auto.py) sees it: the timing and the staged launch replaced by counting
     stand-ins (the staged stand-in returns the float64 reference rounded to the output's dtype,
     or a wrong one); the Triton module runs in the interpreter."""
     monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ACEFUSE_TUNING_CACHE", raising=False)
     monkeypatch.delenv("ACEFUSE_GLUON", raising=False)
-    monkeypatch.setattr(rg, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
-    monkeypatch.setattr(rg, "_sm90", lambda dev: True)
-    monkeypatch.setattr(rg, "AUTO_MIN_NJ", 0)
-    monkeypatch.setattr(rg, "AUTO_MIN_WORK", 0)
+    monkeypatch.setattr(ra, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
+    monkeypatch.setattr(ra, "_sm90", lambda dev: True)
+    monkeypatch.setattr(ra, "AUTO_MIN_NJ", 0)
+    monkeypatch.setattr(ra, "AUTO_MIN_WORK", 0)
 
     class State:
         times = (2e-3, 1e-3)   # staged faster
@@ -255,7 +256,7 @@ def gpu(tmp_path, monkeypatch):
         ref = _reference(name, inputs)
         ref = ref if isinstance(ref, dict) else {self.stores[0][0]: ref}
         return {k: (-v if st.wrong else v).to(inputs["x"].dtype) for k, v in ref.items()}
-    monkeypatch.setattr(rg, "_time_pair", time_pair)
+    monkeypatch.setattr(ra, "_time_pair", time_pair)
     monkeypatch.setattr(rg.RowStagedKernel, "__call__", launch)
     st.store = tmp_path / "tuning"
     return st
@@ -300,7 +301,7 @@ def test_disagreeing_outputs_keep_triton_warn_and_are_not_remembered(gpu):
 
 
 def test_auto_leaves_short_rows_and_off_switch_to_triton(gpu, monkeypatch):
-    monkeypatch.setattr(rg, "AUTO_MIN_NJ", 16384)
+    monkeypatch.setattr(ra, "AUTO_MIN_NJ", 16384)
     k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 16))
     assert list(k._staged_choice.values()) == ["triton"] and not gpu.launched and not gpu.timed
     monkeypatch.setenv("ACEFUSE_GLUON", "0")
