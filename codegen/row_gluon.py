@@ -63,6 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, fenc
 
 # the TMA copy into shared memory (Triton 3.6 names it async_copy_global_to_shared, later ones async_load)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# the TMA copy out of shared memory (tma_store=True; Triton 3.6: async_copy_shared_to_global)
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 # every compute warp has read a slot before it is released (Triton 3.6: gl.barrier)
 _sync = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 NATIVE = gl.constexpr(True)        # Gluon runs compiled for sm_90+ only: the helpers' native branches
@@ -163,11 +165,14 @@ class StagedGen(RowGen):
 
     context = SContext
 
-    def __init__(self, fusion, emulate=False):
+    def __init__(self, fusion, emulate=False, tma_store=False):
         super().__init__(fusion)
         # emulate: the compute partition's arithmetic as a Triton kernel reading its chunks from
         # global memory (no ring, no copy warp), which Triton's interpreter runs on the CPU
         self.emulate = emulate
+        # tma_store: the elementwise outputs of whole chunks (EVEN) go out through two shared-memory
+        # buffers per output and TMA copies (a tail chunk's, with masked stores)
+        self.tma_store = tma_store and not emulate
         f = fusion
         name = self.name
         if len(f.passes) != 1:
@@ -195,6 +200,11 @@ class StagedGen(RowGen):
         for o, ax in self.stores():
             if self.axis in ax and (ax[-1] != self.axis):
                 raise CodegenError(f"program {name!r}: output {o!r} has the fused axis {self.axis!r} not last")
+        self.elem_out = list(self.enc.elementwise_outputs)
+        if self.tma_store and (not self.elem_out or any(list(self.out_axes[o]) != self.row_axes + [self.axis]
+                                                        for o in self.elem_out)):
+            raise CodegenError(f"program {name!r}: tma_store needs outputs elementwise over the rows and "
+                               f"{self.axis!r} (in that order)")
 
     def region(self, mode, ind, em=None):
         ctx = self.context(self, mode)
@@ -284,7 +294,20 @@ class StagedGen(RowGen):
             e, sh = emit_output(em, t, f"{o}_ptr")
             v = e if sh == "tile" else f"({e}{'[:, None]' if sh == 'row' else ''}) + tl.zeros([BLOCK_R, BLOCK_J], tl.float32)"
             off = f" + off_{o}" if [a for a in self.out_axes[o] if a != self.axis] else ""
-            em.line(f"tl.store({o}_ptr{off} + cols * s_{o}_{self.axis}, {self.stored(o, v)}, mask=tmask)")
+            st = f"tl.store({o}_ptr{off} + cols * s_{o}_{self.axis}, {self.stored(o, v)}, mask=tmask)"
+            if not self.tma_store:
+                em.line(st)
+                continue
+            em.line("if EVEN:   # a whole chunk: through its shared-memory buffer and a TMA copy")
+            em.line(f"    obuf_{o}.index(z_ob).store({self.stored(o, v)})")
+            em.line("else:")
+            em.line(f"    {st}")
+        if self.tma_store:
+            em.line("if EVEN:")
+            em.line("    fence_async_shared()")
+            em.line("    _sync()   # every compute warp has written the buffers")
+            for o in self.elem_out:
+                em.line(f"    _tma_store({o}_odesc, [z_orow, 0], obuf_{o}.index(z_ob))")
         L.extend(em.lines)
 
     # -- the kernel ------------------------------------------------------------------------------
@@ -295,6 +318,9 @@ class StagedGen(RowGen):
         slots = ", ".join(f"slots_{t}" for t in self.staged)
         descs = ", ".join(f"{t}_desc" for t in self.staged)
         dts = ", ".join(f"DT_{t}: gl.constexpr" for t in self.staged)
+        # tma_store: each elementwise output's descriptor and its two shared-memory buffers
+        outs = "".join(f"{o}_odesc, obuf_{o}, " for o in self.elem_out) + "NSUB, " if self.tma_store else ""
+        dts += "".join(f", DT_O_{o}: gl.constexpr" for o in self.elem_out) if self.tma_store else ""
         # -- compute partition
         if self.emulate:
             L = ["@triton.jit",
@@ -307,7 +333,7 @@ class StagedGen(RowGen):
                  "    nj_f = n_j * 1.0"]
         else:
             L = ["@gluon.jit",
-                 f"def _{self.name}_compute({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
+                 f"def _{self.name}_compute({sig}, full, empty, {slots}, {outs}NC: gl.constexpr, NBUF: gl.constexpr, "
                  "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
                  "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
                  "    # outputs from the same slots and releases each to the copy warp",
@@ -356,6 +382,12 @@ class StagedGen(RowGen):
         L.append(f"{ind}# ---- pass 2: the outputs elementwise over {self.axis!r}, from the staged chunks")
         L.append(f"{ind}for z_c in range(0, NC):")
         L.append(f"{i2}z_t = z_base + z_c")
+        if self.tma_store:
+            L.append(f"{i2}z_ob = z_t % 2")
+            L.append(f"{i2}z_orow = z_row * NSUB + z_c * CR")
+            L.append(f"{i2}if EVEN:   # the copy out of this buffer two chunks ago has read it")
+            L.append(f"{i2}    tma.store_wait({len(self.elem_out)})")
+            L.append(f"{i2}    _sync()")
         if not self.emulate:
             L.append(f"{i2}z_slot = z_t % NBUF")
         self.chunk_setup(L, i2)
@@ -364,6 +396,8 @@ class StagedGen(RowGen):
             return "\n\n\n".join([self.merge_fn(p).replace("@gluon.jit", "@triton.jit"), "\n".join(L)])
         L.append(f"{i2}_sync()   # every compute warp has read the slot")
         L.append(f"{i2}mbarrier.arrive(empty.index(z_slot), count=1)")
+        if self.tma_store:
+            L.append("    tma.store_wait(0)   # the last copies out have read their buffers")
         compute = _gluonize("\n".join(L))
         # -- copy partition
         nbytes = " + ".join(f"{t}_desc.block_type.nbytes" for t in self.staged)
@@ -396,6 +430,11 @@ class StagedGen(RowGen):
             K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
                      f"block_shape=[CR, CW], layout=SL_{t})")
             K.append(f"    slots_{t} = gl.allocate_shared_memory(DT_{t}, [NBUF, CR, CW], SL_{t})")
+        for o in self.elem_out if self.tma_store else ():
+            K.append(f"    SLO_{o}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_O_{o})")
+            K.append(f"    {o}_odesc = tma.make_tensor_descriptor({o}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
+                     f"block_shape=[CR, CW], layout=SLO_{o})")
+            K.append(f"    obuf_{o} = gl.allocate_shared_memory(DT_O_{o}, [2, CR, CW], SLO_{o})")
         K += ["    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
               "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
               "    for i in gl.static_range(NBUF):",
@@ -403,7 +442,7 @@ class StagedGen(RowGen):
               "        mbarrier.init(empty.index(i), count=1)",
               "    fence_async_shared()",
               "    gl.warp_specialize([",
-              f"        (_{self.name}_compute, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
+              f"        (_{self.name}_compute, ({sig}, full, empty, {slots}, {outs}NC, NBUF, CR, CW, EVEN, num_warps)),",
               f"        (_{self.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
               "    ], [1], [24])",
               "    for i in gl.static_range(NBUF):",
@@ -462,7 +501,7 @@ class RowStagedKernel:
     ``chunk``: the ring's slots (None: as many as fit, up to DEFAULT_NBUF), the compute warps,
     the elements per slot; ``source``: the generated module."""
 
-    def __init__(self, fusion, source, module, gen, nbuf=None, num_warps=None, chunk=None):
+    def __init__(self, fusion, source, module, gen, nbuf=None, num_warps=None, chunk=None, tma_store=False):
         self.fusion, self.source, self.module = fusion, source, module
         self.name, self.axis = gen.name, gen.axis
         self.tensors = dict(gen.tensors)
@@ -472,11 +511,13 @@ class RowStagedKernel:
         self.stores = list(gen.stores())
         self.store_dtypes = dict(gen.launch_store_dtypes())
         self.nbuf, self.num_warps, self.chunk = nbuf, num_warps or DEFAULT_WARPS, chunk or CHUNK
+        self.tma_store, self.elem_out = tma_store, list(gen.elem_out)
         self.fn = getattr(module, f"{gen.name}_staged", None)
 
     @property
     def tag(self) -> str:
-        return f"nbuf={self.nbuf or 'auto'},w={self.num_warps},chunk={self.chunk}"
+        return (f"nbuf={self.nbuf or 'auto'},w={self.num_warps},chunk={self.chunk}"
+                + (",tma_store" if self.tma_store else ""))
 
     def __call__(self, **inputs):
         import torch
@@ -544,7 +585,8 @@ class RowStagedKernel:
                              f"chunk ({CR * CW}); the single-tile Triton schedule reads such rows once already")
         NC = triton.cdiv(n_j, CR * CW)
         per_slot = sum(CR * CW * inputs[n].element_size() for n in self.staged)
-        cap = (SMEM_SM90 - BARRIER_BYTES) // per_slot
+        out_bytes = 2 * CR * CW * 2 * len(self.elem_out) if self.tma_store else 0   # two 16-bit buffers each
+        cap = (SMEM_SM90 - BARRIER_BYTES - out_bytes) // per_slot
         if NC > cap:
             raise ValueError(f"program {name!r}: a row of {n_j} elements of {', '.join(self.staged)} needs {NC} "
                              f"ring slots of {per_slot} bytes, more than sm_90's shared memory holds ({cap}); the "
@@ -577,6 +619,12 @@ class RowStagedKernel:
         args += [lens[a] for a in self.row_axes]
         args += [n_rows, n_j, nsub]
         kw = dict(NC=NC, NBUF=nbuf, CR=CR, CW=CW, EVEN=n_j % (CR * CW) == 0, num_warps=nw)
+        if self.tma_store:
+            for o in self.elem_out:
+                if out[o].dtype not in (torch.bfloat16, torch.float16):
+                    raise ValueError(f"program {name!r}: tma_store copies output {o!r} out of 16-bit buffers; "
+                                     f"it is {out[o].dtype} here (use tma_store=False)")
+                kw[f"DT_O_{o}"] = gl.bfloat16 if out[o].dtype == torch.bfloat16 else gl.float16
         for n in self.staged:
             kw[f"DT_{n}"] = gl.bfloat16 if inputs[n].dtype == torch.bfloat16 else gl.float16
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
@@ -600,7 +648,7 @@ def run_emulated(fusion, programs=2, chunk=None, **inputs) -> dict:
     return out
 
 
-def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, **fuse_kw) -> RowStagedKernel:
+def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=False, **fuse_kw) -> RowStagedKernel:
     """The staged Gluon kernel of a row program (a Fusion, or a program: fused here), written to
     acefuse's cache folder and loaded; a ValueError (CodegenError) names why a program has none.
     Needs ``triton.experimental.gluon`` to load and an sm_90 GPU to run."""
@@ -614,12 +662,12 @@ def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, **fuse_kw) -> 
     if contraction.is_contraction(f):
         raise CodegenError(f"program {f.program.name!r} is of the contraction family; the staged kernel is the "
                            "row family's (codegen/contraction_gluon.py has the contraction's Gluon kernel)")
-    gen = StagedGen(f)
+    gen = StagedGen(f, tma_store=tma_store)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_staged", h, src)
     mod = load_module(path, f"acefuse_staged_{gen.name}_{h}")
-    return RowStagedKernel(f, src, mod, gen, nbuf=nbuf, num_warps=num_warps, chunk=chunk)
+    return RowStagedKernel(f, src, mod, gen, nbuf=nbuf, num_warps=num_warps, chunk=chunk, tma_store=tma_store)
 
 
 def auto_staged(kernel, inputs: dict):

@@ -127,6 +127,13 @@ def test_refusals_say_why():
         kern.launch_args(_inputs("softmax", 1, 262144, 1))
     with pytest.raises(TypeError, match="missing"):
         kern.launch_args({})
+    ts = rg.compile_staged(_fusion("softmax"), tma_store=True)   # two output buffers: fewer slots fit
+    assert ts.launch_args(ok)[2]["DT_O_y"] is not None and "tma_store" in ts.tag
+    with pytest.raises(ValueError, match="shared memory"):
+        ts.launch_args(_inputs("softmax", 1, 27 * 4096, 1))   # 27 slots fit without the buffers, 26 with
+    kern.launch_args(_inputs("softmax", 1, 27 * 4096, 1))
+    with pytest.raises(ValueError, match="tma_store needs outputs elementwise"):
+        rg.compile_staged(_fusion("logsumexp"), tma_store=True)
     # a tail row: 50000 = 12 chunks and 848 elements, sub-rows of 16 (50000 = 16 * 3125)
     grid, args, kw, out = kern.launch_args(_inputs("softmax", 2, 50000, 1))
     assert kw["CW"] == 16 and kw["CR"] == 256 and kw["NC"] == 13 and kw["NBUF"] >= 13
@@ -188,13 +195,14 @@ spec = importlib.util.spec_from_file_location("gluon_offline", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 fn = getattr(mod, name + "_staged")
-const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, EVEN=(NC != 13), num_warps=NW)
+EVEN = NC != 13
+const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, EVEN=EVEN, num_warps=NW)
 const.update({a: gl.bfloat16 for a in fn.arg_names if a.startswith("DT_")})
 sig = {a: ("constexpr" if a in const else ("*i64" if a == "t_ptr" else "*bf16") if a.endswith("_ptr") else "i32")
        for a in fn.arg_names}
 kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": NW})
 ptx = kern.asm["ptx"]
-print("TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "SHARED", kern.metadata.shared)
+print("STORES", ptx.count("cp.async.bulk.tensor.2d.global.shared"), "TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "SHARED", kern.metadata.shared)
 """
 
 
@@ -202,7 +210,9 @@ print("TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "
                                       ("rmsnorm", (8, 16, 64, 16)), ("logsumexp", (16, 24, 64, 8)),
                                       ("cross_entropy", (16, 24, 64, 8)), ("stats", (16, 24, 64, 8)),
                                       ("two", (8, 12, 64, 8)),
-                                      ("softmax", (13, 16, 16, 8))])   # the tail shape's chunks (50000)
+                                      ("softmax", (13, 16, 16, 8)),   # the tail shape's chunks (50000)
+                                      ("softmax_tma_store", (16, 24, 64, 8)), ("layernorm_tma_store", (16, 24, 64, 8)),
+                                      ("softmax_tma_store", (13, 16, 16, 8))])
 def test_compiles_for_sm90_offline(tmp_path, name, cfg):
     """Compile the generated kernel for sm_90 without a GPU (in a subprocess: the interpreter,
     which conftest turns on without a GPU, has no Gluon) and find the TMA copies in the PTX."""
@@ -210,18 +220,21 @@ def test_compiles_for_sm90_offline(tmp_path, name, cfg):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the GPU tests run the kernels themselves")
     src, script = tmp_path / "k.py", tmp_path / "compile.py"
-    src.write_text(rg.staged_source(_fusion(name)))
+    prog, ts = name.replace("_tma_store", ""), name.endswith("_tma_store")
+    src.write_text(rg.StagedGen(_fusion(prog), tma_store=ts).module())
     script.write_text(_COMPILE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "tc"), TRITON_DEFAULT_FP_FUSION="1")
-    r = subprocess.run([sys.executable, str(script), str(src), PROGRAMS[name][0].name, *map(str, cfg)],
+    r = subprocess.run([sys.executable, str(script), str(src), PROGRAMS[prog][0].name, *map(str, cfg)],
                        env=env, capture_output=True, text=True, timeout=600)
     if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
-    m = re.search(r"TMA (\d+) MBAR (\d+) SHARED (\d+)", r.stdout)
-    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, r.stdout
-    assert int(m.group(3)) <= rg.SMEM_SM90, r.stdout
+    m = re.search(r"STORES (\d+) TMA (\d+) MBAR (\d+) SHARED (\d+)", r.stdout)
+    assert m and int(m.group(2)) > 0 and int(m.group(3)) > 0, r.stdout
+    assert int(m.group(4)) <= rg.SMEM_SM90, r.stdout
+    # TMA stores where asked for and the chunks are whole (a tail: masked stores only)
+    assert (int(m.group(1)) > 0) == (ts and cfg[0] != 13), r.stdout
 
 
 # ---- the automatic choice, with counting stand-ins ------------------------------------------
@@ -338,6 +351,17 @@ def test_staged_kernel_against_float64(name, R, N):
         out = kern(**ins)
         out = out if len(out) > 1 else next(iter(out.values()))
         _check(out, _reference(name, ins))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "layernorm"])
+@pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000)])
+def test_tma_store_variant_against_float64(name, R, N):
+    if not _on_hopper():
+        pytest.skip("the staged kernel needs an sm_90 GPU")
+    kern = rg.compile_staged(_fusion(name), tma_store=True)
+    ins = _inputs(name, R, N, int(time.time() * 1000) % 100000, device="cuda")
+    _check(kern(**ins)["y"], _reference(name, ins))
 
 
 @pytest.mark.gpu
