@@ -22,8 +22,14 @@ AUTO_MARGIN = 0.97         # the staged kernel is kept only at most this fractio
 
 
 def _auto_enabled():
+    """Opt-in (``ACEFUSE_STAGED=1``) until the staged kernel measures faster than the Triton
+    module somewhere: on one H200 (session 16, benchmarks/results/session16/h200_5398671_rows.txt)
+    it ran at 51-58% of copy at every shape timed (4096x65536, 8192x32768, RMSNorm 4096x65536,
+    2048x100000, 16384x16384) where the Triton module ran at 53-92%, and the automatic choice
+    kept the Triton module each time; timing it on every row program's first call would only
+    add its compile (seconds) to that call."""
     import os
-    return os.environ.get("ACEFUSE_GLUON", "") != "0" and os.environ.get("ACEFUSE_STAGED", "") != "0"
+    return (os.environ.get("ACEFUSE_GLUON", "") != "0" and os.environ.get("ACEFUSE_STAGED", "") == "1")
 
 
 def _choice_source(kernel, gs) -> str | None:
@@ -54,7 +60,8 @@ def auto_staged(kernel, inputs: dict):
     nothing on disk. Returns the outputs, or None where the caller runs the Triton module as
     before: not a row program with a staged form (``kernel._staged_reason`` says why), not an
     eager sm_90 call of CUDA tensors, rows of AUTO_MIN_NJ or fewer, too little work,
-    ``ACEFUSE_GLUON=0`` (or ``ACEFUSE_STAGED=0``), or the Triton kernel measured faster."""
+    ``ACEFUSE_STAGED`` not set to 1 (the choice is opt-in: _auto_enabled), ``ACEFUSE_GLUON=0``,
+    or the Triton kernel measured faster."""
     import warnings
     state = getattr(kernel, "_staged_auto", None)
     if state is False or not inputs:

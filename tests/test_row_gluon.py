@@ -246,6 +246,7 @@ def gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ACEFUSE_TUNING_CACHE", raising=False)
     monkeypatch.delenv("ACEFUSE_GLUON", raising=False)
+    monkeypatch.setenv("ACEFUSE_STAGED", "1")   # (opt-in: row_gluon_auto._auto_enabled)
     monkeypatch.setattr(ra, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
     monkeypatch.setattr(ra, "_sm90", lambda dev: True)
     monkeypatch.setattr(ra, "AUTO_MIN_NJ", 0)
@@ -320,6 +321,12 @@ def test_auto_leaves_short_rows_and_off_switch_to_triton(gpu, monkeypatch):
     monkeypatch.setenv("ACEFUSE_GLUON", "0")
     k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 17))
     assert k._staged_auto is False and not gpu.launched
+    monkeypatch.delenv("ACEFUSE_GLUON")
+    monkeypatch.setattr(ra, "AUTO_MIN_NJ", 0)
+    for off in ("", "0"):   # opt-in: unset (the default) or 0 keeps the Triton module, untimed
+        monkeypatch.setenv("ACEFUSE_STAGED", off)
+        k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 19))
+        assert k._staged_auto is False and not gpu.launched and not gpu.timed
 
 
 def test_auto_inputs_outside_the_kernel_run_triton(gpu):
@@ -370,6 +377,7 @@ def test_automatic_call_is_right_whichever_kernel_it_keeps(name, tmp_path, monke
     if not _on_hopper():
         pytest.skip("the automatic staged choice is made on sm_90 only")
     monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ACEFUSE_STAGED", "1")
     kern = af.compile(PROGRAMS[name][0])
     for seed in (1, 2):
         ins = _inputs(name, 512, 65536, int(time.time() * 1000) % 100000 + seed, device="cuda")
