@@ -85,6 +85,7 @@ def _gluonize(src: str) -> str:
     src = re.sub(r"tl\.zeros\(\[BLOCK_R\], (tl\.\w+)\)", r"gl.zeros([CR], \1, layout=ROW_L)", src)
     src = re.sub(r"tl\.zeros\(\[BLOCK_R, BLOCK_J\], (tl\.\w+)\)", r"gl.zeros([CR, CW], \1, layout=BL)", src)
     src = re.sub(r"tl\.full\(\[BLOCK_R, BLOCK_J\], ([^,()]+), (tl\.\w+)\)", r"gl.full([CR, CW], \1, \2, layout=BL)", src)
+    src = re.sub(r"tl\.full\(\[BLOCK_R\], ([^,()]+), (tl\.\w+)\)", r"gl.full([CR], \1, \2, layout=ROW_L)", src)
     if re.search(r"tl\.(arange|zeros|full)\(|BLOCK_[RJ]\b|tl\.debug_barrier", src):
         raise CodegenError("the staged Gluon kernel has no layout for a tensor the row template makes "
                            f"({re.search(r'tl[.](arange|zeros|full)[(]|BLOCK_[RJ]|tl[.]debug_barrier', src).group(0)})")
@@ -165,8 +166,25 @@ class StagedGen(RowGen):
 
     context = SContext
 
-    def __init__(self, fusion, emulate=False, tma_store=False):
+    def __init__(self, fusion, emulate=False, tma_store=False, exp2=True, hoist=True, qfast=True):
         super().__init__(fusion)
+        # exp2: exp(x) as exp2(x * log2(e)) (``_expf``: ex2.approx.ftz, one MUFU.EX2; results below
+        # 2^-126, which float32's exp gives with a few bits only, flush to 0); False: tl.exp
+        # (ex2.approx.f32, whose subnormal fix-up costs an FSETP and two FMULs per element on
+        # sm_90); "fold": log2(e) folded into the operands as the contraction family does (x *
+        # log2(e) - m * log2(e), one FMA, but m * log2(e) overflows for |m| > 2.3e38, a bfloat16
+        # input: not the default)
+        if exp2 not in (True, False, "fold"):
+            raise ValueError(f"exp2={exp2!r}: True, False or 'fold'")
+        self.exp2 = exp2
+        # hoist: pass 2's per-row values (the shifts, the quotients' reciprocals) computed once per
+        # row before its chunk loop, not left to the compiler (which kept _rcp_row's division,
+        # a CALL, inside the loop)
+        self.hoist = hoist
+        # qfast: a row whose every quotient denominator b is a normal float (2^-126 <= |b| <= 2^126)
+        # runs pass 2 with a * RN(1/b), one multiply per element and no select; any other row
+        # (b 0, subnormal, huge, infinite, NaN) the exact _qdiv (a split reciprocal, 0/0 -> 0)
+        self.qfast = qfast and hoist
         # emulate: the compute partition's arithmetic as a Triton kernel reading its chunks from
         # global memory (no ring, no copy warp), which Triton's interpreter runs on the CPU
         self.emulate = emulate
@@ -208,6 +226,7 @@ class StagedGen(RowGen):
 
     def region(self, mode, ind, em=None):
         ctx = self.context(self, mode)
+        ctx.fold_exp2 = self.exp2 == "fold"
         em = em or SEmitter(ctx, indent=ind)
         em.ctx = ctx
         ctx.em = em
@@ -231,11 +250,12 @@ class StagedGen(RowGen):
         """Chunk ``c`` of the row: its global columns, their mask, each z_sub-row's element count."""
         L.append(f"{ind}z_col0 = z_c * (CR * CW) + z_sub * CW")
         L.append(f"{ind}cols = z_col0[:, None] + z_lane[None, :]")
-        L.append(f"{ind}if EVEN:   # every chunk whole: no column masked (the compiler drops the selects)")
-        L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
+        L.append(f"{ind}if EVEN:   # every chunk whole: no column masked, every sub-row CW elements (the compiler")
+        L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)   # drops the selects)")
+        L.append(f"{ind}    n_b = tl.full([BLOCK_R], CW, tl.float32)")
         L.append(f"{ind}else:")
         L.append(f"{ind}    tmask = cols < n_j")
-        L.append(f"{ind}n_b = tl.minimum(tl.maximum(n_j - z_col0, 0), CW) * 1.0")
+        L.append(f"{ind}    n_b = tl.minimum(tl.maximum(n_j - z_col0, 0), CW) * 1.0")
 
     def emit_states(self, p, forms, L, ind, mode, kind):
         ctx, em = self.region(mode, ind)
@@ -310,6 +330,43 @@ class StagedGen(RowGen):
                 em.line(f"    _tma_store({o}_odesc, [z_orow, 0], obuf_{o}.index(z_ob))")
         L.extend(em.lines)
 
+    def _exp(self, src):
+        """exp as ``_expf`` (exp2 of x * log2(e)) where ``exp2`` is True."""
+        return re.sub(r"\btl\.exp\(", "_expf(", src) if self.exp2 is True else src
+
+    def pass2(self, L, B, ind):
+        """Pass 2's chunk loop of body lines ``B`` (indented one level below ``ind``): with
+        ``hoist``, the body's assignments that depend on no chunk (nothing of CHUNK_NAMES,
+        directly or through an earlier assignment) go before the loop, once per row; with
+        ``qfast``, where the body divides by per-row values (``_rcp_row``), the loop twice: a
+        row whose every denominator is a normal float multiplies by RN(1/b) (``_qfast``), any
+        other row keeps ``_qdiv``."""
+        i2 = ind + "    "
+        pre = []
+        if self.hoist:
+            pre, B = _hoist(B, i2)
+        L.extend(ind + ln[len(i2):] if ln.startswith(i2) else ln for ln in pre)
+        rcp = [m.groups() for m in map(_RCP.match, pre) if m] if self.qfast else []
+        if not rcp:
+            L.append(f"{ind}for z_c in range(0, NC):")
+            L.extend(B)
+            return
+        ok = []
+        for k, (sp, fq, pq, b) in enumerate(rcp):
+            L.append(f"{ind}{fq.replace('_fq', '_rq')} = {fq} * {pq}   # RN(1/{b}) where {b} is a normal float")
+            ok.append(f"_rcp_ok({b})")
+        L.append(f"{ind}# one multiply per element where every denominator of the row is a normal float; else the "
+                 "exact split")
+        L.append(f"{ind}z_qok = tl.min(tl.where({' & '.join(ok)}, 1, 0), axis=0) > 0")
+        fast = [_QDIV.sub(lambda m: f"_qfast({m.group(1)}, {m.group(2)}[:, None], "
+                                     f"{m.group(3).replace('_fq', '_rq')}[:, None], {m.group(5)})", ln) for ln in B]
+        L.append(f"{ind}if z_qok:")
+        L.append(f"{i2}for z_c in range(0, NC):")
+        L.extend("    " + ln for ln in fast)
+        L.append(f"{ind}else:")
+        L.append(f"{i2}for z_c in range(0, NC):")
+        L.extend("    " + ln for ln in B)
+
     # -- the kernel ------------------------------------------------------------------------------
     def kernel(self) -> str:
         p = self.f.passes[0]
@@ -380,25 +437,26 @@ class StagedGen(RowGen):
         if any(o not in self.enc.elementwise_outputs for o in self.outputs):
             self.emit_row_outputs_staged(L, ind)
         L.append(f"{ind}# ---- pass 2: the outputs elementwise over {self.axis!r}, from the staged chunks")
-        L.append(f"{ind}for z_c in range(0, NC):")
-        L.append(f"{i2}z_t = z_base + z_c")
+        B = [f"{i2}z_t = z_base + z_c"]
         if self.tma_store:
-            L.append(f"{i2}z_ob = z_t % 2")
-            L.append(f"{i2}z_orow = z_row * NSUB + z_c * CR")
-            L.append(f"{i2}if EVEN:   # the copy out of this buffer two chunks ago has read it")
-            L.append(f"{i2}    tma.store_wait({len(self.elem_out)})")
-            L.append(f"{i2}    _sync()")
+            B.append(f"{i2}z_ob = z_t % 2")
+            B.append(f"{i2}z_orow = z_row * NSUB + z_c * CR")
+            B.append(f"{i2}if EVEN:   # the copy out of this buffer two chunks ago has read it")
+            B.append(f"{i2}    tma.store_wait({len(self.elem_out)})")
+            B.append(f"{i2}    _sync()")
         if not self.emulate:
-            L.append(f"{i2}z_slot = z_t % NBUF")
-        self.chunk_setup(L, i2)
-        self.emit_elem_outputs_staged(L, i2)
+            B.append(f"{i2}z_slot = z_t % NBUF")
+        self.chunk_setup(B, i2)
+        self.emit_elem_outputs_staged(B, i2)
+        if not self.emulate:
+            B.append(f"{i2}_sync()   # every compute warp has read the slot")
+            B.append(f"{i2}mbarrier.arrive(empty.index(z_slot), count=1)")
+        self.pass2(L, B, ind)
         if self.emulate:
-            return "\n\n\n".join([self.merge_fn(p).replace("@gluon.jit", "@triton.jit"), "\n".join(L)])
-        L.append(f"{i2}_sync()   # every compute warp has read the slot")
-        L.append(f"{i2}mbarrier.arrive(empty.index(z_slot), count=1)")
+            return self._exp("\n\n\n".join([self.merge_fn(p).replace("@gluon.jit", "@triton.jit"), "\n".join(L)]))
         if self.tma_store:
             L.append("    tma.store_wait(0)   # the last copies out have read their buffers")
-        compute = _gluonize("\n".join(L))
+        compute = _gluonize(self._exp("\n".join(L)))
         # -- copy partition
         nbytes = " + ".join(f"{t}_desc.block_type.nbytes" for t in self.staged)
         C = ["@gluon.jit",
@@ -448,12 +506,14 @@ class StagedGen(RowGen):
               "    for i in gl.static_range(NBUF):",
               "        mbarrier.invalidate(full.index(i))",
               "        mbarrier.invalidate(empty.index(i))"]
-        return "\n\n\n".join([_gluonize(self.merge_fn(p)), compute, copy, _gluonize("\n".join(K))])
+        return "\n\n\n".join([_gluonize(self._exp(self.merge_fn(p))), compute, copy, _gluonize("\n".join(K))])
 
     def module(self) -> str:
         kern = self.kernel()
         # (a helper passed as a reduction's combine function is named without a call)
-        helpers = _helpers(re.sub(r"\b(_max_nan|_min_nan)\b(?!\()", r"\1(", kern))
+        own = [re.sub(r"\btl\.", "gl.", h.replace("@triton.jit", "@gluon.jit"))
+               for h in OWN_HELPERS.split("\n\n\n") if re.search(rf"\b{h.split('def ')[1].split('(')[0]}\(", kern)]
+        helpers = _helpers(re.sub(r"\b(_max_nan|_min_nan)\b(?!\()", r"\1(", kern + "\n".join(own))) + own
         explain = self.f.explain().replace('"""', "'''")
         head = STAGED_HEADER.format(name=self.name, axis=self.axis, explain=explain)
         if "PROPAGATE_ALL" in kern or any("PROPAGATE_ALL" in h or "PropagateNan" in h for h in helpers):
@@ -464,25 +524,78 @@ class StagedGen(RowGen):
         return "\n\n".join([head] + helpers + [kern]) + "\n"
 
 
-def emulation_source(fusion) -> str:
+# the names that change from one chunk of a row to the next inside pass 2 (chunk_setup's, the
+# slot's and the TMA-store buffer's)
+CHUNK_NAMES = {"z_c", "z_t", "z_slot", "z_col0", "cols", "tmask", "n_b", "z_ob", "z_orow"}
+_ASSIGN = re.compile(r"^(\s*)([A-Za-z_]\w*(?:, [A-Za-z_]\w*)*) = (.*)$")
+_RCP = re.compile(r"^(\s*)(_fq\d+), (_pq\d+) = _rcp_row\((\w+)\)")
+_QDIV = re.compile(r"_qdiv\((\w+), (\w+)\[:, None\], (_fq\d+)\[:, None\], (_pq\d+)\[:, None\], (\w+)\)")
+
+# the staged kernel's own helpers (StagedGen.exp2, qfast), Triton text (the Gluon module: gl. for tl.)
+OWN_HELPERS = '''@triton.jit
+def _expf(x):
+    # exp(x) = exp2(x * log2(e)): ex2.approx.ftz (a result below 2^-126 is 0)
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _rcp_ok(b):
+    # b a normal float of at most 2^126 in magnitude: RN(1/b) is a normal float too (NaN: false)
+    return (tl.abs(b) >= 1.1754943508222875e-38) & (tl.abs(b) <= 8.507059173023462e37)
+
+
+@triton.jit
+def _qfast(a, b, r, P):
+    # a / b, b one value per row with _rcp_ok(b), r = RN(1/b): written to a float16/bfloat16 output
+    # (P's element type), a * r (within 1 ulp of float32 and b nonzero: no 0/0); any other output,
+    # correctly rounded (_div0)
+    if P.dtype.element_ty == tl.bfloat16:
+        return a * r
+    elif P.dtype.element_ty == tl.float16:
+        return a * r
+    else:
+        return _div0(a, b)'''
+
+
+def _hoist(B, ind):
+    """(the assignments of ``B`` at indent ``ind`` that depend on no name of CHUNK_NAMES, the rest
+    of ``B``), each in its order; a name assigned twice stays in the loop."""
+    targets = [n for ln in B for m in [_ASSIGN.match(ln)] if m for n in m.group(2).split(", ")]
+    var = set(CHUNK_NAMES) | {n for n in targets if targets.count(n) > 1}
+    pre, rest = [], []
+    for ln in B:
+        m = _ASSIGN.match(ln)
+        if m:
+            names = m.group(2).split(", ")
+            if m.group(1) == ind and not set(re.findall(r"[A-Za-z_]\w*", m.group(3))) & var and not set(names) & var:
+                pre.append(ln)
+                continue
+            var.update(names)
+        rest.append(ln)
+    return pre, rest
+
+
+def emulation_source(fusion, **opts) -> str:
     """A Triton module (codegen/row.py's header and helpers) whose kernel ``<name>_emulated`` is
     the staged kernel's compute partition, the same generated arithmetic (chunks of CR sub-rows
     of CW, per-sub-row states, the merge over sub-rows, the masks), with each chunk loaded from
     global memory instead of its ring slot: what Triton's interpreter can check on the CPU. Its
-    arguments: the staged kernel's, without NSUB, NBUF and the dtypes."""
+    arguments: the staged kernel's, without NSUB, NBUF and the dtypes. ``opts``: StagedGen's
+    (exp2, hoist, qfast)."""
     from acefuse.codegen.row import HEADER
-    g = StagedGen(fusion, emulate=True)
+    g = StagedGen(fusion, emulate=True, **opts)
     kern = g.kernel()
-    kern = re.sub(r"tl\.zeros\(\[BLOCK_R\], ", "tl.zeros([CR], ", kern)
+    kern = re.sub(r"tl\.(zeros|full)\(\[BLOCK_R\], ", r"tl.\1([CR], ", kern)
     kern = re.sub(r"\[BLOCK_R, BLOCK_J\]", "[CR, CW]", kern)
     head = HEADER.format(name=g.name, axis=g.axis, explain="the staged kernel's arithmetic, emulated")
-    return head + "\n\n" + kern + "\n"
+    own = OWN_HELPERS + "\n\n\n" if re.search(r"\b(_qfast|_expf)\(", kern) else ""
+    return head + "\n\n" + own + kern + "\n"
 
 
-def staged_source(fusion) -> str:
+def staged_source(fusion, **opts) -> str:
     """The staged Gluon module source of a row-family Fusion (CodegenError, a ValueError, where
-    the program has no staged form)."""
-    return StagedGen(fusion).module()
+    the program has no staged form); ``opts``: StagedGen's (tma_store, exp2, hoist, qfast)."""
+    return StagedGen(fusion, **opts).module()
 
 
 def _chunk_shape(n_j, chunk=CHUNK):
@@ -513,11 +626,13 @@ class RowStagedKernel:
         self.nbuf, self.num_warps, self.chunk = nbuf, num_warps or DEFAULT_WARPS, chunk or CHUNK
         self.tma_store, self.elem_out = tma_store, list(gen.elem_out)
         self.fn = getattr(module, f"{gen.name}_staged", None)
+        # the per-element forms (StagedGen's exp2, hoist, qfast) where not all on
+        self.forms = "".join(f",no_{k}" for k in ("exp2", "hoist", "qfast") if not getattr(gen, k, True))
 
     @property
     def tag(self) -> str:
         return (f"nbuf={self.nbuf or 'auto'},w={self.num_warps},chunk={self.chunk}"
-                + (",tma_store" if self.tma_store else ""))
+                + (",tma_store" if self.tma_store else "") + self.forms)
 
     def __call__(self, **inputs):
         import torch
@@ -631,14 +746,14 @@ class RowStagedKernel:
         return (min(sms, n_rows),), args, kw, out
 
 
-def run_emulated(fusion, programs=2, chunk=None, **inputs) -> dict:
+def run_emulated(fusion, programs=2, chunk=None, opts=None, **inputs) -> dict:
     """Run ``emulation_source``'s kernel in Triton's interpreter (the CPU; TRITON_INTERPRET=1) on
     ``inputs`` (checked as the staged kernel checks them), ``programs`` persistent programs:
     the staged kernel's generated arithmetic, masks and merge against a float64 reference
-    without a GPU. Returns the outputs by name."""
+    without a GPU. Returns the outputs by name. ``opts``: StagedGen's (exp2, hoist, qfast)."""
     from acefuse.codegen.compile import cached_source, load_module
-    gen = StagedGen(fusion, emulate=True)
-    src = emulation_source(fusion)
+    gen = StagedGen(fusion, emulate=True, **(opts or {}))
+    src = emulation_source(fusion, **(opts or {}))
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     mod = load_module(cached_source(f"{gen.name}_emulated", h, src), f"acefuse_emulated_{gen.name}_{h}")
     k = RowStagedKernel(fusion, src, mod, gen, chunk=chunk)
@@ -648,10 +763,12 @@ def run_emulated(fusion, programs=2, chunk=None, **inputs) -> dict:
     return out
 
 
-def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=False, **fuse_kw) -> RowStagedKernel:
+def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=False, exp2=True, hoist=True,
+                   qfast=True, **fuse_kw) -> RowStagedKernel:
     """The staged Gluon kernel of a row program (a Fusion, or a program: fused here), written to
     acefuse's cache folder and loaded; a ValueError (CodegenError) names why a program has none.
-    Needs ``triton.experimental.gluon`` to load and an sm_90 GPU to run."""
+    Needs ``triton.experimental.gluon`` to load and an sm_90 GPU to run. ``exp2``, ``hoist``,
+    ``qfast``: the per-element forms of StagedGen (all False: the first generated kernel's)."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     from acefuse.codegen import contraction
@@ -662,7 +779,7 @@ def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=Fals
     if contraction.is_contraction(f):
         raise CodegenError(f"program {f.program.name!r} is of the contraction family; the staged kernel is the "
                            "row family's (codegen/contraction_gluon.py has the contraction's Gluon kernel)")
-    gen = StagedGen(f, tma_store=tma_store)
+    gen = StagedGen(f, tma_store=tma_store, exp2=exp2, hoist=hoist, qfast=qfast)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_staged", h, src)
