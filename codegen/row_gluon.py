@@ -250,6 +250,13 @@ class StagedGen(RowGen):
         """Chunk ``c`` of the row: its global columns, their mask, each z_sub-row's element count."""
         L.append(f"{ind}z_col0 = z_c * (CR * CW) + z_sub * CW")
         L.append(f"{ind}cols = z_col0[:, None] + z_lane[None, :]")
+        if not self.hoist:   # (the first kernel's form: the counts computed in every chunk)
+            L.append(f"{ind}if EVEN:   # every chunk whole: no column masked (the compiler drops the selects)")
+            L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)")
+            L.append(f"{ind}else:")
+            L.append(f"{ind}    tmask = cols < n_j")
+            L.append(f"{ind}n_b = tl.minimum(tl.maximum(n_j - z_col0, 0), CW) * 1.0")
+            return
         L.append(f"{ind}if EVEN:   # every chunk whole: no column masked, every sub-row CW elements (the compiler")
         L.append(f"{ind}    tmask = tl.full([BLOCK_R, BLOCK_J], 1, tl.int1)   # drops the selects)")
         L.append(f"{ind}    n_b = tl.full([BLOCK_R], CW, tl.float32)")
