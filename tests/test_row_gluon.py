@@ -72,8 +72,9 @@ def _inputs(name, R, N, seed, dtype=torch.bfloat16, device="cpu"):
     if name == "two":
         ins["g"] = (torch.randn(R, N, generator=g, dtype=torch.float64) / N ** 0.5).to(dtype)
     if name == "quot":
-        # rows 0, 3, 6, ...: entries +-k * 2^-72 (k in 1..3), exact in 16 bits; their sum(x*x), a
-        # float32 subnormal below 2^-128 (exact: multiples of 2^-144), has no float32 reciprocal
+        # rows 0, 3, 6, ...: entries +-k * 2^-72 (k in 1..3), exact in 16 bits; their sum(x*x) (exact:
+        # multiples of 2^-144) is a float32 subnormal, below 2^-128 at 8192 columns (no float32
+        # reciprocal), about 2^-126.2 at 50000, about 2^-125 (normal) at 65536
         k = torch.randint(1, 4, (R, N), generator=g).double() * 2.0 ** -72 * (torch.randint(0, 2, (R, N), generator=g) * 2 - 1)
         ins["x"] = torch.where((torch.arange(R) % 3 == 0)[:, None], k, ins["x"].double()).to(dtype)
     return {k: v.to(device) for k, v in ins.items()}
