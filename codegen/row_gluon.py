@@ -20,6 +20,13 @@ What changes against the loop schedule is only where the tiles come from and how
 - pass 2 reads the same slots again (no second HBM read) and writes the outputs elementwise
   over the fused axis, then releases each slot to the copy warp.
 
+Per element, the compute warps do what the hand-written probe (benchmarks/staged_rows_probe.py)
+does plus what the program needs: exp as one ex2 (``exp2``), pass 2's per-row values computed
+before its chunk loop (``hoist``), and a quotient by a per-row value as one multiply on rows whose
+denominators are normal floats (``qfast``; other rows the exact ``_qdiv``). Offline sm_90 SASS of
+softmax (tests/test_row_gluon.py): 160 and 121 instructions per chunk in pass 1 and pass 2, the
+probe's 153 and 120, the first generated kernel's (all three off) 214 and 233.
+
 Masking: the TMA copy of the row's last chunk reads past the row (the next row's elements, or
 zeros past the tensor); the column mask ``tmask`` (global column < n_j) selects them out of
 every reduction with the reduction's identity, exactly where the Triton loop masks its tail
