@@ -22,14 +22,14 @@ AUTO_MARGIN = 0.97         # the staged kernel is kept only at most this fractio
 
 
 def _auto_enabled():
-    """Opt-in (``ACEFUSE_STAGED=1``) until the staged kernel measures faster than the Triton
-    module somewhere: on one H200 (session 16, benchmarks/results/session16/h200_5398671_rows.txt)
-    it ran at 51-58% of copy at every shape timed (4096x65536, 8192x32768, RMSNorm 4096x65536,
-    2048x100000, 16384x16384) where the Triton module ran at 53-92%, and the automatic choice
-    kept the Triton module each time; timing it on every row program's first call would only
-    add its compile (seconds) to that call."""
+    """On unless ``ACEFUSE_STAGED=0`` or ``ACEFUSE_GLUON=0``. One H200, bf16, % of copy (session 16,
+    benchmarks/results/session16/h200_56e8590_staged_rows_ab.txt): softmax 4096x65536 staged
+    76.4% against the Triton module's 65.0% (h200_5398671_rows.txt); 8192x32768 75.3% against
+    75.1% (a tie: the margin keeps Triton); RMSNorm 54.8% and layernorm 37.2% at 4096x65536,
+    where the Triton module runs at 85.6% and (session 14) 73%: kept. Before that run's per-element forms
+    (exp2, hoist, qfast) the staged kernel lost everywhere (51-58%) and this was opt-in."""
     import os
-    return (os.environ.get("ACEFUSE_GLUON", "") != "0" and os.environ.get("ACEFUSE_STAGED", "") == "1")
+    return os.environ.get("ACEFUSE_GLUON", "") != "0" and os.environ.get("ACEFUSE_STAGED", "") != "0"
 
 
 def _choice_source(kernel, gs) -> str | None:
@@ -60,8 +60,8 @@ def auto_staged(kernel, inputs: dict):
     nothing on disk. Returns the outputs, or None where the caller runs the Triton module as
     before: not a row program with a staged form (``kernel._staged_reason`` says why), not an
     eager sm_90 call of CUDA tensors, rows of AUTO_MIN_NJ or fewer, too little work,
-    ``ACEFUSE_STAGED`` not set to 1 (the choice is opt-in: _auto_enabled), ``ACEFUSE_GLUON=0``,
-    or the Triton kernel measured faster."""
+    ``ACEFUSE_STAGED=0`` or ``ACEFUSE_GLUON=0`` (_auto_enabled), or the Triton kernel measured
+    faster."""
     import warnings
     state = getattr(kernel, "_staged_auto", None)
     if state is False or not inputs:

@@ -387,7 +387,7 @@ def gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("ACEFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ACEFUSE_TUNING_CACHE", raising=False)
     monkeypatch.delenv("ACEFUSE_GLUON", raising=False)
-    monkeypatch.setenv("ACEFUSE_STAGED", "1")   # (opt-in: row_gluon_auto._auto_enabled)
+    monkeypatch.delenv("ACEFUSE_STAGED", raising=False)   # (on by default: row_gluon_auto._auto_enabled)
     monkeypatch.setattr(ra, "_cuda_eager", lambda ts: all(type(t) is torch.Tensor for t in ts))
     monkeypatch.setattr(ra, "_sm90", lambda dev: True)
     monkeypatch.setattr(ra, "AUTO_MIN_NJ", 0)
@@ -464,7 +464,7 @@ def test_auto_leaves_short_rows_and_off_switch_to_triton(gpu, monkeypatch):
     assert k._staged_auto is False and not gpu.launched
     monkeypatch.delenv("ACEFUSE_GLUON")
     monkeypatch.setattr(ra, "AUTO_MIN_NJ", 0)
-    for off in ("", "0"):   # opt-in: unset (the default) or 0 keeps the Triton module, untimed
+    for off in ("0",):   # ACEFUSE_STAGED=0 keeps the Triton module, untimed
         monkeypatch.setenv("ACEFUSE_STAGED", off)
         k = _call(af.compile(PROGRAMS["softmax"][0]), "softmax", _inputs("softmax", 3, 8192, 19))
         assert k._staged_auto is False and not gpu.launched and not gpu.timed
