@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 from acefuse.rewrite.terms import Term, pretty
+from acefuse.codegen.auto_choice import Family, choose
 from acefuse.codegen.emit import CodegenError
 from acefuse.codegen.contraction import TANH_MM, ContractionGen, _drop_dead, _flat_mul
 from acefuse.codegen.contraction_ctx import CContext
@@ -1071,7 +1073,8 @@ def gluon_variant(text=None) -> dict:
 
 def _result(out: dict):
     """Outputs as ``af.compile``'s kernels return them: one output, the tensor; else the dict."""
-    return next(iter(out.values())) if len(out) == 1 else out
+    from acefuse.codegen.auto_choice import result
+    return result(out)
 
 
 def call_gluon(kernel, inputs: dict, explicit: bool):
@@ -1114,6 +1117,8 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 AUTO_VARIANTS = ({"ws": True}, {"ws": True, "persistent": True})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
+# how the choice is kept on the kernel and on disk (codegen/auto_choice.py)
+FAMILY = Family(attr="_gluon", what="gluon", noun="the Gluon kernel", tag_key="variant")
 
 
 def _auto_enabled():
@@ -1140,22 +1145,6 @@ def _time_pair(fns, rounds=3, reps=5):
             b.synchronize()
             best[i] = min(best[i], max(a.elapsed_time(b) * 1e-3, host) / reps)
     return best
-
-
-def _agree(a, b):
-    """Whether two outputs of the same derived program agree within 16-bit rounding (and are
-    finite at the same places)."""
-    import torch
-    if a.shape != b.shape:
-        return False
-    a, b = a.float(), b.float()
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    if not torch.equal(fa, fb):
-        return False
-    if not fa.any():
-        return True
-    scale = max(1.0, b[fb].abs().max().item())
-    return (a[fa] - b[fb]).abs().max().item() <= 2e-2 * scale
 
 
 def _cuda_eager(ts) -> bool:
@@ -1187,135 +1176,58 @@ def _choice_source(kernel, gs) -> str | None:
     return hashlib.sha256("\0".join([tri] + [g.source for g in gs]).encode()).hexdigest()
 
 
-def _remembered(stored, gs):
-    """A stored choice as (the kept kernel: 'triton' or one of ``gs``, (Triton s, fastest
-    Gluon s)), or None when it is not one (another version wrote it: then the choice is timed
-    again and rewritten)."""
-    if not (isinstance(stored, dict) and stored.get("kernel") in ("gluon", "triton")
-            and all(isinstance(stored.get(k), (int, float)) for k in ("triton_s", "gluon_s"))):
-        return None
-    times = (float(stored["triton_s"]), float(stored["gluon_s"]))
-    if stored["kernel"] == "triton":
-        return "triton", times
-    hit = [g for g in gs if _variant_tag(g) == stored.get("variant")]
-    return (hit[0], times) if hit else None
+def _not_here(kernel, dev):
+    """Why this program has no automatic Gluon kernel on ``dev``, or None (auto_choice)."""
+    if not _auto_enabled() or not _sm90(dev):
+        return "not an sm_90 GPU, or ACEFUSE_GLUON=0"
+    return None
 
 
-def auto_gluon(kernel, inputs: dict):
-    """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU: a warp-specialised
-    Gluon kernel (the fastest of AUTO_VARIANTS) or the Triton kernel, whichever runs faster
-    here, timed on the first call per input shapes, strides, dtypes and device, remembered on
-    ``kernel`` and on disk (codegen/tuning.py, ``what='gluon'``: keyed by a hash of the
-    generated sources, the inputs' names, shapes, strides and dtypes, and the device;
-    ``ACEFUSE_TUNING_CACHE=0`` turns the disk off), so that a fresh process or kernel object
-    runs the remembered kernel without timing (nor compiling the others). On the timed call
-    every kernel runs and the Gluon kernels' outputs must agree with the Triton kernel's: a
-    disagreement keeps the Triton kernel, with a warning that names the program, and nothing
-    is written to disk (another process checks again, and warns again); only a choice among
-    agreeing kernels is recorded. Returns the outputs, or None where the caller runs the
-    Triton kernel as before: not a CUDA sm_90 call of 16-bit tensors only, a program or inputs
-    outside the Gluon kernel (the reason is kept in ``kernel._gluon_reason``), too little work
-    to time (AUTO_MIN_WORK), ``ACEFUSE_GLUON=0``, tensor subclasses, CUDA graph capture, or
-    the Triton kernel measured (or remembered) faster. ``kernel._gluon_times``: (Triton s,
-    fastest Gluon s) per shapes, measured here or read back with the choice;
-    ``kernel._gluon_all_times``: each variant's seconds, where measured here."""
-    import warnings
-    state = getattr(kernel, "_gluon_auto", None)
-    if state is False or not inputs:
-        return None
-    ts = list(inputs.values())
-    if not _cuda_eager(ts):
-        return None
-    key = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in inputs.items())
-    choice = kernel.__dict__.setdefault("_gluon_choice", {}).get(key)
-    if choice == "triton":
-        return None
-    if choice is not None:
-        return _result(choice(**inputs))
-    name = kernel.fusion.program.name
-    shapes = [tuple(t.shape) for t in ts]
-    if state is None:   # first CUDA call: can this program have the kernel at all?
-        if not _auto_enabled() or not _sm90(ts[0].device):
-            kernel._gluon_auto, kernel._gluon_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
-            return None
-        try:
-            kernel._gluon_auto = tuple(compile_gluon(kernel.fusion, **v) for v in AUTO_VARIANTS)
-        except Exception as exc:   # outside the kernel's scope (or no Gluon in this Triton): Triton's kernel
-            kernel._gluon_auto, kernel._gluon_reason = False, f"{type(exc).__name__}: {exc}"
-            return None
-    gs = kernel._gluon_auto
-    choices = kernel._gluon_choice
-    try:
-        gs[0].launch_args(inputs)   # (the variants check inputs alike)
-    except (ValueError, TypeError) as exc:   # these inputs: dtype, layout, sizes
-        choices[key], kernel._gluon_reason = "triton", str(exc)
-        return None
-    g0 = gs[0]
+def _compile_all(kernel):
+    """The Gluon kernels the automatic choice times (AUTO_VARIANTS), or the exception that says
+    why the program is outside them."""
+    return tuple(compile_gluon(kernel.fusion, **v) for v in AUTO_VARIANTS)
+
+
+def _too_little(g0, inputs) -> bool:
+    """Query rows x keys (x the grid axes) under AUTO_MIN_WORK: the Triton kernel, untimed."""
     lens = {}
     for n, axes in g0.tensors.items():
         lens.update(zip(axes, inputs[n].shape))
     work = lens[g0.axis] * lens[g0.R[0]]
     for a in g0.G:
         work *= lens[a]
-    if work < AUTO_MIN_WORK:
-        choices[key] = "triton"
-        return None
-    from acefuse.codegen import tuning
-    from acefuse.codegen.compile import run_module
-    src = _choice_source(kernel, gs)
-    disk_key = tuple((n, tuple(t.shape), tuple(t.stride()), str(t.dtype)) for n, t in inputs.items())
-    stored = _remembered(tuning.lookup(src, "gluon", disk_key, ts[0].device), gs)
-    if stored is not None:   # measured (and the outputs checked) by an earlier process on this device
-        which, times = stored
-        kernel.__dict__.setdefault("_gluon_times", {})[key] = times
-        if which == "triton":
-            choices[key] = "triton"
-            return None
-        try:
-            out = which(**inputs)
-        except Exception as exc:   # the Gluon kernel fails here (its compile, say): the Triton kernel
-            warnings.warn(f"program {name!r}: the Gluon kernel remembered as the faster ({_variant_tag(which)}) "
-                          f"failed at shapes {shapes} ({type(exc).__name__}: {str(exc)[:200]}); the Triton kernel "
-                          "runs", stacklevel=3)
-            choices[key], kernel._gluon_reason = "triton", f"{type(exc).__name__}: {exc}"
-            return None
-        choices[key] = which
-        return _result(out)
-    want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
-    outs = want if isinstance(want, dict) else {next(iter(g0.out_axes)): want}
-    ran, first = [], {}
-    for g in gs:
-        try:
-            got = g(**inputs)
-        except Exception as exc:   # e.g. a compile failure of this Gluon variant on this Triton: left out
-            warnings.warn(f"program {name!r}: the Gluon kernel ({_variant_tag(g)}) failed at shapes {shapes} "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); it is left out of the choice", stacklevel=3)
-            kernel._gluon_reason = f"{_variant_tag(g)}: {type(exc).__name__}: {exc}"
-            continue
-        if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
-            warnings.warn(f"program {name!r}: the Gluon kernel's ({_variant_tag(g)}) outputs differ from the "
-                          f"Triton kernel's at shapes {shapes}; the Triton kernel is kept", stacklevel=3)
-            choices[key] = "triton"
-            return want
-        ran.append(g)
-        first[g] = got
-    if not ran:
-        choices[key] = "triton"
-        return want
-    times = _time_pair([lambda: run_module(kernel.module, (), inputs)]
-                       + [lambda g=g: g(**inputs) for g in ran])
-    t_tri, t_glu = times[0], min(times[1:])
-    best = ran[times[1:].index(t_glu)]
-    choices[key] = best if t_glu <= AUTO_MARGIN * t_tri else "triton"
-    kernel.__dict__.setdefault("_gluon_times", {})[key] = (t_tri, t_glu)
-    kernel.__dict__.setdefault("_gluon_all_times", {})[key] = {_variant_tag(g): t for g, t in zip(ran, times[1:])}
-    if len(ran) == len(gs):   # (a variant that failed to run here is not judged: nothing recorded)
-        tuning.record(src, "gluon", disk_key, ts[0].device,
-                      {"kernel": "triton" if choices[key] == "triton" else "gluon", "variant": _variant_tag(best),
-                       "triton_s": t_tri, "gluon_s": t_glu})
-    if choices[key] == "triton":
-        return want
-    return _result(first[best])
+    return work < AUTO_MIN_WORK
+
+
+def _single_out(g0) -> str:
+    return next(iter(g0.out_axes))
+
+
+_tag = _variant_tag
+_THIS = sys.modules[__name__]
+
+
+def auto_gluon(kernel, inputs: dict):
+    """The automatic choice of ``af.compile``'s kernels on an sm_90 GPU (codegen/auto_choice.py,
+    shared with the row family's staged kernel): a warp-specialised Gluon kernel (the fastest of
+    AUTO_VARIANTS) or the Triton kernel, whichever runs faster here, timed on the first call per
+    input shapes, strides, dtypes and device, remembered on ``kernel`` and on disk
+    (codegen/tuning.py, ``what='gluon'``: keyed by a hash of the generated sources, the inputs'
+    names, shapes, strides and dtypes, and the device; ``ACEFUSE_TUNING_CACHE=0`` turns the
+    disk off), so that a fresh process or kernel object runs the remembered kernel without
+    timing (nor compiling the others). On the timed call every kernel runs and the Gluon
+    kernels' outputs must agree with the Triton kernel's: a disagreement keeps the Triton
+    kernel, with a warning that names the program, and nothing is written to disk (another
+    process checks again, and warns again); only a choice among agreeing kernels is recorded.
+    Returns the outputs, or None where the caller runs the Triton kernel as before: not a CUDA
+    sm_90 call of 16-bit tensors only, a program or inputs outside the Gluon kernel (the reason
+    is kept in ``kernel._gluon_reason``), too little work to time (AUTO_MIN_WORK),
+    ``ACEFUSE_GLUON=0``, tensor subclasses, CUDA graph capture, or the Triton kernel measured
+    (or remembered) faster. ``kernel._gluon_times``: (Triton s, fastest Gluon s) per shapes,
+    measured here or read back with the choice; ``kernel._gluon_all_times``: each variant's
+    seconds, where measured here."""
+    return choose(FAMILY, _THIS, kernel, inputs)
 
 
 __all__ = ["GluonGen", "GluonKernel", "auto_gluon", "call_gluon", "compile_gluon", "gluon_source", "gluon_variant"]

@@ -2,15 +2,17 @@
 the Triton module's own launch, for af.compile's kernels on an sm_90 GPU (called from
 codegen/compile.py ``Kernel.__call__``): timed on the first call per input shapes, outputs
 compared, the faster kept, remembered on the kernel and on disk (codegen/tuning.py,
-``what='staged'``). The same design as the contraction family's ``auto_gluon``
-(codegen/contraction_gluon.py), whose helpers it uses.
+``what='staged'``): codegen/auto_choice.py, shared with the contraction family's ``auto_gluon``;
+this module says what is particular to rows.
 """
 from __future__ import annotations
 
 import hashlib
+import sys
 
 from acefuse.codegen import row_gluon
-from acefuse.codegen.contraction_gluon import _agree, _cuda_eager, _result, _sm90, _time_pair   # noqa: F401
+from acefuse.codegen.auto_choice import Family, choose
+from acefuse.codegen.contraction_gluon import _cuda_eager, _sm90, _time_pair   # noqa: F401 (read by auto_choice)
 
 # the configurations the automatic choice times against the Triton module (the fastest of those
 # whose outputs agree is kept where it beats the Triton launch by AUTO_MARGIN): the probe's best
@@ -39,15 +41,42 @@ def _choice_source(kernel, gs) -> str | None:
     return hashlib.sha256("\0".join([tri] + [g.source + g.tag for g in gs]).encode()).hexdigest()
 
 
-def _remembered(stored, gs):
-    if not (isinstance(stored, dict) and stored.get("kernel") in ("staged", "triton")
-            and all(isinstance(stored.get(k), (int, float)) for k in ("triton_s", "staged_s"))):
-        return None
-    times = (float(stored["triton_s"]), float(stored["staged_s"]))
-    if stored["kernel"] == "triton":
-        return "triton", times
-    hit = [g for g in gs if g.tag == stored.get("config")]
-    return (hit[0], times) if hit else None
+def _not_here(kernel, dev):
+    """Why this program has no automatic staged kernel on ``dev``, or None (auto_choice)."""
+    if not _auto_enabled() or not _sm90(dev):
+        return "not an sm_90 GPU, or ACEFUSE_GLUON=0 / ACEFUSE_STAGED=0"
+    if getattr(kernel.module, "RIDERS", None) or not hasattr(kernel.module, "STATES"):
+        return "not a row-family module (or one with riders)"
+    return None
+
+
+def _compile_all(kernel):
+    return tuple(row_gluon.compile_staged(kernel.fusion, **c) for c in AUTO_CONFIGS)
+
+
+def _too_little(g0, inputs) -> bool:
+    """Rows of AUTO_MIN_NJ elements or fewer (read once already by the single-tile schedule), or
+    under AUTO_MIN_WORK elements in all: the Triton module, untimed."""
+    lens = {}
+    for n, axes in g0.tensors.items():
+        lens.update(zip(axes, inputs[n].shape))
+    n_j = lens[g0.axis]
+    work = n_j
+    for a in g0.row_axes:
+        work *= lens[a]
+    return n_j <= AUTO_MIN_NJ or work < AUTO_MIN_WORK
+
+
+def _tag(g) -> str:
+    return g.tag
+
+
+def _single_out(g0) -> str:
+    return g0.stores[0][0]
+
+
+FAMILY = Family(attr="_staged", what="staged", noun="the staged Gluon kernel", tag_key="config")
+_THIS = sys.modules[__name__]
 
 
 def auto_staged(kernel, inputs: dict):
@@ -62,105 +91,7 @@ def auto_staged(kernel, inputs: dict):
     eager sm_90 call of CUDA tensors, rows of AUTO_MIN_NJ or fewer, too little work,
     ``ACEFUSE_STAGED=0`` or ``ACEFUSE_GLUON=0`` (_auto_enabled), or the Triton kernel measured
     faster."""
-    import warnings
-    state = getattr(kernel, "_staged_auto", None)
-    if state is False or not inputs:
-        return None
-    ts = list(inputs.values())
-    if not all(hasattr(t, "is_cuda") for t in ts) or not _cuda_eager(ts):
-        return None
-    key = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in inputs.items())
-    choices = kernel.__dict__.setdefault("_staged_choice", {})
-    choice = choices.get(key)
-    if choice == "triton":
-        return None
-    if choice is not None:
-        return _result(choice(**inputs))
-    name = kernel.fusion.program.name
-    shapes = [tuple(t.shape) for t in ts]
-    if state is None:
-        if not _auto_enabled() or not _sm90(ts[0].device):
-            kernel._staged_auto, kernel._staged_reason = False, "not an sm_90 GPU, or ACEFUSE_GLUON=0"
-            return None
-        if getattr(kernel.module, "RIDERS", None) or not hasattr(kernel.module, "STATES"):
-            kernel._staged_auto, kernel._staged_reason = False, "not a row-family module (or one with riders)"
-            return None
-        try:
-            kernel._staged_auto = tuple(row_gluon.compile_staged(kernel.fusion, **c) for c in AUTO_CONFIGS)
-        except Exception as exc:   # no staged form (or no Gluon here): the Triton module
-            kernel._staged_auto, kernel._staged_reason = False, f"{type(exc).__name__}: {exc}"
-            return None
-    gs = kernel._staged_auto
-    g0 = gs[0]
-    try:
-        grid, args, kw, _ = g0.launch_args(inputs)
-    except (ValueError, TypeError) as exc:
-        choices[key], kernel._staged_reason = "triton", str(exc)
-        return None
-    lens = {}
-    for n, axes in g0.tensors.items():
-        lens.update(zip(axes, inputs[n].shape))
-    n_j = lens[g0.axis]
-    work = n_j
-    for a in g0.row_axes:
-        work *= lens[a]
-    if n_j <= AUTO_MIN_NJ or work < AUTO_MIN_WORK:
-        choices[key] = "triton"
-        return None
-    from acefuse.codegen import tuning
-    from acefuse.codegen.compile import run_module
-    src = _choice_source(kernel, gs)
-    disk_key = tuple((n, tuple(t.shape), tuple(t.stride()), str(t.dtype)) for n, t in inputs.items())
-    stored = _remembered(tuning.lookup(src, "staged", disk_key, ts[0].device), gs)
-    if stored is not None:
-        which, times = stored
-        kernel.__dict__.setdefault("_staged_times", {})[key] = times
-        if which == "triton":
-            choices[key] = "triton"
-            return None
-        try:
-            out = which(**inputs)
-        except Exception as exc:
-            warnings.warn(f"program {name!r}: the staged Gluon kernel remembered as the faster ({which.tag}) failed "
-                          f"at shapes {shapes} ({type(exc).__name__}: {str(exc)[:200]}); the Triton kernel runs",
-                          stacklevel=3)
-            choices[key], kernel._staged_reason = "triton", f"{type(exc).__name__}: {exc}"
-            return None
-        choices[key] = which
-        return _result(out)
-    want = run_module(kernel.module, (), inputs)   # (its own first call: the Triton launch's timed choice)
-    outs = want if isinstance(want, dict) else {g0.stores[0][0]: want}
-    ran, first = [], {}
-    for g in gs:
-        try:
-            got = g(**inputs)
-        except Exception as exc:
-            warnings.warn(f"program {name!r}: the staged Gluon kernel ({g.tag}) failed at shapes {shapes} "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); it is left out of the choice", stacklevel=3)
-            kernel._staged_reason = f"{g.tag}: {type(exc).__name__}: {exc}"
-            continue
-        if set(got) != set(outs) or not all(got[n].dtype == outs[n].dtype and _agree(got[n], outs[n]) for n in outs):
-            warnings.warn(f"program {name!r}: the staged Gluon kernel's ({g.tag}) outputs differ from the Triton "
-                          f"kernel's at shapes {shapes}; the Triton kernel is kept", stacklevel=3)
-            choices[key] = "triton"
-            return want
-        ran.append(g)
-        first[g] = got
-    if not ran:
-        choices[key] = "triton"
-        return want
-    times = _time_pair([lambda: run_module(kernel.module, (), inputs)] + [lambda g=g: g(**inputs) for g in ran])
-    t_tri, t_st = times[0], min(times[1:])
-    best = ran[times[1:].index(t_st)]
-    choices[key] = best if t_st <= AUTO_MARGIN * t_tri else "triton"
-    kernel.__dict__.setdefault("_staged_times", {})[key] = (t_tri, t_st)
-    if len(ran) == len(gs):
-        tuning.record(src, "staged", disk_key, ts[0].device,
-                      {"kernel": "triton" if choices[key] == "triton" else "staged", "config": best.tag,
-                       "triton_s": t_tri, "staged_s": t_st})
-    if choices[key] == "triton":
-        return want
-    return _result(first[best])
+    return choose(FAMILY, _THIS, kernel, inputs)
 
 
 __all__ = ["auto_staged"]
