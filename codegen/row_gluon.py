@@ -27,6 +27,12 @@ denominators are normal floats (``qfast``; other rows the exact ``_qdiv``). Offl
 softmax (tests/test_row_gluon.py): 160 and 121 instructions per chunk in pass 1 and pass 2, the
 probe's 153 and 120, the first generated kernel's (all three off) 214 and 233.
 
+``rows_in_flight=2`` (an option; the automatic choice does not time it): two compute groups
+of ``num_warps // 2`` warps take the program's rows in turn (row k to group k % 2), sharing the
+copy warp and the ring, so that one group's pass 2 runs while the other's pass 1 folds the next
+row; each group waits on its own ``full`` barriers (``StagedGen.kernel`` has the protocol,
+tests/test_row_gluon_protocol.py runs it under random interleavings).
+
 Masking: the TMA copy of the row's last chunk reads past the row (the next row's elements, or
 zeros past the tensor); the column mask ``tmask`` (global column < n_j) selects them out of
 every reduction with the reduction's identity, exactly where the Triton loop masks its tail
@@ -180,8 +186,14 @@ class StagedGen(RowGen):
 
     context = SContext
 
-    def __init__(self, fusion, emulate=False, tma_store=False, exp2=True, hoist=True, qfast=True):
+    def __init__(self, fusion, emulate=False, tma_store=False, exp2=True, hoist=True, qfast=True, rows_in_flight=1):
         super().__init__(fusion)
+        # rows_in_flight=2: two compute groups on alternating rows of the program (row k to group
+        # k % 2), sharing the copy warp and the ring, so that one group's pass 2 overlaps the other's
+        # pass 1 (``kernel``'s docstring has the protocol); 1: one group (the default kernel)
+        if rows_in_flight not in (1, 2):
+            raise ValueError(f"rows_in_flight={rows_in_flight!r}: 1 or 2")
+        self.rif = rows_in_flight
         # exp2: exp(x) as exp2(x * log2(e)) (``_expf``: ex2.approx.ftz, one MUFU.EX2; results below
         # 2^-126, which float32's exp gives with a few bits only, flush to 0); False: tl.exp
         # (ex2.approx.f32, whose subnormal fix-up costs an FSETP and two FMULs per element on
@@ -233,6 +245,9 @@ class StagedGen(RowGen):
             if self.axis in ax and (ax[-1] != self.axis):
                 raise CodegenError(f"program {name!r}: output {o!r} has the fused axis {self.axis!r} not last")
         self.elem_out = list(self.enc.elementwise_outputs)
+        if self.rif > 1 and self.tma_store:
+            raise CodegenError(f"program {name!r}: rows_in_flight=2 has no tma_store form (the output buffers and "
+                               "their store waits are one group's); use one of the two")
         if self.tma_store and (not self.elem_out or any(list(self.out_axes[o]) != self.row_axes + [self.axis]
                                                         for o in self.elem_out)):
             raise CodegenError(f"program {name!r}: tma_store needs outputs elementwise over the rows and "
@@ -362,7 +377,20 @@ class StagedGen(RowGen):
 
     # -- the kernel ------------------------------------------------------------------------------
     def kernel(self) -> str:
+        """The module's kernels: the merge, the compute partition, the copy partition, the kernel.
+
+        With ``rows_in_flight=2`` (``self.rif``) the compute partition runs twice, as two groups of
+        warps (group G takes rows G, G + 2, ... of the program); the copy warp fills the ring in the
+        same order as with one group (chunk t of the program's rows into slot t % NBUF once the
+        slot's previous chunk was released: one ``empty`` barrier per slot, released by whichever
+        group read it, in fill order, since a slot is refilled only after its release). Each group
+        has its own ``full`` barrier per slot (index G * NBUF + slot): a group waits only for its
+        own fills, in its order, and keeps the parity of its next fill of each slot as one bit of
+        ``z_ph`` (NBUF <= 64), so a wait never sees the other group's phases. No deadlock: the
+        copy of chunk t waits for the release of chunk t - NBUF, whose row ended before t (NBUF >= NC)
+        and whose group waits on earlier chunks only. tests/test_row_gluon_protocol.py runs it."""
         p = self.f.passes[0]
+        two = self.rif > 1
         names = [s.name for s in p.states]
         sig = ", ".join(self.sig())
         slots = ", ".join(f"slots_{t}" for t in self.staged)
@@ -383,7 +411,8 @@ class StagedGen(RowGen):
                  "    nj_f = n_j * 1.0"]
         else:
             L = ["@gluon.jit",
-                 f"def _{self.name}_compute({sig}, full, empty, {slots}, {outs}NC: gl.constexpr, NBUF: gl.constexpr, "
+                 f"def _{self.name}_compute({'G: gl.constexpr, ' if two else ''}{sig}, full, empty, {slots}, {outs}"
+                 "NC: gl.constexpr, NBUF: gl.constexpr, "
                  "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
                  "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
                  "    # outputs from the same slots and releases each to the copy warp",
@@ -397,7 +426,17 @@ class StagedGen(RowGen):
         for a in self.row_axes:
             L.append(f"    len_{a}_f = len_{a} * 1.0")
         L.append("    z_mine = (n_rows - z_pid + z_P - 1) // z_P")
-        L.append("    for z_k in range(0, z_mine):")
+        if two and self.emulate:   # the groups' rows in turn: group 0's (even k), then group 1's (odd k)
+            L.append("    z_n0 = (z_mine + 1) // 2")
+            L.append("    for z_i in range(0, z_mine):")
+            L.append("        z_k = tl.where(z_i < z_n0, 2 * z_i, 2 * (z_i - z_n0) + 1)")
+        elif two:
+            L.append("    # this group's next fill of slot s has parity bit s of z_ph (its own full barriers)")
+            L.append("    z_ph = z_pid.to(tl.int64) * 0")
+            L.append("    z_one = z_ph + 1")
+            L.append("    for z_k in range(G, z_mine, 2):   # rows G, G + 2, ... of the program")
+        else:
+            L.append("    for z_k in range(0, z_mine):")
         ind = "        "
         L.append(f"{ind}z_row = z_pid + z_k * z_P")
         L.append(f"{ind}z_base = z_k * NC")
@@ -406,7 +445,10 @@ class StagedGen(RowGen):
         L.append(f"{ind}z_c = 0")
         if not self.emulate:
             L.append(f"{ind}z_slot = z_base % NBUF")
-        if not self.emulate:
+        if not self.emulate and two:
+            L.append(f"{ind}mbarrier.wait(full.index(G * NBUF + z_slot), ((z_ph >> z_slot) & 1).to(tl.int32))")
+            L.append(f"{ind}z_ph = z_ph ^ (z_one << z_slot)")
+        elif not self.emulate:
             L.append(f"{ind}mbarrier.wait(full.index(z_slot), (z_base // NBUF) & 1)")
         self.chunk_setup(L, ind)
         self.emit_states(p, p.init, L, ind, "init", "init")
@@ -416,7 +458,10 @@ class StagedGen(RowGen):
         L.append(f"{i2}z_t = z_base + z_c")
         if not self.emulate:
             L.append(f"{i2}z_slot = z_t % NBUF")
-        if not self.emulate:
+        if not self.emulate and two:
+            L.append(f"{i2}mbarrier.wait(full.index(G * NBUF + z_slot), ((z_ph >> z_slot) & 1).to(tl.int32))")
+            L.append(f"{i2}z_ph = z_ph ^ (z_one << z_slot)")
+        elif not self.emulate:
             L.append(f"{i2}mbarrier.wait(full.index(z_slot), (z_t // NBUF) & 1)")
         self.chunk_setup(L, i2)
         self.emit_states(p, p.rolling, L, i2, "roll", "rolling")
@@ -468,14 +513,20 @@ class StagedGen(RowGen):
              "        c = t - k * NC",
              "        z_row0 = (z_pid + k * P) * NSUB + c * CR   # (n_rows * NSUB < 2**31: the launcher checks)",
              f"        mbarrier.expect(full.index(s), {nbytes})"]
+        if two:   # the full barrier of the group of row k (k % 2)
+            C[-1] = "        f = (k % 2) * NBUF + s   # the full barrier of slot s of row k's group (k % 2)"
+            C.append(f"        mbarrier.expect(full.index(f), {nbytes})")
         for t in self.staged:
-            C.append(f"        _tma_load({t}_desc, [z_row0, 0], full.index(s), slots_{t}.index(s))")
+            C.append(f"        _tma_load({t}_desc, [z_row0, 0], full.index({'f' if two else 's'}), slots_{t}.index(s))")
         copy = _gluonize("\n".join(C))
         # -- the kernel
         K = ["@gluon.jit",
              f"def {self.name}_staged({sig}, NSUB, NC: gl.constexpr, NBUF: gl.constexpr, CR: gl.constexpr, "
-             f"CW: gl.constexpr, EVEN: gl.constexpr, {dts}, num_warps: gl.constexpr):",
+             f"CW: gl.constexpr, EVEN: gl.constexpr, {dts}, {'REGS: gl.constexpr, ' if two else ''}"
+             "num_warps: gl.constexpr):",
              "    # a persistent program per SM; each row of the staged inputs is read once, through the ring"]
+        if two:
+            K[-1] += " (two compute groups of num_warps warps each)"
         for t in self.staged:
             K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
             K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
@@ -499,7 +550,33 @@ class StagedGen(RowGen):
               "    for i in gl.static_range(NBUF):",
               "        mbarrier.invalidate(full.index(i))",
               "        mbarrier.invalidate(empty.index(i))"]
-        return "\n\n\n".join([_gluonize(self._exp(self.merge_fn(p))), compute, copy, _gluonize("\n".join(K))])
+        parts = [_gluonize(self._exp(self.merge_fn(p))), compute]
+        if two:
+            K = K[:-13] + [
+                "    # a full barrier per slot and group (G * NBUF + slot), an empty barrier per slot",
+                "    full = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())",
+                "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
+                "    for i in gl.static_range(NBUF):",
+                "        mbarrier.init(full.index(i), count=1)",
+                "        mbarrier.init(full.index(NBUF + i), count=1)",
+                "        mbarrier.init(empty.index(i), count=1)",
+                "    fence_async_shared()",
+                "    gl.warp_specialize([",
+                f"        (_{self.name}_compute0, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
+                f"        (_{self.name}_compute1, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
+                f"        (_{self.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
+                "    ], [num_warps, 1], [REGS, 24])",
+                "    for i in gl.static_range(NBUF):",
+                "        mbarrier.invalidate(full.index(i))",
+                "        mbarrier.invalidate(full.index(NBUF + i))",
+                "        mbarrier.invalidate(empty.index(i))"]
+            for w in (0, 1):   # the two groups: the compute partition with its group as a constexpr
+                parts.append("\n".join([
+                    "@gluon.jit",
+                    f"def _{self.name}_compute{w}({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
+                    "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
+                    f"    _{self.name}_compute({w}, {sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, NW)"]))
+        return "\n\n\n".join(parts + [copy, _gluonize("\n".join(K))])
 
     def module(self) -> str:
         kern = self.kernel()
@@ -523,7 +600,7 @@ def emulation_source(fusion, **opts) -> str:
     of CW, per-sub-row states, the merge over sub-rows, the masks), with each chunk loaded from
     global memory instead of its ring slot: what Triton's interpreter can check on the CPU. Its
     arguments: the staged kernel's, without NSUB, NBUF and the dtypes. ``opts``: StagedGen's
-    (exp2, hoist, qfast)."""
+    (exp2, hoist, qfast, rows_in_flight: with 2, the two groups' rows in turn)."""
     from acefuse.codegen.row import HEADER
     g = StagedGen(fusion, emulate=True, **opts)
     kern = g.kernel()
@@ -536,7 +613,8 @@ def emulation_source(fusion, **opts) -> str:
 
 def staged_source(fusion, **opts) -> str:
     """The staged Gluon module source of a row-family Fusion (CodegenError, a ValueError, where
-    the program has no staged form); ``opts``: StagedGen's (tma_store, exp2, hoist, qfast)."""
+    the program has no staged form); ``opts``: StagedGen's (tma_store, exp2, hoist, qfast,
+    rows_in_flight)."""
     return StagedGen(fusion, **opts).module()
 
 

@@ -34,7 +34,8 @@ class RowStagedKernel:
     ``chunk``: the ring's slots (None: as many as fit, up to DEFAULT_NBUF), the compute warps,
     the elements per slot; ``source``: the generated module."""
 
-    def __init__(self, fusion, source, module, gen, nbuf=None, num_warps=None, chunk=None, tma_store=False):
+    def __init__(self, fusion, source, module, gen, nbuf=None, num_warps=None, chunk=None, tma_store=False,
+                 rows_in_flight=1):
         self.fusion, self.source, self.module = fusion, source, module
         self.name, self.axis = gen.name, gen.axis
         self.tensors = dict(gen.tensors)
@@ -45,6 +46,8 @@ class RowStagedKernel:
         self.store_dtypes = dict(gen.launch_store_dtypes())
         self.nbuf, self.num_warps, self.chunk = nbuf, num_warps or DEFAULT_WARPS, chunk or CHUNK
         self.tma_store, self.elem_out = tma_store, list(gen.elem_out)
+        # rows_in_flight=2: two compute groups of num_warps // 2 warps each (StagedGen.kernel)
+        self.rows_in_flight = rows_in_flight
         self.fn = getattr(module, f"{gen.name}_staged", None)
         # the per-element forms (StagedGen's exp2, hoist, qfast) where not all on
         self.forms = "".join(f",no_{k}" for k in ("exp2", "hoist", "qfast") if not getattr(gen, k, True))
@@ -52,7 +55,8 @@ class RowStagedKernel:
     @property
     def tag(self) -> str:
         return (f"nbuf={self.nbuf or 'auto'},w={self.num_warps},chunk={self.chunk}"
-                + (",tma_store" if self.tma_store else "") + self.forms)
+                + (",tma_store" if self.tma_store else "") + self.forms
+                + (f",rif={self.rows_in_flight}" if self.rows_in_flight > 1 else ""))
 
     def __call__(self, **inputs):
         import torch
@@ -130,6 +134,10 @@ class RowStagedKernel:
         if nbuf < NC or nbuf > cap:
             raise ValueError(f"program {name!r}: nbuf={nbuf} ring slots; the row needs {NC} and shared memory "
                              f"holds {cap}")
+        if self.rows_in_flight > 1 and nbuf > 64:
+            # (each group keeps the parities of its next fill of every slot as the bits of one int64)
+            raise ValueError(f"program {name!r}: {nbuf} ring slots (nbuf={self.nbuf}, {NC} chunks a row); "
+                             "rows_in_flight=2 takes at most 64: use a larger chunk or rows_in_flight=1")
         nsub = n_j // CW
         if n_rows * nsub + CR >= 2 ** 31:
             raise ValueError(f"program {name!r}: {n_rows} rows of {nsub} sub-rows overflow the TMA coordinates "
@@ -154,6 +162,16 @@ class RowStagedKernel:
         args += [lens[a] for a in self.row_axes]
         args += [n_rows, n_j, nsub]
         kw = dict(NC=NC, NBUF=nbuf, CR=CR, CW=CW, EVEN=n_j % (CR * CW) == 0, num_warps=nw)
+        if self.rows_in_flight > 1:
+            # two groups of nw // 2 warps (the kernel's num_warps: the first group's, the default
+            # partition); the copy warp's warpgroup rounds the warps up to whole warpgroups, which
+            # share the 64K registers: REGS per thread (setmaxnreg) for the second group, the same
+            # as the kernel's limit
+            if nw < 2:
+                raise ValueError(f"program {name!r}: rows_in_flight=2 splits num_warps={nw} into two groups; use 8")
+            g = nw // 2
+            regs = min(256, 65536 // (32 * ((2 * g + 1 + 3) // 4 * 4)) // 8 * 8)
+            kw.update(num_warps=g, REGS=regs, maxnreg=regs)
         if self.tma_store:
             for o in self.elem_out:
                 if out[o].dtype not in (torch.bfloat16, torch.float16):
@@ -170,7 +188,8 @@ def run_emulated(fusion, programs=2, chunk=None, opts=None, **inputs) -> dict:
     """Run ``emulation_source``'s kernel in Triton's interpreter (the CPU; TRITON_INTERPRET=1) on
     ``inputs`` (checked as the staged kernel checks them), ``programs`` persistent programs:
     the staged kernel's generated arithmetic, masks and merge against a float64 reference
-    without a GPU. Returns the outputs by name. ``opts``: StagedGen's (exp2, hoist, qfast)."""
+    without a GPU. Returns the outputs by name. ``opts``: StagedGen's (exp2, hoist, qfast,
+    rows_in_flight)."""
     from acefuse.codegen.compile import cached_source, load_module
     from acefuse.codegen.row_gluon import StagedGen, emulation_source
     gen = StagedGen(fusion, emulate=True, **(opts or {}))
@@ -185,11 +204,12 @@ def run_emulated(fusion, programs=2, chunk=None, opts=None, **inputs) -> dict:
 
 
 def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=False, exp2=True, hoist=True,
-                   qfast=True, **fuse_kw) -> RowStagedKernel:
+                   qfast=True, rows_in_flight=1, **fuse_kw) -> RowStagedKernel:
     """The staged Gluon kernel of a row program (a Fusion, or a program: fused here), written to
     acefuse's cache folder and loaded; a ValueError (CodegenError) names why a program has none.
     Needs ``triton.experimental.gluon`` to load and an sm_90 GPU to run. ``exp2``, ``hoist``,
-    ``qfast``: the per-element forms of StagedGen (all False: the first generated kernel's)."""
+    ``qfast``: the per-element forms of StagedGen (all False: the first generated kernel's);
+    ``rows_in_flight=2``: two compute groups of ``num_warps // 2`` warps on alternating rows."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
     from acefuse.codegen import contraction
@@ -201,12 +221,13 @@ def compile_staged(fusion, nbuf=None, num_warps=None, chunk=None, tma_store=Fals
     if contraction.is_contraction(f):
         raise CodegenError(f"program {f.program.name!r} is of the contraction family; the staged kernel is the "
                            "row family's (codegen/contraction_gluon.py has the contraction's Gluon kernel)")
-    gen = StagedGen(f, tma_store=tma_store, exp2=exp2, hoist=hoist, qfast=qfast)
+    gen = StagedGen(f, tma_store=tma_store, exp2=exp2, hoist=hoist, qfast=qfast, rows_in_flight=rows_in_flight)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_staged", h, src)
     mod = load_module(path, f"acefuse_staged_{gen.name}_{h}")
-    return RowStagedKernel(f, src, mod, gen, nbuf=nbuf, num_warps=num_warps, chunk=chunk, tma_store=tma_store)
+    return RowStagedKernel(f, src, mod, gen, nbuf=nbuf, num_warps=num_warps, chunk=chunk, tma_store=tma_store,
+                           rows_in_flight=rows_in_flight)
 
 
 def auto_staged(kernel, inputs: dict):

@@ -147,6 +147,51 @@ def test_refusals_say_why():
     assert kw["CW"] == 16 and kw["CR"] == 256 and kw["NC"] == 13 and kw["NBUF"] >= 13
 
 
+def test_two_rows_in_flight_options_and_refusals():
+    """rows_in_flight=2: two compute groups of num_warps // 2 warps, their registers split with
+    the copy warp's warpgroup; the ring as with one group (a row of each fits: the groups share
+    it); refused with tma_store, with more than 64 slots (the phase bits), and other counts."""
+    kern = rg.compile_staged(_fusion("softmax"), rows_in_flight=2)
+    assert "rif=2" in kern.tag and "_compute1" in kern.source and "G * NBUF + z_slot" in kern.source
+    grid, args, kw, out = kern.launch_args(_inputs("softmax", 3, 65536, 1))
+    assert kw["num_warps"] == 4 and kw["REGS"] == kw["maxnreg"] == 168 and kw["NC"] == 16 and kw["NBUF"] == 24
+    k16 = rg.compile_staged(_fusion("softmax"), rows_in_flight=2, num_warps=16)
+    assert k16.launch_args(_inputs("softmax", 3, 65536, 1))[2]["REGS"] == 96   # 8 + 8 + 1 warps: 20 of 96
+    small = rg.compile_staged(_fusion("softmax"), rows_in_flight=2, chunk=512, nbuf=64)   # 1 KB slots
+    assert small.launch_args(_inputs("softmax", 3, 8192, 1))[2]["NBUF"] == 64
+    with pytest.raises(ValueError, match="at most 64"):
+        rg.compile_staged(_fusion("softmax"), rows_in_flight=2, chunk=512, nbuf=80).launch_args(_inputs("softmax", 3, 8192, 1))
+    with pytest.raises(ValueError, match="at most 64"):   # 65 chunks of 512 a row
+        rg.compile_staged(_fusion("softmax"), rows_in_flight=2, chunk=512).launch_args(_inputs("softmax", 3, 65 * 512, 1))
+    with pytest.raises(ValueError, match="1 or 2"):
+        rg.staged_source(_fusion("softmax"), rows_in_flight=3)
+    with pytest.raises(ValueError, match="no tma_store form"):
+        rg.staged_source(_fusion("softmax"), rows_in_flight=2, tma_store=True)
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "quot", "stats"])
+@pytest.mark.parametrize("R,N", [(5, 12360), (3, 9000), (1, 8192)])
+def test_two_rows_in_flight_emulated_against_float64(name, R, N):
+    """rows_in_flight=2's compute groups emulated (their rows in turn: group 0's, then group
+    1's) against float64: odd row counts per program, one row, tails."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests run the kernel itself")
+    ins = _inputs(name, R, N, int(time.time() * 1000) % 100000)
+    out = rg.run_emulated(_fusion(name), programs=2, opts=dict(rows_in_flight=2), **ins)
+    _check(out if len(out) > 1 else next(iter(out.values())), _reference(name, ins))
+
+
+def test_two_rows_in_flight_emulation_can_fail(monkeypatch):
+    """A row mapping that gives group 1 group 0's rows (odd rows never written) is caught."""
+    real = rg.emulation_source
+    monkeypatch.setattr(rg, "emulation_source",
+                        lambda f, **o: real(f, **o).replace("2 * (z_i - z_n0) + 1", "2 * (z_i - z_n0)"))
+    ins = _inputs("softmax", 4, 8192, 3)
+    out = rg.run_emulated(_fusion("softmax"), programs=1, opts=dict(rows_in_flight=2), **ins)["y"]
+    with pytest.raises(AssertionError):
+        _check(out, _reference("softmax", ins))
+
+
 def test_two_passes_are_refused():
     x = af.tensor("x", "r j")
     m = af.max(x, "j")
@@ -206,9 +251,12 @@ fn = getattr(mod, name + "_staged")
 EVEN = NC != 13
 const = dict(NC=NC, NBUF=NBUF, CR=min(256, 4096 // CW), CW=CW, EVEN=EVEN, num_warps=NW)
 const.update({a: gl.bfloat16 for a in fn.arg_names if a.startswith("DT_")})
+opts = {"num_warps": NW}
+if "REGS" in fn.arg_names:   # rows_in_flight=2: two groups of NW warps, REGS registers (launch_args's)
+    const["REGS"] = opts["maxnreg"] = min(256, 65536 // (32 * ((2 * NW + 4) // 4 * 4)) // 8 * 8)
 sig = {a: ("constexpr" if a in const else ("*i64" if a == "t_ptr" else "*bf16") if a.endswith("_ptr") else "i32")
        for a in fn.arg_names}
-kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": NW})
+kern = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
 ptx = kern.asm["ptx"]
 print("STORES", ptx.count("cp.async.bulk.tensor.2d.global.shared"), "TMA", ptx.count("cp.async.bulk.tensor"), "MBAR", ptx.count("mbarrier"), "SHARED", kern.metadata.shared)
 """
@@ -220,7 +268,10 @@ print("STORES", ptx.count("cp.async.bulk.tensor.2d.global.shared"), "TMA", ptx.c
                                       ("two", (8, 12, 64, 8)),
                                       ("softmax", (13, 16, 16, 8)),   # the tail shape's chunks (50000)
                                       ("softmax_tma_store", (16, 24, 64, 8)), ("layernorm_tma_store", (16, 24, 64, 8)),
-                                      ("softmax_tma_store", (13, 16, 16, 8))])
+                                      ("softmax_tma_store", (13, 16, 16, 8)),
+                                      # rows_in_flight=2 (NW: the warps of each of the two groups)
+                                      ("softmax_rif2", (16, 24, 64, 4)), ("layernorm_rif2", (16, 24, 64, 4)),
+                                      ("rmsnorm_rif2", (8, 16, 64, 8)), ("softmax_rif2", (13, 16, 16, 4))])
 def test_compiles_for_sm90_offline(tmp_path, name, cfg):
     """Compile the generated kernel for sm_90 without a GPU (in a subprocess: the interpreter,
     which conftest turns on without a GPU, has no Gluon) and find the TMA copies in the PTX."""
@@ -228,8 +279,8 @@ def test_compiles_for_sm90_offline(tmp_path, name, cfg):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the GPU tests run the kernels themselves")
     src, script = tmp_path / "k.py", tmp_path / "compile.py"
-    prog, ts = name.replace("_tma_store", ""), name.endswith("_tma_store")
-    src.write_text(rg.StagedGen(_fusion(prog), tma_store=ts).module())
+    prog, ts = name.replace("_tma_store", "").replace("_rif2", ""), name.endswith("_tma_store")
+    src.write_text(rg.StagedGen(_fusion(prog), tma_store=ts, rows_in_flight=1 + name.endswith("_rif2")).module())
     script.write_text(_COMPILE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "tc"), TRITON_DEFAULT_FP_FUSION="1")
@@ -510,6 +561,23 @@ def test_tma_store_variant_against_float64(name, R, N):
     kern = rg.compile_staged(_fusion(name), tma_store=True)
     ins = _inputs(name, R, N, int(time.time() * 1000) % 100000, device="cuda")
     _check(kern(**ins)["y"], _reference(name, ins))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "quot", "two"])
+@pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000), (133, 8192)])
+def test_two_rows_in_flight_against_float64(name, R, N):
+    """rows_in_flight=2 on the GPU: rows per program odd and even (133 rows on 132 SMs: one
+    program with two rows, the others one), a tail (50000), the ring shared by the two groups."""
+    if not _on_hopper():
+        pytest.skip("the staged kernel needs an sm_90 GPU")
+    kern = rg.compile_staged(_fusion(name), rows_in_flight=2)
+    ins = _inputs(name, R, N, int(time.time() * 1000) % 100000, device="cuda")
+    if name == "two" and N == 65536:   # two staged rows of 65536: more than fit, as with one group
+        with pytest.raises(ValueError, match="shared memory"):
+            kern(**ins)
+        return
+    _check(kern(**ins)["d" if name == "two" else "y"], _reference(name, ins))
 
 
 @pytest.mark.gpu
