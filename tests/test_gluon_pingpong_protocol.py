@@ -19,6 +19,7 @@ import pytest
 
 import acefuse as af
 from acefuse.codegen.contraction_gluon import GluonGen
+from tests import barrier_model
 
 q = af.tensor("q", "b h i d")
 k = af.tensor("k", "b h j d")
@@ -39,77 +40,22 @@ KEEP = re.compile(r"(for (item|start|w|st) in |if WG|else:|mbarrier\.(wait|arriv
 
 def _protocol(src, fn, persistent):
     """The generator function of partition ``fn`` (a function of the generated source): its
-    loops, ``if WG`` branches, the integer bookkeeping and its barrier operations as yields."""
-    text = src.split(f"def {fn}(")[1].split("\n@gluon.jit")[0]
-    lines = text.split("\n")[1:]
-    out = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
-    for ln in lines:
-        body = ln.strip()
-        if not body or body.startswith("#") or not KEEP.match(body):
-            continue
-        ind = ln[:len(ln) - len(ln.lstrip())]
-        body = body.split("  #")[0].rstrip()
+    loops, ``if WG`` branches, the integer bookkeeping and its barrier operations as yields
+    (tests/barrier_model.py)."""
+    def translate(body, ind):
         body = (body.replace("gl.static_range", "range").replace("gl.program_id(0)", "PID")
                 .replace("gl.num_programs(0)", "NPROG"))
-        m = re.match(r"mbarrier\.wait\((\w+)\.index\((.*?)\), (.*)\)$", body)
-        if m:
-            body = f"yield ('wait', '{m.group(1)}', {m.group(2)}, {m.group(3)})"
-        m = re.match(r"mbarrier\.arrive\((\w+)\.index\((.*?)\), count=1\)$", body)
-        if m:
-            body = f"yield ('arrive', '{m.group(1)}', {m.group(2)})"
         m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
         if m:
             body = f"yield ('tma', '{m.group(1)}', {m.group(2)})"
-        assert "gl." not in body and "mbarrier." not in body and "_tma" not in body, body
-        out.append(ind + body)
         if persistent and body.startswith("for item in range("):
-            out.append(ind + "    first, a, b, end = ITEM(item)")
-    fixed = []   # a block left empty by the cut gets a pass
-    for n, ln in enumerate(out):
-        fixed.append(ln)
-        if ln.rstrip().endswith(":"):
-            ind = len(ln) - len(ln.lstrip())
-            nxt = out[n + 1] if n + 1 < len(out) else ""
-            if len(nxt) - len(nxt.lstrip()) <= ind:
-                fixed.append(" " * (ind + 4) + "pass")
-    ns = {}
-    exec("\n".join(fixed), ns)
-    return ns["part"], "\n".join(fixed)
+            return [body, "    first, a, b, end = ITEM(item)"]
+        return [body]
+    header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
+    return barrier_model.partition(src, fn, KEEP, header, translate)
 
 
 COUNTS = {"q_bar": 1, "q_free": 1, "turn": 1, "k_bar": 1, "v_bar": 1, "kv_free": 2}
-
-
-def _run(parts, ns, seed, limit=200000):
-    """Interleave the partitions (generators) at random; TMA copies arrive at random later
-    steps. Returns None when every partition finished, else a description of the deadlock."""
-    rng = random.Random(seed)
-    bars = {(b, s): [0, 0] for b, c in COUNTS.items() for s in range(max(ns, 2))}   # arrivals, phases
-
-    def arrive(b, s):
-        st = bars[b, s]
-        st[0] += 1
-        if st[0] == COUNTS[b]:
-            st[0], st[1] = 0, st[1] + 1
-    cur = {n: next(g, None) for n, g in parts.items()}
-    tma = []
-    for _ in range(limit):
-        ready = [n for n, op in cur.items() if op is not None
-                 and not (op[0] == "wait" and bars[op[1], op[2]][1] % 2 == op[3] % 2)]
-        if not ready and not tma:
-            live = {n: op for n, op in cur.items() if op is not None}
-            return None if not live else f"deadlock: {live}, barriers {[(k_, v_) for k_, v_ in bars.items() if v_ != [0, 0]]}"
-        if tma and (not ready or rng.random() < 0.3):
-            arrive(*tma.pop(rng.randrange(len(tma))))
-            continue
-        n = rng.choice(ready)
-        op = cur[n]
-        if op[0] == "arrive":
-            arrive(op[1], op[2])
-        elif op[0] == "tma":
-            tma.append((op[1], op[2]))
-        cur[n] = next(parts[n], None)
-    return "no end within the step limit"
 
 
 def _items(rng, n_items, maxlen):
@@ -136,7 +82,7 @@ def test_persistent_ping_pong_runs_to_the_end(masked):
         it = lambda x, items=items: items[x]   # noqa: E731
         parts = {"consume0": con(0, it, NS, len(items)), "consume1": con(1, it, NS, len(items)),
                  "load": load(None, it, NS, len(items))}
-        why = _run(parts, NS, seed=trial)
+        why = barrier_model.run(parts, trial, counts=COUNTS)
         assert why is None, f"items {items} (tiles each; first, a, b, end), {NS} stages: {why}"
 
 
@@ -154,7 +100,7 @@ def test_one_shot_kernel_runs_to_the_end(pp):
         (first, a, b, end), = _items(rng, 1, 6)
         parts = {"consume0": con(0, None, NS, 1, first, a, b, end), "consume1": con(1, None, NS, 1, first, a, b, end),
                  "load": load(0, None, NS, 1, first, a, b, end)}
-        why = _run(parts, NS, seed=trial)
+        why = barrier_model.run(parts, trial, counts=COUNTS)
         assert why is None, f"tiles {(first, a, b, end)}, {NS} stages: {why}"
 
 
@@ -169,7 +115,7 @@ def test_the_model_finds_a_deadlock():
     items = [(0, 1, 2, 3), (0, 0, 2, 2)]
     it = lambda x: items[x]   # noqa: E731
     parts = {"consume0": con(0, it, 3, 2), "consume1": con(1, it, 3, 2), "load": load(None, it, 3, 2)}
-    assert _run(parts, 3, seed=0).startswith("deadlock")
+    assert barrier_model.run(parts, 0, counts=COUNTS).startswith("deadlock")
 
 
 def test_without_the_acknowledgement_parity_waits_alias():
@@ -195,5 +141,5 @@ def test_without_the_acknowledgement_parity_waits_alias():
         it = lambda x, items=items: items[x]   # noqa: E731
         parts = {"consume0": con(0, it, NS, len(items)), "consume1": con(1, it, NS, len(items)),
                  "load": load(None, it, NS, len(items))}
-        hung += _run(parts, NS, seed=trial) is not None
+        hung += barrier_model.run(parts, trial, counts=COUNTS) is not None
     assert 0 < hung < 300

@@ -18,6 +18,8 @@ import pytest
 import acefuse as af
 from acefuse.codegen import row_gluon as rg
 
+from tests import barrier_model
+
 x = af.tensor("x", "r j")
 _F = af.fuse(af.program("rp_softmax", y=af.exp(x - af.max(x, "j")) / af.sum(af.exp(x - af.max(x, "j")), "j")))
 
@@ -26,90 +28,26 @@ KEEP = re.compile(r"(for (z_k|z_c|t) in |if (z_qok|t >= NBUF):|else:|mbarrier\.(
 
 
 def _protocol(src, fn):
-    """The generator function of partition ``fn`` of the generated source."""
-    text = src.split(f"def {fn}(")[1].split("\n@gluon.jit")[0]
-    out = ["def part(G, PID, NPROG, n_rows, NC, NBUF, QOK):"]
+    """The generator function of partition ``fn`` of the generated source (tests/barrier_model.py)."""
     ifs = set()
-    for ln in text.split("\n")[1:]:
-        body = ln.strip()
-        if not body or body.startswith("#") or not KEEP.match(body):
-            continue
+
+    def translate(body, ind):
         if "compute" in fn and re.match(r"(s|k|c|f) = ", body):
-            continue   # (the copy warp's names; in the compute partition, a program's states)
-        ind = ln[:len(ln) - len(ln.lstrip())]
+            return None   # (the copy warp's names; in the compute partition, a program's states)
         if body == "else:" and len(ind) not in ifs:
-            continue   # (an if EVEN's else: its if is not kept)
+            return None   # (an if EVEN's else: its if is not kept)
         if body.startswith("if "):
             ifs.add(len(ind))
-        body = body.split("  #")[0].rstrip()
         body = (re.sub(r"\.to\(g?l?t?l?\.int(32|64)\)", "", body).replace("gl.program_id(0)", "PID")
                 .replace("gl.num_programs(0)", "NPROG").replace("if z_qok:", "if QOK:"))
-        m = re.match(r"mbarrier\.wait\((\w+)\.index\((.*?)\), (.*)\)$", body)
-        if m:
-            body = f"yield ('wait', '{m.group(1)}', {m.group(2)}, {m.group(3)})"
-        m = re.match(r"mbarrier\.arrive\((\w+)\.index\((.*?)\), count=1\)$", body)
-        if m:
-            body = f"yield ('arrive', '{m.group(1)}', {m.group(2)})"
         m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((\w+)\), \w+\.index\((\w+)\)\)$", body)
         if m:
             body = f"yield ('tma', '{m.group(1)}', {m.group(2)}, {m.group(3)}, t)"
         m = re.match(r"_ld_\w+ = slots_\w+\.index\((\w+)\)\.load", body)
         if m:
             body = f"yield ('read', {m.group(1)}, z_base + z_c)"
-        assert "gl." not in body and "tl." not in body and "mbarrier." not in body and "_tma" not in body, body
-        out.append(ind + body)
-    fixed = []   # a block left empty by the cut gets a pass
-    for n, ln in enumerate(out):
-        fixed.append(ln)
-        if ln.rstrip().endswith(":"):
-            ind = len(ln) - len(ln.lstrip())
-            nxt = out[n + 1] if n + 1 < len(out) else ""
-            if len(nxt) - len(nxt.lstrip()) <= ind:
-                fixed.append(" " * (ind + 4) + "pass")
-    ns = {}
-    exec("\n".join(fixed), ns)
-    return ns["part"], "\n".join(fixed)
-
-
-def _run(parts, seed, total, limit=400000):
-    """Interleave the partitions at random; TMA copies land at random later steps. None when
-    every partition finished, every read found its chunk and every chunk was read; else why not."""
-    rng = random.Random(seed)
-    bars, content, tma, seen = {}, {}, [], set()
-    cur = {n: next(g, None) for n, g in parts.items()}
-
-    def arrive(b, i):
-        st = bars.setdefault((b, i), [0, 0])
-        st[0] += 1
-        if st[0] == 1:   # every barrier of the kernel: count=1
-            st[0], st[1] = 0, st[1] + 1
-    for _ in range(limit):
-        ready = [n for n, op in cur.items() if op is not None
-                 and not (op[0] == "wait" and bars.get((op[1], op[2]), [0, 0])[1] % 2 == op[3] % 2)]
-        if not ready and not tma:
-            live = {n: op for n, op in cur.items() if op is not None}
-            if live:
-                return f"deadlock: {live}"
-            missing = set(range(total)) - seen
-            return f"chunks never read: {sorted(missing)}" if missing else None
-        if tma and (not ready or rng.random() < 0.3):
-            b, i, s, t = tma.pop(rng.randrange(len(tma)))
-            content[s] = t
-            arrive(b, i)
-            continue
-        n = rng.choice(ready)
-        op = cur[n]
-        if op[0] == "arrive":
-            arrive(op[1], op[2])
-        elif op[0] == "tma":
-            content[op[3]] = ("in flight", op[4])
-            tma.append(op[1:])
-        elif op[0] == "read":
-            if content.get(op[1]) != op[2]:
-                return f"{n} read slot {op[1]} for chunk {op[2]} and found {content.get(op[1])}"
-            seen.add(op[2])
-        cur[n] = next(parts[n], None)
-    return "no end within the step limit"
+        return [body]
+    return barrier_model.partition(src, fn, KEEP, ["def part(G, PID, NPROG, n_rows, NC, NBUF, QOK):"], translate)
 
 
 def _parts(src, rif):
@@ -129,7 +67,7 @@ def _trial(con, copy, rif, rng, seed):
     mine = (n_rows - PID + NPROG - 1) // NPROG
     parts = {f"group{g}": con(g, PID, NPROG, n_rows, NC, NBUF, QOK) for g in range(rif)}
     parts["copy"] = copy(None, PID, NPROG, n_rows, NC, NBUF, QOK)
-    return _run(parts, seed, mine * NC), (n_rows, NPROG, PID, NC, NBUF, QOK)
+    return barrier_model.run(parts, seed, total=mine * NC), (n_rows, NPROG, PID, NC, NBUF, QOK)
 
 
 @pytest.mark.parametrize("rif", [1, 2])
