@@ -551,8 +551,17 @@ class GluonGen(ContractionGen):
         not stored)."""
         qn, kn, vn = self.q_name, self.k_name, self.v_name
         (r,), (c,), (e,) = self.R, self.C, self.E
-        pids = {"    pid_r = ": "    pid_r = n_rp - 1 - item // n_g   # the longest row tiles first",
-                "    pid_g = ": "    pid_g = item % n_g"}
+        # the items in groups of n_hg grid-axes slices whose keys and values fill half of L2 (L2_KB,
+        # the device's): within a group the longest row tiles first, slice by slice, so that the
+        # programs running at one time read the keys of few slices (each from L2 after the first
+        # read) and the static round robin over the items stays longest-first
+        pids = {"    pid_r = ": "\n".join([
+                    f"    n_hg = gl.minimum(gl.maximum(L2_KB * 256 // (n_j * (len_{c} + len_{e})), 1), n_g)",
+                    "    g0 = (item // (n_rp * n_hg)) * n_hg   # the item's group: slices g0 ..",
+                    "    hg = gl.minimum(n_hg, n_g - g0)",
+                    "    w_i = item - g0 * n_rp",
+                    "    pid_r = n_rp - 1 - w_i // hg   # the longest row tiles first"]),
+                "    pid_g = ": "    pid_g = g0 + w_i % hg"}
         self._pp_items = True   # the turn phases count work items too (GContext.reduce_tile)
         try:
             _, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
@@ -561,8 +570,8 @@ class GluonGen(ContractionGen):
         n_g = " * ".join(f"len_{a}" for a in self.G) or "1"
         sig = ", ".join(self.sig())
         ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
-                 "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
-        cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS"
+                 "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr, L2_KB: gl.constexpr")
+        cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS, L2_KB"
         ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free, turn"
         nm = f"{self.name}_p"
 
@@ -997,8 +1006,11 @@ class GluonKernel:
             kw.update(NS=stages, REGS=WS_REGS, maxnreg=WS_MAXNREG)
             if self.persistent and n_j % BLOCK_J == 0 and all(self._nests(inputs[n], n) for n in (self.q, self.k, self.v)):
                 # the persistent kernel (kernel_ws_persistent): its descriptors span the grid axes
-                sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+                props = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
+                sms = props.multi_processor_count if props else 132
                 grid = (min(grid[0] * grid[1], sms),)
+                kw.update(L2_KB=L2_KB if L2_KB is not None else (getattr(props, "L2_cache_size", 0) >> 10
+                                                                  if props else 51200))
         else:
             grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         return grid, args, kw, out
@@ -1007,6 +1019,7 @@ class GluonKernel:
 SMEM_SM90 = 232448   # bytes of shared memory one program may use on sm_90 (227 KB)
 WS_REGS = 240        # registers per thread of a consumer warpgroup (setmaxnreg)
 WS_MAXNREG = 168     # the kernel's register limit: 3 warpgroups x 128 threads x 168 = the 64K file
+L2_KB = None         # the persistent kernel's L2 size (KB) for its order of work items; None: the device's
 
 
 def _nests(t, axes):
