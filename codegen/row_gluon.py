@@ -27,7 +27,7 @@ denominators are normal floats (``qfast``; other rows the exact ``_qdiv``). Offl
 softmax (tests/test_row_gluon.py): 160 and 121 instructions per chunk in pass 1 and pass 2, the
 probe's 153 and 120, the first generated kernel's (all three off) 214 and 233.
 
-``rows_in_flight=2`` (an option; the automatic choice does not time it): two compute groups
+``rows_in_flight=2`` (the automatic choice's form, codegen/row_gluon_auto.py): two compute groups
 of ``num_warps // 2`` warps take the program's rows in turn (row k to group k % 2), sharing the
 copy warp and the ring, so that one group's pass 2 runs while the other's pass 1 folds the next
 row; each group waits on its own ``full`` barriers (``StagedGen.kernel`` has the protocol,

@@ -565,7 +565,7 @@ def test_tma_store_variant_against_float64(name, R, N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softmax", "layernorm", "rmsnorm", "quot", "two"])
-@pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000), (133, 8192)])
+@pytest.mark.parametrize("R,N", [(264, 65536), (300, 50000), (133, 8192), (1, 20000), (7, 32768)])
 def test_two_rows_in_flight_against_float64(name, R, N):
     """rows_in_flight=2 on the GPU: rows per program odd and even (133 rows on 132 SMs: one
     program with two rows, the others one), a tail (50000), the ring shared by the two groups."""
