@@ -18,8 +18,8 @@ changes how operands move and how the two contractions run:
   layout, key-side values in its columns.
 
 No kernel text here names a workload: what the kernel computes is what the derived
-expressions say. Phase 1 covers programs with one query axis, one contraction axis, one
-value axis, plain input operands (no ``af.take``) laid out contiguously, an empty-block start
+expressions say. Phase 1 covers programs with one or more query axes (several: read as one matrix of rows,
+whose strides must nest), one contraction axis, one value axis, plain input operands (no ``af.take``) laid out contiguously, an empty-block start
 of the states (``ContractionGen.empty_start``), 16-bit inputs, on sm_90. Phase 2, ``ws=True`` (GluonGen.kernel_ws):
 warp specialisation, FlashAttention-3's structure: a TMA load partition feeding a ring of
 key/value stages and two consumer warpgroups with a query tile each (options: ``pingpong``,
@@ -205,11 +205,11 @@ class GluonGen(ContractionGen):
         # math of tile t and waited on with tile t's P @ V (FlashAttention-3's intra-warpgroup
         # overlap); off: every MMA is waited on where it is issued
         self.overlap = bool(overlap)
-        if len(self.R) != 1 or len(self.C) != 1 or len(self.E) != 1:
-            raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one query axis, one contraction "
-                               f"axis and one value axis (got rows {self.R}, contractions {self.C}, values "
-                               f"{self.E}); use the Triton paths")
-        (r,), (c,), (e,), j = self.R, self.C, self.E, self.axis
+        if len(self.R) < 1 or len(self.C) != 1 or len(self.E) != 1:
+            raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one or more query axes, one "
+                               f"contraction axis and one value axis (got rows {self.R}, contractions {self.C}, "
+                               f"values {self.E}); use the Triton paths")
+        (c,), (e,), j = self.C, self.E, self.axis
         G = tuple(self.G)
 
         def find(tail, what):
@@ -218,7 +218,10 @@ class GluonGen(ContractionGen):
                 raise CodegenError(f"program {self.name!r}: the Gluon kernel needs exactly one {what} tensor over "
                                    f"{' '.join(G + tail)!r} (found {hits}); use the Triton paths")
             return hits[0]
-        self.q_name = find((r, c), "query")
+        # several query axes (grouped-query attention's heads per key head and positions): the
+        # rows are their flattening, the query operand read as one (rows, inner axis) matrix
+        # (the launcher checks that its strides nest so)
+        self.q_name = find(tuple(self.R) + (c,), "query")
         self.k_name = find((j, c), "key")
         self.v_name = find((j, e), "value")
         if self.index_tensors:
@@ -261,10 +264,11 @@ class GluonGen(ContractionGen):
         pro = []
         self.prologue(pro)
         L += pro
-        (r,), (c,), (e,) = self.R, self.C, self.E
+        (c,), (e,) = self.C, self.E
+        qrows, qstride = self._q_rows()
         L += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
-              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[len_{r}, len_{c}], "
-              f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[{qrows}, len_{c}], "
+              f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
               f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
               f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
               f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
@@ -335,6 +339,32 @@ class GluonGen(ContractionGen):
                                "expected 3); codegen/contraction_gluon.py needs updating")
         return out
 
+    def _q_rows(self):
+        """(length, row stride) of the query operand's rows as text: its one query axis, or the
+        flattening of several (n_rows; the innermost axis' stride)."""
+        R = self.R
+        return (f"len_{R[0]}" if len(R) == 1 else "n_rows"), f"s_{self.q_name}_{R[-1]}"
+
+    def _pair_bounds(self):
+        """The parent's bounds of each query axis over both consumers' rows (the mask analysis):
+        one axis, the rows themselves; several, each axis' index range over the contiguous rows
+        ``row0 .. row1`` (the exact range where the axis does not wrap in it, else all of it)."""
+        R = self.R
+        if len(R) == 1:
+            r = R[0]
+            return [f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows",
+                    f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"]
+        L = ["    row0 = pid_r * (2 * BLOCK_I)   # both consumers' rows: row0 .. row1",
+             "    row1 = tl.minimum(row0 + 2 * BLOCK_I, n_rows) - 1"]
+        for k, a in enumerate(R):
+            inner = " * ".join(f"len_{b}" for b in R[k + 1:]) or "1"
+            L += [f"    q0_{a} = row0 // ({inner})",
+                  f"    q1_{a} = row1 // ({inner})",
+                  f"    one_{a} = q0_{a} // len_{a} == q1_{a} // len_{a}   # axis {a} does not wrap in the rows",
+                  f"    {a}_lo = tl.where(one_{a}, q0_{a} % len_{a}, 0) * 1.0",
+                  f"    {a}_hi = tl.where(one_{a}, q1_{a} % len_{a}, len_{a} - 1) * 1.0"]
+        return L
+
     def _layouts(self, nw):
         """The register and shared-memory layouts of a function run by ``nw`` warps."""
         return [f"    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[{nw}, 1], "
@@ -356,7 +386,6 @@ class GluonGen(ContractionGen):
                                "first key tile would be peeled; the Gluon kernel does not peel")
         self.hopper, self.tma = False, {}
         self.hoisting, self._hoisted = [], {}
-        (r,) = self.R
         pro, body, store = [], [], []
         self.prologue(pro)
         self.key_loop(body, "0", "n_j")
@@ -364,15 +393,16 @@ class GluonGen(ContractionGen):
         cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
         pid = [i for i, ln in enumerate(pro) if ln.startswith(tuple(pids or ()))]
         rows_ln = [i for i, ln in enumerate(pro) if ln.startswith("    rows = pid_r * BLOCK_I + ")]
-        lohi = [i for i, ln in enumerate(pro) if ln.startswith((f"    {r}_lo = ", f"    {r}_hi = "))]
-        if len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2 or len(pid) != len(pids or ()):
+        lohi = [i for i, ln in enumerate(pro) if ln.startswith(tuple(f"    {a}_{b} = " for a in self.R
+                                                                     for b in ("lo", "hi")))]
+        if (len(cut) != 1 or len(rows_ln) != 1 or len(lohi) != 2 * len(self.R)
+                or lohi != list(range(lohi[0], lohi[0] + len(lohi))) or len(pid) != len(pids or ())):
             raise CodegenError("the contraction template's prologue or key loop changed shape; "
                                f"codegen/contraction_gluon.py ({what}) needs updating")
         for i in pid:
             pro[i] = next(v for k, v in pids.items() if pro[i].startswith(k))
-        par_pro = list(pro)
-        par_pro[lohi[0]] = f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows"
-        par_pro[lohi[1]] = f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"
+        assert rows_ln[0] < lohi[0]   # (the rows line keeps its index in par_pro)
+        par_pro = pro[:lohi[0]] + ["\n".join(self._pair_bounds())] + pro[lohi[-1] + 1:]
         con_pro = list(par_pro if pids else pro)   # (the one-shot kernel's consumers keep the template's bounds)
         con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
         return pro, par_pro, con_pro, body[:cut[0] + 1], body[cut[0] + 1:], store
@@ -397,10 +427,11 @@ class GluonGen(ContractionGen):
           ``overlap`` each consumer issues the next tile's score MMA before this tile's math.
         """
         qn, kn, vn = self.q_name, self.k_name, self.v_name
-        (r,), (c,), (e,) = self.R, self.C, self.E
-        # the program's rows: its one query axis (n_rows = len_r, idx_r = rows); the mask
-        # analysis of the parent covers both consumers' rows
+        (c,), (e,) = self.C, self.E
+        # the program's rows: its query axes flattened (n_rows); the mask analysis of the parent
+        # covers both consumers' rows
         pro, par_pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws")
+        qrows, qstride = self._q_rows()
         sig = ", ".join(self.sig())
         consts = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
                   "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
@@ -422,8 +453,8 @@ class GluonGen(ContractionGen):
              "    V_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_E], DOT_T)"]
         P += par_pro + analysis
         P += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
-              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[len_{r}, len_{c}], "
-              f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[{qrows}, len_{c}], "
+              f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
               f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
               f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
               f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
@@ -550,7 +581,8 @@ class GluonGen(ContractionGen):
         tile would read the next slice's keys; query rows past the end only feed rows that are
         not stored)."""
         qn, kn, vn = self.q_name, self.k_name, self.v_name
-        (r,), (c,), (e,) = self.R, self.C, self.E
+        (c,), (e,) = self.C, self.E
+        qrows, qstride = self._q_rows()
         # the items in groups of n_hg grid-axes slices whose keys and values fill half of L2 (L2_KB,
         # the device's): within a group the longest row tiles first, slice by slice, so that the
         # programs running at one time read the keys of few slices (each from L2 after the first
@@ -594,8 +626,8 @@ class GluonGen(ContractionGen):
              "    n_rp = (n_rows + 2 * BLOCK_I - 1) // (2 * BLOCK_I)",
              "    n_items = n_rp * n_g",
              "    # TMA descriptors over the operands flattened to (grid axes x rows, inner axis)",
-             f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr, shape=[n_g * len_{r}, len_{c}], "
-             f"strides=[s_{qn}_{r}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+             f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr, shape=[n_g * {qrows}, len_{c}], "
+             f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
              f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr, shape=[n_g * n_j, len_{c}], "
              f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
              f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr, shape=[n_g * n_j, len_{e}], "
@@ -636,7 +668,7 @@ class GluonGen(ContractionGen):
             "    for w in gl.static_range(2):   # the query tiles, once both consumers released the last ones",
             "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)",
             f"        mbarrier.expect(q_bar.index(w), {qn}_desc.block_type.nbytes)",
-            f"        _tma_load({qn}_desc, [pid_g * len_{r} + (pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), "
+            f"        _tma_load({qn}_desc, [pid_g * {qrows} + (pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), "
             "q_bufs.index(w))",
             "    for start in range(first, end, BLOCK_J):",
             "        t_i = tc + (start - first) // BLOCK_J",
@@ -956,8 +988,15 @@ class GluonKernel:
                                  f"which need its last axis contiguous, its other strides multiples of 16 bytes "
                                  f"and a 16-byte aligned start (strides {tuple(t.stride())}); pass "
                                  f"{n}.contiguous() or use af.compile")
-        (c,), (e,), (r,) = self.C, self.E, self.R
-        D, Ev, n_j, n_rows = lens[c], lens[e], lens[self.axis], lens[r]
+        (c,), (e,) = self.C, self.E
+        D, Ev, n_j, n_rows = lens[c], lens[e], lens[self.axis], math.prod(lens[a] for a in self.R)
+        g0 = len(self.G)
+        if len(self.R) > 1 and not all(q.shape[k] == 1 or q.stride(k) == q.shape[k + 1] * q.stride(k + 1)
+                                       for k in range(g0, g0 + len(self.R) - 1)):
+            # several query axes: read as one (rows, inner axis) matrix
+            raise ValueError(f"program {self.name!r}: the Gluon kernel reads {self.q!r} over its query axes "
+                             f"{' '.join(self.R)} as one matrix of rows, which needs their strides to nest "
+                             f"(strides {tuple(q.stride())}); pass {self.q}.contiguous() or use af.compile")
         BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_E = max(16, triton.next_power_of_2(Ev))
         # 128 keys a tile; 64 when each consumer also holds the next tile's score (ws + overlap:
@@ -1207,7 +1246,7 @@ def _too_little(g0, inputs) -> bool:
     lens = {}
     for n, axes in g0.tensors.items():
         lens.update(zip(axes, inputs[n].shape))
-    work = lens[g0.axis] * lens[g0.R[0]]
+    work = lens[g0.axis] * math.prod(lens[a] for a in g0.R)
     for a in g0.G:
         work *= lens[a]
     return work < AUTO_MIN_WORK

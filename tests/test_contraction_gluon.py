@@ -226,16 +226,92 @@ def test_ws_persistent_structure_and_choice():
         < end.index("mbarrier.wait(turn.index(0), ") < end.index("mbarrier.arrive(q_free.index(WG)")
 
 
-def test_outside_phase_one_is_refused():
-    qg = af.tensor("q", "b g r i d")
-    kg = af.tensor("k", "b g j d")
-    vg = af.tensor("v", "b g j e")
-    s = af.sum(qg * kg, "d") * SCALE
+qg, kg, vg = af.tensor("q", "b g r i d"), af.tensor("k", "b g j d"), af.tensor("v", "b g j e")
+gscore = af.sum(qg * kg, "d") * SCALE
+
+
+def _gprog(name, s):
     m = af.max(s, "j")
     p = af.exp(s - m)
-    prog = af.program("p_grouped", o=af.sum(p * vg, "j") / af.sum(p, "j"))
-    with pytest.raises(CodegenError, match="one query axis"):
-        gluon_source(prog)
+    return af.program(name, o=af.sum(p * vg, "j") / af.sum(p, "j"))
+
+
+GPROGS = {   # several query axes (r: query heads per key head; i: positions), read as one matrix of rows
+    "p_rows": lambda: _gprog("p_rows", gscore),
+    "p_rows_lower": lambda: _gprog("p_rows_lower", af.where(j <= i, gscore, af.NEG_INF)),
+    "p_rows_band": lambda: _gprog("p_rows_band", af.where((j <= i) & (i - j < BAND), gscore, af.NEG_INF)),
+}
+
+
+def test_several_query_axes_read_as_one_matrix_of_rows():
+    for mode in ({}, dict(ws=True), dict(ws=True, persistent=True)):
+        src = gluon_source(GPROGS["p_rows_lower"](), **mode)
+        assert "shape=[n_rows, len_d], strides=[s_q_i, 1]" in src or "shape=[n_g * n_rows, len_d]" in src
+        assert "len_r" in src and "idx_i" in src
+    src = gluon_source(GPROGS["p_rows_lower"](), ws=True)
+    # the parent's bounds of i over both consumers' rows, per axis (no reduction over the rows)
+    assert "i_lo = gl.where(one_i, q0_i % len_i, 0) * 1.0" in src
+    q2, k2 = af.tensor("q", "b h i c d"), af.tensor("k", "b h j c d")   # two contraction axes
+    with pytest.raises(CodegenError, match="one contraction axis"):
+        gluon_source(_prog("p_two", af.sum(af.sum(q2 * k2, "d"), "c") * SCALE))
+
+
+def _bounds(lines, lens, BLOCK_I, pid_r, n_rows):
+    """Run the parent's bound lines (Python for the few gl calls) -> {axis: (lo, hi)}."""
+    ns = dict(pid_r=pid_r, BLOCK_I=BLOCK_I, n_rows=n_rows, **{f"len_{a}": n for a, n in lens.items()})
+    tl = type("tl", (), dict(where=staticmethod(lambda c, a, b: a if c else b), minimum=staticmethod(min)))
+    ns["tl"] = tl
+    exec("\n".join(ln.strip() for ln in "\n".join(lines).split("\n")), {}, ns)
+    return {a: (ns[f"{a}_lo"], ns[f"{a}_hi"]) for a in lens}
+
+
+def _check_bounds(lines, lens, rng):
+    """Each axis' bounds contain every index of the rows row0 .. row1 and are exact where the axis
+    does not wrap there (the mask analysis skips or trusts tiles by them)."""
+    import itertools
+    axes = list(lens)
+    n_rows = math.prod(lens.values())
+    for _ in range(300):
+        BLOCK_I = int(rng.choice([16, 64, 128]))
+        pid_r = int(rng.integers(0, -(-n_rows // (2 * BLOCK_I))))
+        got = _bounds(lines, lens, BLOCK_I, pid_r, n_rows)
+        rows = range(pid_r * 2 * BLOCK_I, min(pid_r * 2 * BLOCK_I + 2 * BLOCK_I, n_rows))
+        for k, a in enumerate(axes):
+            inner = math.prod(lens[b] for b in axes[k + 1:])
+            idx = [(r // inner) % lens[a] for r in rows]
+            lo, hi = got[a]
+            assert lo <= min(idx) and hi >= max(idx), (a, lens, BLOCK_I, pid_r, got[a], min(idx), max(idx))
+            if rows[0] // (inner * lens[a]) == rows[-1] // (inner * lens[a]):
+                assert (lo, hi) == (min(idx), max(idx)), (a, lens, BLOCK_I, pid_r)
+
+
+def test_pair_bounds_of_several_query_axes():
+    import numpy as np
+    from acefuse.codegen.contraction_gluon import GluonGen
+    import acefuse as af_
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    gen = GluonGen(af_.fuse(GPROGS["p_rows_lower"]()), ws=True)
+    lines = gen._pair_bounds()
+    for lens in ({"r": 4, "i": 333}, {"r": 3, "i": 64}, {"r": 7, "i": 1000}, {"r": 1, "i": 50}, {"r": 5, "i": 7}):
+        _check_bounds(lines, lens, rng)
+    # the check can fail: bounds without the wrap test (row0's and row1's indices as they are)
+    wrong = [ln for ln in lines if "one_" not in ln and "_lo" not in ln and "_hi" not in ln]
+    wrong += [f"{a}_lo = (q0_{a} % len_{a}) * 1.0\n{a}_hi = (q1_{a} % len_{a}) * 1.0" for a in ("r", "i")]
+    with pytest.raises(AssertionError):
+        _check_bounds(wrong, {"r": 4, "i": 333}, rng)
+
+
+def test_several_query_axes_need_nested_strides():
+    from acefuse.codegen.contraction_gluon import GluonGen, GluonKernel
+    gen = GluonGen(af.fuse(GPROGS["p_rows"]()), ws=True, persistent=True)
+    kern = GluonKernel(gen.f, "", type("M", (), {"p_rows_gluon": None, "p_rows_gluon_persistent": None}), gen)
+    x = lambda *s: torch.randn(*s, dtype=torch.bfloat16)   # noqa: E731
+    ins = dict(q=x(2, 3, 4, 256, D), k=x(2, 3, 256, D), v=x(2, 3, 256, D))
+    grid = kern.launch_args(ins)[0]
+    assert len(grid) == 1                                  # the persistent kernel: rows of r x i = 1024
+    ins["q"] = x(2, 3, 256, 4, D).transpose(2, 3)          # r and i do not nest: refused, clearly
+    with pytest.raises(ValueError, match="nest"):
+        kern.launch_args(ins)
 
 
 def test_launch_arguments_match_the_kernel():
@@ -416,6 +492,33 @@ def test_gpu_persistent(name, NQ, NK, BJ, mode):
     assert torch.isfinite(out[ok]).all()
     err = _rel(out[ok], ref[ok])
     assert err < 2e-2, f"{name} NQ={NQ} NK={NK} BLOCK_J={BJ} mode={mode}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ws1", "pers1", "wspp"])
+@pytest.mark.parametrize("R,N", [(4, 333), (4, 1024), (2, 200)])
+@pytest.mark.parametrize("name", list(GPROGS))
+def test_gpu_several_query_axes(name, R, N, mode):
+    """Query axes r x i read as one matrix of rows against float64: row tiles that span two
+    values of r (N = 333, 200: the mask analysis' bounds of i over such a tile), whole tiles."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    key = (name, mode)
+    if key not in _KERNS:
+        _KERNS[key] = compile_gluon(GPROGS[name](), **{**MODES, **PERSISTENT}[mode])
+    kern = _KERNS[key]
+    g = torch.Generator(device="cuda").manual_seed(R * N + len(name) + len(mode))
+    B, G = 2, 3
+    x = lambda *sh: torch.randn(*sh, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
+    qx, kx, vx = x(B, G, R, N, D), x(B, G, N, D), x(B, G, N, D)
+    out = kern(q=qx, k=kx, v=vx)["o"]
+    rep = lambda t: t[:, :, None].expand(B, G, R, N, D).reshape(B, G * R, N, D)   # noqa: E731
+    ref = _ref(qx.reshape(B, G * R, N, D), rep(kx), rep(vx), lower=name != "p_rows",
+               band=BAND if name == "p_rows_band" else None).reshape(B, G, R, N, D)
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{name} R={R} N={N} mode={mode}: relative error {err:.3e}"
 
 
 @pytest.mark.gpu
