@@ -572,7 +572,8 @@ class GluonGen(ContractionGen):
         """The persistent warp-specialised kernel: ``grid = (number of SMs,)``; each program walks
         work items (a pair of query row tiles of one grid-axes slice; the longest first) with
         its partitions in step: the load partition copies the items' query tiles (once both
-        consumers released the previous ones: ``q_free``) and key/value tiles into the ring,
+        consumers released the previous ones: ``q_free``, right after the item's last score MMA
+        without ping-pong or overlap, else at the item's end) and key/value tiles into the ring,
         whose stages and phases run on over the items (``tc``: tiles so far); each consumer
         folds its rows' tiles into the derived states and stores its outputs while the load
         partition already copies the next item's tiles. The TMA descriptors are made once, over
@@ -691,10 +692,14 @@ class GluonGen(ContractionGen):
         con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)", "    mbarrier.wait(q_bar.index(WG), it & 1)"]
         if self.pingpong:
             con_body += self._pingpong_item_start()
-        con_body += self.hoisting + self._ws_pipeline(loops, base="tc + ")
-        if self.pingpong:
-            con_body += self._pingpong_item_end()
-        con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
+        pipe = self._ws_pipeline(loops, base="tc + ")
+        if self.pingpong or self.overlap:
+            con_body += self.hoisting + pipe
+            if self.pingpong:
+                con_body += self._pingpong_item_end()
+            con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
+        else:
+            con_body += self.hoisting + self._early_q_free(pipe)
         con_body += store + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J", "    it = it + 1"]
         C = ["@gluon.jit",
              f"def _{nm}_consume(WG: gl.constexpr, {sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
@@ -708,6 +713,28 @@ class GluonGen(ContractionGen):
                          f"    _{nm}_consume({w}, {sig}, n_rp, n_g, n_items, {ring}, {cargs})", ""]
         funcs = ["\n".join(C), "\n".join(wrappers).rstrip(), "\n".join(Ld), "\n".join(P)]
         return _gluonize("\n\n\n".join(funcs))
+
+    @staticmethod
+    def _early_q_free(pipe):
+        """The persistent kernel's consumers (score MMAs waited on where issued): the query
+        buffer released right after the item's last score MMA, so that the load partition copies
+        the next item's query tile (and, behind it, its first key tiles) while this warpgroup
+        still runs the last tile's exponentials, P @ V and the stores; an item without tiles
+        (which the mask analysis never makes: a row tile that sees no key runs one masked tile)
+        releases it at its end."""
+        out, n = [], 0
+        for ln in pipe:
+            out.append(ln)
+            m = re.match(r"(\s*)_dot_\d+ = warpgroup_mma\(q_smem, ", ln)
+            if m:
+                n += 1
+                out += [f"{m.group(1)}if start + BLOCK_J >= end:   # the item's last score MMA: its query tile is free",
+                        f"{m.group(1)}    mbarrier.arrive(q_free.index(WG), count=1)"]
+        if n == 0:
+            raise CodegenError("the persistent kernel's key loops have no score MMA on the query tile; "
+                               "codegen/contraction_gluon.py (_early_q_free) needs updating")
+        return out + ["    if end <= first:   # no tiles: the query tile is free at the item's end",
+                      "        mbarrier.arrive(q_free.index(WG), count=1)"]
 
     def _defer(self, tile, ind):
         """One tile's body with its P @ V left running (defer): the state it updates is waited

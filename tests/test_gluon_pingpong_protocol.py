@@ -143,3 +143,71 @@ def test_without_the_acknowledgement_parity_waits_alias():
                  "load": load(None, it, NS, len(items))}
         hung += barrier_model.run(parts, trial, counts=COUNTS) is not None
     assert 0 < hung < 300
+
+
+KEEP_Q = re.compile(KEEP.pattern[:-1] + r"|if (start|end) .*:|_dot_\d+ = warpgroup_mma\(q_smem, )")
+
+
+def _protocol_q(src, fn):
+    """As _protocol, for the persistent kernel without ping-pong, with its query buffers as
+    slots: the load partition's query copy lands item ``item`` in slot ('q', w), and each score
+    MMA reads its warpgroup's slot, which must hold this item's tile (not yet the next one's)."""
+    def translate(body, ind):
+        body = (body.replace("gl.static_range", "range").replace("gl.program_id(0)", "PID")
+                .replace("gl.num_programs(0)", "NPROG"))
+        if re.match(r"_dot_\d+ = warpgroup_mma\(q_smem, ", body):
+            return ["yield ('read', ('q', WG), item)"]
+        m = re.match(r"_tma_load\(q_desc, \[.*?\], q_bar\.index\(w\), .*\)$", body)
+        if m:
+            return ["yield ('tma', 'q_bar', w, ('q', w), item)"]
+        m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
+        if m:
+            return [f"yield ('tma', '{m.group(1)}', {m.group(2)})"]
+        if body.startswith("for item in range("):
+            return [body, "    first, a, b, end = ITEM(item)"]
+        return [body]
+    header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
+    return barrier_model.partition(src, fn, KEEP_Q, header, translate)
+
+
+def _run_persistent(src, name, rng, trials, items_min=1):
+    nm = f"{name}_p"
+    con, con_text = _protocol_q(src, f"_{nm}_consume")
+    load, _ = _protocol_q(src, f"_{nm}_load")
+    bad = []
+    for trial in range(trials):
+        NS = rng.choice((2, 3, 4))
+        items = [(0, a, b, max(T, items_min)) for (_, a, b, T) in _items(rng, rng.randint(1, 6), 5)]
+        it = lambda x, items=items: items[x]   # noqa: E731
+        parts = {"consume0": con(0, it, NS, len(items)), "consume1": con(1, it, NS, len(items)),
+                 "load": load(None, it, NS, len(items))}
+        why = barrier_model.run(parts, trial, counts=COUNTS)
+        if why is not None:
+            bad.append(f"items {items}, {NS} stages: {why}")
+    return con_text, bad
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_persistent_kernel_frees_the_query_tile_after_its_last_score(masked):
+    """The persistent kernel without ping-pong releases a warpgroup's query buffer right after
+    the item's last score MMA (so that the next item's query copy overlaps this item's last
+    tile): every run finishes, and no score MMA reads a query buffer the next item's copy
+    already took."""
+    gen = GluonGen(_fusion(masked), ws=True, persistent=True)
+    con_text, bad = _run_persistent(gen.module(), gen.name, random.Random(11 + masked), 200, items_min=masked)
+    assert "if start + BLOCK_J >= end:" in con_text and "('read', ('q', WG), item)" in con_text
+    assert not bad, bad[:3]
+
+
+def test_the_model_finds_a_query_tile_freed_too_early():
+    """The check can fail: the release moved before the score MMA (the next item's query copy
+    may land while this item's last score still reads the buffer)."""
+    gen = GluonGen(_fusion(True), ws=True, persistent=True)
+    src = gen.module()
+    early = re.compile(r"(\n(\s*)(_dot_\d+ = warpgroup_mma\(q_smem, [^\n]*)\n\s*if start \+ BLOCK_J >= end:[^\n]*\n"
+                       r"\s*mbarrier\.arrive\(q_free\.index\(WG\), count=1\))")
+    assert early.search(src)
+    wrong = early.sub(lambda m: f"\n{m.group(2)}if start + BLOCK_J >= end:\n{m.group(2)}    "
+                                f"mbarrier.arrive(q_free.index(WG), count=1)\n{m.group(2)}{m.group(3)}", src)
+    _, bad = _run_persistent(wrong, gen.name, random.Random(5), 200)
+    assert any("read slot ('q'" in b for b in bad), bad[:3]
