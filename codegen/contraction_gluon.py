@@ -181,7 +181,8 @@ class GContext(CContext):
 class GluonGen(ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
-    def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False):
+    def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
+                 dynamic=False):
         super().__init__(fusion)
         # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
         # running through tile t+1's elementwise math and is waited on just before the
@@ -192,6 +193,12 @@ class GluonGen(ContractionGen):
                                "(and without ping-pong)")
         # persistent (ws only): a second, persistent kernel in the module (kernel_ws_persistent)
         self.persistent = bool(persistent)
+        # dynamic (persistent only): the programs take work items from a counter in global
+        # memory (the load partition's atomic add) in the same order, each the next free one,
+        # instead of every NPROG-th: the longest-first order then balances like a list schedule
+        self.dynamic = bool(dynamic)
+        if dynamic and not persistent:
+            raise CodegenError("dynamic is an option of the persistent Gluon kernel (persistent=True)")
         if (persistent or pingpong) and not ws:
             raise CodegenError("pingpong and persistent are options of the warp-specialised Gluon kernel (ws=True)")
         # ws: the warp-specialised kernel (kernel_ws): a load partition and two consumer
@@ -605,18 +612,37 @@ class GluonGen(ContractionGen):
         ccons = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
                  "SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr, L2_KB: gl.constexpr")
         cargs = "BLOCK_I, BLOCK_J, BLOCK_E, BLOCK_D, SCAN, INSTR_N, NS, L2_KB"
-        ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free, turn"
+        dyn = self.dynamic
+        ring = "q_bufs, k_smem, v_smem, q_bar, q_free, k_bar, v_bar, kv_free, turn" + (", item_buf" if dyn else "")
+        cnt = ", cnt_ptr" if dyn else ""
         nm = f"{self.name}_p"
 
-        def loop_over_items(lines):
-            """Top-level lines (4 spaces) -> the body of the loop over work items."""
-            return (["    tc = 0   # key tiles so far (the ring's stage and phase)",
-                     "    it = 0   # items so far (the query buffers' phase)",
-                     "    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):"]
-                    + ["    " + ln if ln.strip() else ln for ln in _drop_dead("\n".join(lines)).split("\n")])
+        def loop_over_items(lines, role=None):
+            """Top-level lines (4 spaces) -> the body of the loop over work items. Dynamic: the
+            load partition takes each item from the counter and publishes it (``item_buf``,
+            written once both consumers released their query buffers, read by them after their
+            query tile landed); past the last item it publishes ``n_items`` and arrives on the
+            query barriers without a copy, which ends the consumers' loops."""
+            body = ["    " + ln if ln.strip() else ln for ln in _drop_dead("\n".join(lines)).split("\n")]
+            head = ["    tc = 0   # key tiles so far (the ring's stage and phase)",
+                    "    it = 0   # items so far (the query buffers' phase)"]
+            if not dyn:
+                return head + ["    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):"] + body
+            take = "    item = gl.max(item_buf.index(0).load(SCAN_L), axis=0)   # the item the load partition took"
+            if role == "load":
+                return (head + ["    item = gl.atomic_add(cnt_ptr, 1)   # the next free work item",
+                                "    while item < n_items:"] + body
+                        + ["        item = gl.atomic_add(cnt_ptr, 1)",
+                           "    for w in gl.static_range(2):   # the end: the consumers read n_items",
+                           "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)",
+                           "    item_buf.index(0).store(gl.full([1], n_items, gl.int32, layout=SCAN_L))",
+                           "    for w in gl.static_range(2):",
+                           "        mbarrier.arrive(q_bar.index(w), count=1)"])
+            return (head + ["    mbarrier.wait(q_bar.index(WG), 0)", take, "    while item < n_items:"] + body
+                    + ["        mbarrier.wait(q_bar.index(WG), it & 1)", "    " + take])
 
         P = ["@gluon.jit",
-             f"def {self.name}_gluon_persistent({sig}, {ccons}, DOT_T: gl.constexpr, REGS: gl.constexpr, "
+             f"def {self.name}_gluon_persistent({sig}{cnt}, {ccons}, DOT_T: gl.constexpr, REGS: gl.constexpr, "
              "num_warps: gl.constexpr):",
              "    # grid: (programs,), each walking work items: pairs of query row tiles x grid-axes slices",
              "    # (kernel_ws_persistent in codegen/contraction_gluon.py)",
@@ -641,7 +667,9 @@ class GluonGen(ContractionGen):
              "    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
              "    k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
              "    v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
-             "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
+             "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())"] + (
+            ["    item_buf = gl.allocate_shared_memory(gl.int32, [1, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))"]
+            if dyn else []) + [
              "    for w in gl.static_range(2):",
              "        mbarrier.init(q_bar.index(w), count=1)",
              "        mbarrier.init(q_free.index(w), count=1)",
@@ -654,7 +682,7 @@ class GluonGen(ContractionGen):
              "    gl.warp_specialize([",
              f"        (_{nm}_consume0, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
              f"        (_{nm}_consume1, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
-             f"        (_{nm}_load, ({sig}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {cargs})),",
+             f"        (_{nm}_load, ({sig}{cnt}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {cargs})),",
              "    ], [4, 1], [REGS, 24])",
              "    for w in gl.static_range(2):",
              "        mbarrier.invalidate(q_bar.index(w))",
@@ -665,9 +693,11 @@ class GluonGen(ContractionGen):
              "        mbarrier.invalidate(v_bar.index(st))",
              "        mbarrier.invalidate(kv_free.index(st))"]
 
-        ld_body = pro + analysis + [
-            "    for w in gl.static_range(2):   # the query tiles, once both consumers released the last ones",
-            "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)",
+        qload = (["    for w in gl.static_range(2):   # the query tiles, once both consumers released the last ones",
+                  "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)"]
+                 + (["    item_buf.index(0).store(gl.full([1], item, gl.int32, layout=SCAN_L))   # this item, for the consumers",
+                     "    for w in gl.static_range(2):"] if dyn else []))
+        ld_body = pro + analysis + qload + [
             f"        mbarrier.expect(q_bar.index(w), {qn}_desc.block_type.nbytes)",
             f"        _tma_load({qn}_desc, [pid_g * {qrows} + (pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), "
             "q_bufs.index(w))",
@@ -682,14 +712,16 @@ class GluonGen(ContractionGen):
             "    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J",
             "    it = it + 1"]
         Ld = ["@gluon.jit",
-              f"def _{nm}_load({sig}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {ccons}):",
+              f"def _{nm}_load({sig}{cnt}, n_rp, n_g, n_items, {qn}_desc, {kn}_desc, {vn}_desc, {ring}, {ccons}):",
               "    # the load partition (one warp): per item, the query tiles, then the visible key tiles",
               "    MMA: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])   # one warp: index math only",
               "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)",
               "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)",
-              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])"] + loop_over_items(ld_body)
+              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])"] + loop_over_items(ld_body, "load")
 
-        con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)", "    mbarrier.wait(q_bar.index(WG), it & 1)"]
+        con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)"]
+        if not dyn:   # (dynamic: waited on before the item is read)
+            con_body += ["    mbarrier.wait(q_bar.index(WG), it & 1)"]
         if self.pingpong:
             con_body += self._pingpong_item_start()
         pipe = self._ws_pipeline(loops, base="tc + ")
@@ -933,7 +965,7 @@ def _helpers(kern: str) -> list:
     return [re.sub(r"\btl\.", "gl.", defs[n].replace("@triton.jit", "@gluon.jit")) for n in defs if n in need]
 
 
-def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
+def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
                  **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
@@ -941,7 +973,8 @@ def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persis
     f = prog_or_fusion if hasattr(prog_or_fusion, "passes") else af.fuse(prog_or_fusion, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer).module()
+    return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
+                    dynamic=dynamic).module()
 
 
 class GluonKernel:
@@ -958,6 +991,7 @@ class GluonKernel:
         self.q, self.k, self.v = gen.q_name, gen.k_name, gen.v_name
         self.sig = gen.sig()
         self.ws, self.overlap, self.persistent, self.defer = gen.ws, gen.overlap, gen.persistent, gen.defer
+        self.dynamic = gen.dynamic
         self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
@@ -1077,6 +1111,8 @@ class GluonKernel:
                 grid = (min(grid[0] * grid[1], sms),)
                 kw.update(L2_KB=L2_KB if L2_KB is not None else (getattr(props, "L2_cache_size", 0) >> 10
                                                                   if props else 51200))
+                if self.dynamic:   # the work-item counter, zero before the launch
+                    args.append(torch.zeros(1, dtype=torch.int32, device=q.device))
         else:
             grid = (triton.cdiv(n_rows, BLOCK_I), math.prod(lens[a] for a in self.G))
         return grid, args, kw, out
@@ -1110,7 +1146,7 @@ def _allocator():
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
 
 
-def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
+def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
                   **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
@@ -1122,7 +1158,8 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     f = prog if hasattr(prog, "passes") else af.fuse(prog, **fuse_kw)
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
-    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer)
+    gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
+                   dynamic=dynamic)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)
@@ -1130,7 +1167,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     return GluonKernel(f, src, mod, gen)
 
 
-VARIANT_FLAGS = ("ws", "pingpong", "overlap", "persistent", "defer")
+VARIANT_FLAGS = ("ws", "pingpong", "overlap", "persistent", "defer", "dynamic")
 
 
 def gluon_variant(text=None) -> dict:

@@ -301,6 +301,21 @@ def test_pair_bounds_of_several_query_axes():
         _check_bounds(wrong, {"r": 4, "i": 333}, rng)
 
 
+def test_dynamic_work_items():
+    """dynamic=True (persistent only): the load partition takes items from a counter the launcher
+    zeroes for each launch (the kernel's last argument)."""
+    from acefuse.codegen.contraction_gluon import GluonGen, GluonKernel
+    with pytest.raises(CodegenError, match="persistent"):
+        GluonGen(af.fuse(PROGS["p_lower"]()), ws=True, dynamic=True)
+    gen = GluonGen(af.fuse(PROGS["p_lower"]()), ws=True, persistent=True, dynamic=True)
+    src = gen.module()
+    assert src.count("gl.atomic_add(cnt_ptr, 1)") == 2 and "cnt_ptr" not in src.split("def _p_lower_p_consume(")[1].split("\n")[0]
+    kern = GluonKernel(gen.f, src, type("M", (), {"p_lower_gluon": None, "p_lower_gluon_persistent": None}), gen)
+    x = lambda *sh: torch.randn(*sh, dtype=torch.bfloat16)   # noqa: E731
+    grid, args, kw, _ = kern.launch_args(dict(q=x(2, 3, 256, D), k=x(2, 3, 256, D), v=x(2, 3, 256, D)))
+    assert len(grid) == 1 and args[-1].dtype == torch.int32 and args[-1].tolist() == [0]
+
+
 def test_several_query_axes_need_nested_strides():
     from acefuse.codegen.contraction_gluon import GluonGen, GluonKernel
     gen = GluonGen(af.fuse(GPROGS["p_rows"]()), ws=True, persistent=True)
@@ -449,7 +464,8 @@ MODES = {"plain": {}, "ov": dict(overlap=True), "ws1": dict(ws=True), "wspp": di
          "wsov": dict(ws=True, overlap=True), "wsdf": dict(ws=True, overlap=True, defer=True)}
 # the persistent WS kernel (taken for nested strides and whole key tiles; else the launcher
 # runs the one-shot WS kernel of the same module)
-PERSISTENT = {"pers1": dict(ws=True, persistent=True), "perspp": dict(ws=True, pingpong=True, persistent=True),
+PERSISTENT = {"pers1": dict(ws=True, persistent=True), "persdyn": dict(ws=True, persistent=True, dynamic=True),
+              "perspp": dict(ws=True, pingpong=True, persistent=True),
               "persov": dict(ws=True, overlap=True, persistent=True),
               "persdf": dict(ws=True, overlap=True, defer=True, persistent=True)}
 
@@ -495,7 +511,7 @@ def test_gpu_persistent(name, NQ, NK, BJ, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["ws1", "pers1", "wspp"])
+@pytest.mark.parametrize("mode", ["ws1", "pers1", "persdyn"])
 @pytest.mark.parametrize("R,N", [(4, 333), (4, 1024), (2, 200)])
 @pytest.mark.parametrize("name", list(GPROGS))
 def test_gpu_several_query_axes(name, R, N, mode):
