@@ -1060,9 +1060,11 @@ class GluonKernel:
                              f"(strides {tuple(q.stride())}); pass {self.q}.contiguous() or use af.compile")
         BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_E = max(16, triton.next_power_of_2(Ev))
-        # 128 keys a tile; 64 when each consumer also holds the next tile's score (ws + overlap:
-        # at 128 its registers spill on sm_90, offline compile with Triton 3.6)
-        BLOCK_J = BLOCK_J or (64 if self.ws and self.overlap else min(128, max(64, BLOCK_E)))
+        # 128 keys a tile (64 for values of more than 128 columns); with ws + overlap each consumer
+        # also holds the next tile's score: 128 keys ran right and fastest there on an H200 (session
+        # 17: 646.8 TFLOP/s at global 16K against 575.1 without the overlap), 64 for wider values
+        BLOCK_J = BLOCK_J or (min(128, max(64, BLOCK_E)) if not (self.ws and self.overlap)
+                              else (128 if BLOCK_E <= 128 else 64))
         BLOCK_I = BLOCK_I or (64 if self.ws else 128)
         num_warps = num_warps or (4 if self.ws else 8)
         if BLOCK_D > 256 or BLOCK_E > 256:
@@ -1217,20 +1219,20 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 
 
 # the Gluon kernels the automatic choice times against the Triton kernel (the fastest of those
-# whose outputs agree is kept where it beats the Triton kernel): warp-specialised, on the
-# one-shot grid and on the persistent grid (where the operands allow it: nested strides, whole
-# key tiles; else that variant too runs the one-shot grid). One H200, bf16, D=128, H=16,
-# B*N=16384, TFLOP/s, all in one run (session 16, benchmarks/results/session16/
-# h200_7f6bd78pp_prefill.txt), one-shot / persistent / ping-pong persistent / Triton:
-# global 1K 383.6 / 404.0 / 396.4 / 362.8; causal 1K 241.3 / 273.8 / 252.4 / 251.6;
-# global 4K 514.9 / 478.8 / 505.6 / 449.7; causal 4K 398.9 / 406.6 / 409.1 / 387.0;
-# global 16K 563.8 / 503.3 / 533.8 / 458.9; causal 16K 439.6 / 399.1 / 406.2 / 441.6.
-# In that run only the persistent forms were timed here, and the automatic call kept the
-# Triton kernel at global 4K where the one-shot grid is 15% faster. Ping-pong on the persistent
-# grid ran through this choice at all six shapes and in the automatic-choice GPU test (masked
-# programs included) without a hang, but is never more than 1% ahead of the better of the other two: it is
-# left out (each variant here is one more compile on a program's first call).
-AUTO_VARIANTS = ({"ws": True}, {"ws": True, "persistent": True})
+# whose outputs agree is kept where it beats the Triton kernel): warp-specialised with the
+# intra-warpgroup overlap (the next score MMA during this tile's math) on the one-shot grid, and
+# warp-specialised on the persistent grid with dynamic work items (where the operands allow it:
+# nested strides, whole key tiles; else that variant too runs the one-shot grid). One H200, bf16,
+# D=128, H=16, B*N=16384, TFLOP/s, one run (session 17, benchmarks/results/session17/
+# h200_a81fbda_prefill_forms.txt), ws one-shot / ws+overlap one-shot (128 keys a tile) /
+# persistent / persistent dynamic / SDPA cuDNN:
+# global 1K 384.9 / 390.3 / 466.4 / 467.0 / 604.7; causal 1K 242.3 / 235.6 / 282.3 / 279.1 / 431.2;
+# global 4K 543.2 / 581.3 / 558.2 / 581.8 / 638.3; causal 4K 402.5 / 397.4 / 425.5 / 432.0 / 574.8;
+# global 16K 575.1 / 646.8 / 571.6 / 596.1 / 674.9 (causal 16K not reached in that run).
+# The overlap form replaces the plain one-shot form of session 16 (equal within 3% at causal,
+# 7-12% ahead at global 4K and 16K); dynamic items replace every-NPROG-th (equal at 1K, 1.5-4%
+# ahead at 4K and 16K). Each variant here is one more compile on a program's first call.
+AUTO_VARIANTS = ({"ws": True, "overlap": True}, {"ws": True, "persistent": True, "dynamic": True})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 # how the choice is kept on the kernel and on disk (codegen/auto_choice.py)

@@ -365,7 +365,10 @@ def test_launch_arguments_match_the_kernel():
     with pytest.raises(ValueError, match="warpgroup"):
         ws.launch_args(ins, num_warps=8)
     df = compile_gluon(PROGS["p_slope"](), ws=True, overlap=True, defer=True)
-    assert df.launch_args(ins)[2]["NS"] == 4 and df.launch_args(ins)[2]["BLOCK_J"] == 64
+    assert df.launch_args(ins)[2]["NS"] == 3 and df.launch_args(ins)[2]["BLOCK_J"] == 128
+    assert df.launch_args(ins, BLOCK_J=64)[2]["NS"] == 4
+    wide = dict(ins, v=torch.randn(2, 3, 100, 2 * D, dtype=torch.bfloat16))   # values over 128 columns: 64 keys
+    assert compile_gluon(PROGS["p_slope"](), ws=True, overlap=True).launch_args(wide)[2]["BLOCK_J"] == 64
     with pytest.raises(ValueError, match="3 or more"):   # with two stages its ring would deadlock
         df.launch_args(ins, stages=2)
 
