@@ -38,21 +38,45 @@ def _fusion(masked):
 KEEP = re.compile(r"(for (item|start|w|st) in |if WG|else:|mbarrier\.(wait|arrive)\(|_tma_load\(|(t_i|stage|ph|tc|it) = )")
 
 
-def _protocol(src, fn, persistent):
+KEEP_Q = re.compile(KEEP.pattern[:-1] + r"|if (start|end) .*:|_dot_\d+ = warpgroup_mma\(q_smem, )")
+KEEP_D = re.compile(KEEP_Q.pattern[:-1] + r"|item = |while |item_buf\.)")
+
+
+def _protocol(src, fn, persistent, q_slots=False, dynamic=False):
     """The generator function of partition ``fn`` (a function of the generated source): its
     loops, ``if WG`` branches, the integer bookkeeping and its barrier operations as yields
-    (tests/barrier_model.py)."""
+    (tests/barrier_model.py). ``q_slots``: the query buffers as slots (the query copy lands item
+    ``item`` in slot ('q', w); each score MMA reads its warpgroup's slot, which must hold this
+    item's tile). ``dynamic``: work items from the shared counter ``CNT`` (the load partition's
+    atomic add), passed to the consumers through ``BUF`` (the program's ``item_buf``); each
+    consumer records the items it folds in ``SEEN``."""
     def translate(body, ind):
         body = (body.replace("gl.static_range", "range").replace("gl.program_id(0)", "PID")
                 .replace("gl.num_programs(0)", "NPROG"))
+        if dynamic and body.startswith("item = gl.atomic_add(cnt_ptr, 1)"):
+            return ["item = CNT[0]", "CNT[0] += 1"]
+        m = re.match(r"item_buf\.index\(0\)\.store\(gl\.full\(\[1\], (\w+), .*\)\)$", body)
+        if dynamic and m:
+            return [f"BUF[0] = {m.group(1)}"]
+        if dynamic and body.startswith("item = gl.max(item_buf.index(0).load("):
+            return ["item = BUF[0]"]
+        if q_slots and re.match(r"_dot_\d+ = warpgroup_mma\(q_smem, ", body):
+            return ["yield ('read', ('q', WG), item)"]
+        if q_slots and re.match(r"_tma_load\(q_desc, \[.*?\], q_bar\.index\(w\), .*\)$", body):
+            return ["yield ('tma', 'q_bar', w, ('q', w), item)"]
         m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
         if m:
             body = f"yield ('tma', '{m.group(1)}', {m.group(2)})"
         if persistent and body.startswith("for item in range("):
             return [body, "    first, a, b, end = ITEM(item)"]
+        if dynamic and body.startswith("while item < n_items:"):
+            return [body, "    first, a, b, end = ITEM(item)", "    if WG is not None:", "        SEEN.append((WG, item))"]
         return [body]
-    header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
-    return barrier_model.partition(src, fn, KEEP, header, translate)
+    if dynamic:
+        header = ["def part(WG, ITEM, NS, n_items, CNT, BUF, SEEN):", "    BLOCK_J = 1"]
+    else:
+        header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
+    return barrier_model.partition(src, fn, KEEP_D if dynamic else KEEP_Q if q_slots else KEEP, header, translate)
 
 
 COUNTS = {"q_bar": 1, "q_free": 1, "turn": 1, "k_bar": 1, "v_bar": 1, "kv_free": 2}
@@ -145,35 +169,11 @@ def test_without_the_acknowledgement_parity_waits_alias():
     assert 0 < hung < 300
 
 
-KEEP_Q = re.compile(KEEP.pattern[:-1] + r"|if (start|end) .*:|_dot_\d+ = warpgroup_mma\(q_smem, )")
-
-
-def _protocol_q(src, fn):
-    """As _protocol, for the persistent kernel without ping-pong, with its query buffers as
-    slots: the load partition's query copy lands item ``item`` in slot ('q', w), and each score
-    MMA reads its warpgroup's slot, which must hold this item's tile (not yet the next one's)."""
-    def translate(body, ind):
-        body = (body.replace("gl.static_range", "range").replace("gl.program_id(0)", "PID")
-                .replace("gl.num_programs(0)", "NPROG"))
-        if re.match(r"_dot_\d+ = warpgroup_mma\(q_smem, ", body):
-            return ["yield ('read', ('q', WG), item)"]
-        m = re.match(r"_tma_load\(q_desc, \[.*?\], q_bar\.index\(w\), .*\)$", body)
-        if m:
-            return ["yield ('tma', 'q_bar', w, ('q', w), item)"]
-        m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
-        if m:
-            return [f"yield ('tma', '{m.group(1)}', {m.group(2)})"]
-        if body.startswith("for item in range("):
-            return [body, "    first, a, b, end = ITEM(item)"]
-        return [body]
-    header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
-    return barrier_model.partition(src, fn, KEEP_Q, header, translate)
-
 
 def _run_persistent(src, name, rng, trials, items_min=1):
     nm = f"{name}_p"
-    con, con_text = _protocol_q(src, f"_{nm}_consume")
-    load, _ = _protocol_q(src, f"_{nm}_load")
+    con, con_text = _protocol(src, f"_{nm}_consume", True, q_slots=True)
+    load, _ = _protocol(src, f"_{nm}_load", True, q_slots=True)
     bad = []
     for trial in range(trials):
         NS = rng.choice((2, 3, 4))
@@ -213,45 +213,14 @@ def test_the_model_finds_a_query_tile_freed_too_early():
     assert any("read slot ('q'" in b for b in bad), bad[:3]
 
 
-KEEP_D = re.compile(KEEP_Q.pattern[:-1] + r"|item = |while |item_buf\.)")
-
-
-def _protocol_dyn(src, fn):
-    """The dynamic persistent kernel's partition ``fn`` as a generator: its work items come from
-    the shared counter ``CNT`` (the load partition's atomic add) and travel to the consumers
-    through ``BUF`` (the program's ``item_buf``); each consumer records the items it folds in
-    ``SEEN``."""
-    def translate(body, ind):
-        body = (body.replace("gl.static_range", "range").replace("gl.program_id(0)", "PID")
-                .replace("gl.num_programs(0)", "NPROG"))
-        if body.startswith("item = gl.atomic_add(cnt_ptr, 1)"):
-            return ["item = CNT[0]", "CNT[0] += 1"]
-        m = re.match(r"item_buf\.index\(0\)\.store\(gl\.full\(\[1\], (\w+), .*\)\)$", body)
-        if m:
-            return [f"BUF[0] = {m.group(1)}"]
-        if body.startswith("item = gl.max(item_buf.index(0).load("):
-            return ["item = BUF[0]"]
-        if re.match(r"_dot_\d+ = warpgroup_mma\(q_smem, ", body):
-            return ["yield ('read', ('q', WG), item)"]
-        if re.match(r"_tma_load\(q_desc, \[.*?\], q_bar\.index\(w\), .*\)$", body):
-            return ["yield ('tma', 'q_bar', w, ('q', w), item)"]
-        m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
-        if m:
-            return [f"yield ('tma', '{m.group(1)}', {m.group(2)})"]
-        if body.startswith("while item < n_items:"):
-            return [body, "    first, a, b, end = ITEM(item)", "    if WG is not None:", "        SEEN.append((WG, item))"]
-        return [body]
-    header = ["def part(WG, ITEM, NS, n_items, CNT, BUF, SEEN):", "    BLOCK_J = 1"]
-    return barrier_model.partition(src, fn, KEEP_D, header, translate)
-
 
 def _per_program(gen, pid):
     """A partition's ops with its barriers and slots named apart from another program's."""
     for op in gen:
-        if op[0] in ("wait", "arrive", "tma"):
-            op = (op[0], f"{op[1]}@{pid}") + tuple(op[2:3]) + tuple(
-                ((s, pid) if k == 0 else s) for k, s in enumerate(op[3:])) if op[0] == "tma" else \
-                (op[0], f"{op[1]}@{pid}") + tuple(op[2:])
+        if op[0] in ("wait", "arrive"):
+            op = (op[0], f"{op[1]}@{pid}") + tuple(op[2:])
+        elif op[0] == "tma":   # ('tma', bar, i[, slot, chunk])
+            op = ("tma", f"{op[1]}@{pid}", op[2]) + (((op[3], pid), op[4]) if len(op) > 3 else ())
         elif op[0] == "read":
             op = ("read", (op[1], pid), op[2])
         yield op
@@ -259,8 +228,8 @@ def _per_program(gen, pid):
 
 def _run_dynamic(src, name, rng, trials, programs=2):
     nm = f"{name}_p"
-    con, con_text = _protocol_dyn(src, f"_{nm}_consume")
-    load, load_text = _protocol_dyn(src, f"_{nm}_load")
+    con, con_text = _protocol(src, f"_{nm}_consume", False, q_slots=True, dynamic=True)
+    load, load_text = _protocol(src, f"_{nm}_load", False, q_slots=True, dynamic=True)
     bad = []
     for trial in range(trials):
         NS = rng.choice((2, 3, 4))
