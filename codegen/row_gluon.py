@@ -68,6 +68,7 @@ from acefuse.codegen.contraction_gluon import SMEM_SM90, _helpers   # noqa: F401
 # pass 2's chunk loop and the per-element forms' helpers (module() and emulation_source read
 # OWN_HELPERS here, as a name of this module)
 from acefuse.codegen.row_gluon_pass2 import CHUNK_NAMES, OWN_HELPERS, pass2_loop   # noqa: F401
+from acefuse.codegen.row_gluon_parts import copy_partition, staged_kernel
 # the compiled kernel, its launch and its emulated run: re-exported (tests, codegen/compile.py,
 # codegen/row_gluon_auto.py and the GPU scripts import them from here)
 from acefuse.codegen.row_gluon_launch import (BARRIER_BYTES, CHUNK, DEFAULT_NBUF, DEFAULT_WARPS,  # noqa: F401
@@ -377,7 +378,8 @@ class StagedGen(RowGen):
 
     # -- the kernel ------------------------------------------------------------------------------
     def kernel(self) -> str:
-        """The module's kernels: the merge, the compute partition, the copy partition, the kernel.
+        """The module's kernels: the merge, the compute partition, the copy partition and the kernel
+        (the last two written by codegen/row_gluon_parts.py).
 
         With ``rows_in_flight=2`` (``self.rif``) the compute partition runs twice, as two groups of
         warps (group G takes rows G, G + 2, ... of the program); the copy warp fills the ring in the
@@ -495,87 +497,9 @@ class StagedGen(RowGen):
         if self.tma_store:
             L.append("    tma.store_wait(0)   # the last copies out have read their buffers")
         compute = _gluonize(self._exp("\n".join(L)))
-        # -- copy partition
-        nbytes = " + ".join(f"{t}_desc.block_type.nbytes" for t in self.staged)
-        C = ["@gluon.jit",
-             f"def _{self.name}_copy({descs}, full, empty, {slots}, n_rows, NC: gl.constexpr, NBUF: gl.constexpr, "
-             "NSUB, CR: gl.constexpr):",
-             "    # the copy warp: chunk t of this program's rows into z_slot t % NBUF, once the compute",
-             "    # warps released the chunk that z_slot held (its pass 2 is done)",
-             "    z_pid = gl.program_id(0)",
-             "    P = gl.num_programs(0)",
-             "    total = ((n_rows - z_pid + P - 1) // P) * NC",
-             "    for t in range(0, total):",
-             "        s = t % NBUF",
-             "        if t >= NBUF:",
-             "            mbarrier.wait(empty.index(s), ((t // NBUF) - 1) & 1)",
-             "        k = t // NC",
-             "        c = t - k * NC",
-             "        z_row0 = (z_pid + k * P) * NSUB + c * CR   # (n_rows * NSUB < 2**31: the launcher checks)",
-             f"        mbarrier.expect(full.index(s), {nbytes})"]
-        if two:   # the full barrier of the group of row k (k % 2)
-            C[-1] = "        f = (k % 2) * NBUF + s   # the full barrier of slot s of row k's group (k % 2)"
-            C.append(f"        mbarrier.expect(full.index(f), {nbytes})")
-        for t in self.staged:
-            C.append(f"        _tma_load({t}_desc, [z_row0, 0], full.index({'f' if two else 's'}), slots_{t}.index(s))")
-        copy = _gluonize("\n".join(C))
-        # -- the kernel
-        K = ["@gluon.jit",
-             f"def {self.name}_staged({sig}, NSUB, NC: gl.constexpr, NBUF: gl.constexpr, CR: gl.constexpr, "
-             f"CW: gl.constexpr, EVEN: gl.constexpr, {dts}, {'REGS: gl.constexpr, ' if two else ''}"
-             "num_warps: gl.constexpr):",
-             "    # a persistent program per SM; each row of the staged inputs is read once, through the ring"]
-        if two:
-            K[-1] += " (two compute groups of num_warps warps each)"
-        for t in self.staged:
-            K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
-            K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
-                     f"block_shape=[CR, CW], layout=SL_{t})")
-            K.append(f"    slots_{t} = gl.allocate_shared_memory(DT_{t}, [NBUF, CR, CW], SL_{t})")
-        for o in self.elem_out if self.tma_store else ():
-            K.append(f"    SLO_{o}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_O_{o})")
-            K.append(f"    {o}_odesc = tma.make_tensor_descriptor({o}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
-                     f"block_shape=[CR, CW], layout=SLO_{o})")
-            K.append(f"    obuf_{o} = gl.allocate_shared_memory(DT_O_{o}, [2, CR, CW], SLO_{o})")
-        K += ["    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-              "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-              "    for i in gl.static_range(NBUF):",
-              "        mbarrier.init(full.index(i), count=1)",
-              "        mbarrier.init(empty.index(i), count=1)",
-              "    fence_async_shared()",
-              "    gl.warp_specialize([",
-              f"        (_{self.name}_compute, ({sig}, full, empty, {slots}, {outs}NC, NBUF, CR, CW, EVEN, num_warps)),",
-              f"        (_{self.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
-              "    ], [1], [24])",
-              "    for i in gl.static_range(NBUF):",
-              "        mbarrier.invalidate(full.index(i))",
-              "        mbarrier.invalidate(empty.index(i))"]
-        parts = [_gluonize(self._exp(self.merge_fn(p))), compute]
-        if two:
-            K = K[:-13] + [
-                "    # a full barrier per slot and group (G * NBUF + slot), an empty barrier per slot",
-                "    full = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())",
-                "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-                "    for i in gl.static_range(NBUF):",
-                "        mbarrier.init(full.index(i), count=1)",
-                "        mbarrier.init(full.index(NBUF + i), count=1)",
-                "        mbarrier.init(empty.index(i), count=1)",
-                "    fence_async_shared()",
-                "    gl.warp_specialize([",
-                f"        (_{self.name}_compute0, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
-                f"        (_{self.name}_compute1, ({sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, num_warps)),",
-                f"        (_{self.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
-                "    ], [num_warps, 1], [REGS, 24])",
-                "    for i in gl.static_range(NBUF):",
-                "        mbarrier.invalidate(full.index(i))",
-                "        mbarrier.invalidate(full.index(NBUF + i))",
-                "        mbarrier.invalidate(empty.index(i))"]
-            for w in (0, 1):   # the two groups: the compute partition with its group as a constexpr
-                parts.append("\n".join([
-                    "@gluon.jit",
-                    f"def _{self.name}_compute{w}({sig}, full, empty, {slots}, NC: gl.constexpr, NBUF: gl.constexpr, "
-                    "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
-                    f"    _{self.name}_compute({w}, {sig}, full, empty, {slots}, NC, NBUF, CR, CW, EVEN, NW)"]))
+        copy = _gluonize(copy_partition(self, two, descs, slots))
+        K, wrappers = staged_kernel(self, two, sig, slots, descs, dts, outs)
+        parts = [_gluonize(self._exp(self.merge_fn(p))), compute] + wrappers
         return "\n\n\n".join(parts + [copy, _gluonize("\n".join(K))])
 
     def module(self) -> str:
