@@ -118,16 +118,7 @@ class SContext(Context):
     BL), a "row" value one per sub-row ``[CR]`` (ROW_L; after the merge every sub-row holds the
     row's value), a per-row input a scalar of the row being computed."""
 
-    def count(self, blk):
-        if blk.op == "BJ":
-            return "nj_f"
-        if blk.op == "BA":
-            return "n_a"
-        if blk.op == "BB":
-            return "n_b"
-        if blk.op == "BU":
-            return "(n_a + n_b)"
-        raise CodegenError(f"count of block {pretty(blk)}")
+    # count(): the row template's (the staged kernel's regions are never its "single" mode)
 
     def index(self, axis):
         if axis == self.g.axis:
@@ -377,6 +368,18 @@ class StagedGen(RowGen):
         pass2_loop(L, B, ind, self.hoist, self.qfast)
 
     # -- the kernel ------------------------------------------------------------------------------
+    def _wait_chunk(self, L, ind, t, two):
+        """Pass 1's wait for the program's chunk ``t`` in its slot (t % NBUF): on the slot's full
+        barrier, or with two groups on this group's own (parity kept in bit ``z_slot`` of z_ph)."""
+        if self.emulate:
+            return
+        L.append(f"{ind}z_slot = {t} % NBUF")
+        if two:
+            L.append(f"{ind}mbarrier.wait(full.index(G * NBUF + z_slot), ((z_ph >> z_slot) & 1).to(tl.int32))")
+            L.append(f"{ind}z_ph = z_ph ^ (z_one << z_slot)")
+        else:
+            L.append(f"{ind}mbarrier.wait(full.index(z_slot), ({t} // NBUF) & 1)")
+
     def kernel(self) -> str:
         """The module's kernels: the merge, the compute partition, the copy partition and the kernel
         (the last two written by codegen/row_gluon_parts.py).
@@ -445,26 +448,14 @@ class StagedGen(RowGen):
         self.row_setup(L, ind)
         L.append(f"{ind}# ---- pass 1: the row's chunks as they land, carrying {', '.join(names)} per sub-row")
         L.append(f"{ind}z_c = 0")
-        if not self.emulate:
-            L.append(f"{ind}z_slot = z_base % NBUF")
-        if not self.emulate and two:
-            L.append(f"{ind}mbarrier.wait(full.index(G * NBUF + z_slot), ((z_ph >> z_slot) & 1).to(tl.int32))")
-            L.append(f"{ind}z_ph = z_ph ^ (z_one << z_slot)")
-        elif not self.emulate:
-            L.append(f"{ind}mbarrier.wait(full.index(z_slot), (z_base // NBUF) & 1)")
+        self._wait_chunk(L, ind, "z_base", two)
         self.chunk_setup(L, ind)
         self.emit_states(p, p.init, L, ind, "init", "init")
         L.append(f"{ind}n_a = n_b")
         L.append(f"{ind}for z_c in range(1, NC):")
         i2 = ind + "    "
         L.append(f"{i2}z_t = z_base + z_c")
-        if not self.emulate:
-            L.append(f"{i2}z_slot = z_t % NBUF")
-        if not self.emulate and two:
-            L.append(f"{i2}mbarrier.wait(full.index(G * NBUF + z_slot), ((z_ph >> z_slot) & 1).to(tl.int32))")
-            L.append(f"{i2}z_ph = z_ph ^ (z_one << z_slot)")
-        elif not self.emulate:
-            L.append(f"{i2}mbarrier.wait(full.index(z_slot), (z_t // NBUF) & 1)")
+        self._wait_chunk(L, i2, "z_t", two)
         self.chunk_setup(L, i2)
         self.emit_states(p, p.rolling, L, i2, "roll", "rolling")
         L.append(f"{i2}n_a = n_a + n_b")

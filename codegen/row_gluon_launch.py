@@ -77,20 +77,8 @@ class RowStagedKernel:
         import triton
         from triton.experimental.gluon import language as gl
         name = self.name
-        missing = [n for n in self.tensors if n not in inputs]
-        extra = [n for n in inputs if n not in self.tensors]
-        if missing or extra:
-            raise TypeError(f"program {name!r}: inputs {list(self.tensors)} expected"
-                            + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
-        lens = {}
-        for n, axes in self.tensors.items():
-            t = inputs[n]
-            if not isinstance(t, torch.Tensor) or t.dim() != len(axes):
-                raise ValueError(f"program {name!r}: input {n!r} must be a tensor over {' '.join(axes)!r} "
-                                 f"({len(axes)} axes), got {getattr(t, 'shape', type(t).__name__)}")
-            for a, sz in zip(axes, t.shape):
-                if lens.setdefault(a, sz) != sz:
-                    raise ValueError(f"program {name!r}: axis {a!r} has length {lens[a]} and {sz}")
+        from acefuse.codegen.input_types import axis_lengths
+        lens = axis_lengths(name, self.tensors, inputs)
         if any(v == 0 for v in lens.values()):
             raise ValueError(f"program {name!r}: an empty axis ({lens}); the staged kernel needs rows and "
                              "columns (af.compile handles empty inputs)")
