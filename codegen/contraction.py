@@ -432,7 +432,9 @@ class ContractionGen(MaskAnalysis):
             L.append(f"{ind}    c_hi = tl.min(tl.where(valid & (~full) & (start > c_lo), start, "
                      f"tl.minimum(t0 + SCAN * BLOCK_J, {hi})), axis=0)")
             L.append(f"{ind}    take = (f_lo == BIG) & (c_lo < BIG)")
-            L.append(f"{ind}    f_hi = tl.where(take, c_hi, f_hi)")
+            L.append(f"{ind}    # the run reached this step's first tile and that tile is full: it goes on here")
+            L.append(f"{ind}    more = (f_lo < BIG) & (f_hi == t0) & (c_lo == t0)")
+            L.append(f"{ind}    f_hi = tl.where(take | more, c_hi, f_hi)")
             L.append(f"{ind}    f_lo = tl.where(take, c_lo, f_lo)")
             L.append(f"{ind}# a row tile that sees no key still runs one (masked) tile: its states are empty")
             L.append(f"{ind}first = tl.where(first == BIG, {lo}, first)")
