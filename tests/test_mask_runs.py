@@ -80,3 +80,25 @@ def test_the_run_check_fails_without_the_continuation():
     code = _analysis(af.compile(EX["causal"]).source).replace("take | more", "take")
     first, a, b, end = _run(code, 900, 915, 1000, 16, 4)
     assert (a, b) == (0, 64)   # one step of 4 tiles; tiles 64 .. 895 went to the masked loop
+
+
+@pytest.mark.parametrize("name,window", [("causal", None), ("band", 90)])
+def test_kernel_with_the_run_over_several_steps_float64(name, window, monkeypatch):
+    """The Triton kernel itself where the analysis takes several steps (SCAN_MAX 16, 16 keys a
+    tile, 300 keys: two steps, the full run crossing between them), against float64 on fresh
+    random inputs: the loops' bounds from the continued run keep every value."""
+    import torch
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prog = EX["causal"] if name == "causal" else _band(window)
+    kern = af.compile(prog)
+    monkeypatch.setattr(kern.module, "SCAN_MAX", 16)
+    n = 300
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    qq, kk, vv = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    scale = EX["SCALE"] if name == "causal" else 0.3
+    s = torch.einsum("bhid,bhjd->bhij", qq.double(), kk.double()) * scale
+    ii, jj = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    vis = (jj <= ii) if window is None else (jj <= ii) & (ii - jj < window)
+    ref = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ vv.double()
+    o = kern(q=qq, k=kk, v=vv, path="portable", block_j=16)
+    assert (o.double() - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
