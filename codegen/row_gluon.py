@@ -41,9 +41,19 @@ tile (codegen/emit.py ``_reduce``), and out of every store.
 Scope (``compile_staged`` refuses the rest with a ValueError that says why): one pass over the
 fused axis with a derived merge (``split_ok``), no stacked outputs (af.topk) or riders; at
 launch, at least one staged input, 16-bit, contiguous, 16-byte aligned, the fused axis a
-multiple of 8 elements and at least one chunk long, and the whole row of every staged input in
-the ring (``SMEM_SM90``: 227 KB per program). Inputs over the fused axis that are not staged
-(a per-column weight) are read with plain loads.
+multiple of 8 elements and at least one chunk long. Inputs over the fused axis that are not
+staged (a per-column weight) are read with plain loads.
+
+Rows longer than the ring (more chunks than ``SMEM_SM90``, 227 KB per program, holds: 262144
+bf16 elements are 64 chunks, 28 slots fit) run the *partial* form (``partial=True``,
+codegen/row_gluon_partial.py has its protocol): the row's first KEEP chunks stay in their slots
+for pass 2, the other chunks stream through RING rotating slots twice (pass 1, then pass 2
+copied again), so a row is (2 - KEEP / NC) reads and one write instead of the Triton loop's two
+reads. One row in flight (the kept slots are one row's): ``rows_in_flight=2`` runs it with its
+warps in one group. The launcher (codegen/row_gluon_launch.py) takes it only where the row does
+not fit, with as many slots kept as fit beside the rotating ones (``ring_split``); the same
+generator, per-element forms and masks (``tmask``) as the fully staged form, whose source is
+unchanged by it.
 
 ``auto_staged`` (codegen/row_gluon_auto.py) is the automatic choice for af.compile's row
 kernels on sm_90 (hooked into codegen/compile.py ``Kernel.__call__``): the staged kernel is
@@ -54,7 +64,9 @@ the source only.
 
 The modules: this one generates the kernel's source (``StagedGen``, ``staged_source``,
 ``emulation_source``); codegen/row_gluon_pass2.py emits pass 2's chunk loop in its per-element
-forms and holds the kernel's own helpers; codegen/row_gluon_launch.py is the compiled kernel
+forms and holds the kernel's own helpers; codegen/row_gluon_parts.py writes the copy partition
+and the kernel, codegen/row_gluon_partial.py the partial form's pieces (its waits and releases,
+its copy partition and kernel); codegen/row_gluon_launch.py is the compiled kernel
 (``compile_staged``, ``RowStagedKernel`` and its launch arguments, ``run_emulated``), re-exported here.
 """
 from __future__ import annotations
@@ -69,6 +81,7 @@ from acefuse.codegen.contraction_gluon import SMEM_SM90, _helpers   # noqa: F401
 # OWN_HELPERS here, as a name of this module)
 from acefuse.codegen.row_gluon_pass2 import CHUNK_NAMES, OWN_HELPERS, pass2_loop   # noqa: F401
 from acefuse.codegen.row_gluon_parts import copy_partition, staged_kernel
+from acefuse.codegen import row_gluon_partial as partial_form
 # the compiled kernel, its launch and its emulated run: re-exported (tests, codegen/compile.py,
 # codegen/row_gluon_auto.py and the GPU scripts import them from here)
 from acefuse.codegen.row_gluon_launch import (BARRIER_BYTES, CHUNK, DEFAULT_NBUF, DEFAULT_WARPS,  # noqa: F401
@@ -131,7 +144,9 @@ class SContext(Context):
         if key in em.cache:
             return em.cache[key]
         base = f"{name}_ptr + off_{name}" if g.row_axes_of(name) else f"{name}_ptr"
-        if name in g.staged and g.emulate:   # the CPU emulation: the chunk from global memory
+        if name in g.staged and g.emulate and g.partial:   # the CPU emulation of the slots: from its scratch slot
+            out = em.bind(partial_form.slot_load(name), "tile", "ld_")
+        elif name in g.staged and g.emulate:   # the CPU emulation: the chunk from global memory
             out = em.bind(f"tl.load({base} + cols * s_{name}_{g.axis}, mask=tmask, other=0.0).to(tl.float32)",
                           "tile", "ld_")
         elif name in g.staged:   # the chunk from its ring slot (pass 1 waited for it)
@@ -178,8 +193,12 @@ class StagedGen(RowGen):
 
     context = SContext
 
-    def __init__(self, fusion, emulate=False, tma_store=False, exp2=True, hoist=True, qfast=True, rows_in_flight=1):
+    def __init__(self, fusion, emulate=False, tma_store=False, exp2=True, hoist=True, qfast=True, rows_in_flight=1,
+                 partial=False):
         super().__init__(fusion)
+        # partial: the form for rows longer than the ring (codegen/row_gluon_partial.py): the first
+        # KEEP chunks of a row kept in their slots, the others streamed twice through RING slots
+        self.partial = bool(partial)
         # rows_in_flight=2: two compute groups on alternating rows of the program (row k to group
         # k % 2), sharing the copy warp and the ring, so that one group's pass 2 overlaps the other's
         # pass 1 (``kernel``'s docstring has the protocol); 1: one group (the default kernel)
@@ -237,6 +256,9 @@ class StagedGen(RowGen):
             if self.axis in ax and (ax[-1] != self.axis):
                 raise CodegenError(f"program {name!r}: output {o!r} has the fused axis {self.axis!r} not last")
         self.elem_out = list(self.enc.elementwise_outputs)
+        if self.partial and (self.rif > 1 or self.tma_store):
+            raise CodegenError(f"program {name!r}: partial staging (a row longer than the ring) has one row in flight "
+                               "and no tma_store form; use rows_in_flight=1 and tma_store=False")
         if self.rif > 1 and self.tma_store:
             raise CodegenError(f"program {name!r}: rows_in_flight=2 has no tma_store form (the output buffers and "
                                "their store waits are one group's); use one of the two")
@@ -405,19 +427,24 @@ class StagedGen(RowGen):
         outs = "".join(f"{o}_odesc, obuf_{o}, " for o in self.elem_out) + "NSUB, " if self.tma_store else ""
         dts += "".join(f", DT_O_{o}: gl.constexpr" for o in self.elem_out) if self.tma_store else ""
         # -- compute partition
+        part = self.partial
         if self.emulate:
+            rings = "".join(f"ring_{t}_ptr, " for t in self.staged) + "NC: tl.constexpr, KEEP: tl.constexpr, RING: tl.constexpr"
             L = ["@triton.jit",
-                 f"def {self.name}_emulated({sig}, NC: tl.constexpr, CR: tl.constexpr, CW: tl.constexpr, EVEN: tl.constexpr):",
+                 f"def {self.name}_emulated({sig}, {rings if part else 'NC: tl.constexpr'}, CR: tl.constexpr, "
+                 "CW: tl.constexpr, EVEN: tl.constexpr):",
                  "    # the compute partition's arithmetic with its chunks loaded from global memory",
                  "    z_pid = tl.program_id(0)",
                  "    z_P = tl.num_programs(0)",
                  "    z_sub = tl.arange(0, CR)",
                  "    z_lane = tl.arange(0, CW)",
                  "    nj_f = n_j * 1.0"]
+            if part:   # this program's scratch ring: the slots' stand-in
+                L.append("    z_rb = z_pid * ((KEEP + RING) * CR * CW)")
         else:
             L = ["@gluon.jit",
                  f"def _{self.name}_compute({'G: gl.constexpr, ' if two else ''}{sig}, full, empty, {slots}, {outs}"
-                 "NC: gl.constexpr, NBUF: gl.constexpr, "
+                 f"NC: gl.constexpr, NBUF: gl.constexpr, {'KEEP: gl.constexpr, RING: gl.constexpr, ' if part else ''}"
                  "CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, NW: gl.constexpr):",
                  "    # the compute warps: pass 1 folds each row's chunks as they land, pass 2 writes the",
                  "    # outputs from the same slots and releases each to the copy warp",
@@ -444,21 +471,32 @@ class StagedGen(RowGen):
             L.append("    for z_k in range(0, z_mine):")
         ind = "        "
         L.append(f"{ind}z_row = z_pid + z_k * z_P")
-        L.append(f"{ind}z_base = z_k * NC")
+        if part:
+            L.append(f"{ind}z_u0 = z_k * (2 * (NC - KEEP))   # the row's first fill of the rotating slots")
+        else:
+            L.append(f"{ind}z_base = z_k * NC")
         self.row_setup(L, ind)
         L.append(f"{ind}# ---- pass 1: the row's chunks as they land, carrying {', '.join(names)} per sub-row")
         L.append(f"{ind}z_c = 0")
-        self._wait_chunk(L, ind, "z_base", two)
+        if part:
+            partial_form.pass1_wait(self, L, ind, True)
+        else:
+            self._wait_chunk(L, ind, "z_base", two)
         self.chunk_setup(L, ind)
         self.emit_states(p, p.init, L, ind, "init", "init")
         L.append(f"{ind}n_a = n_b")
         L.append(f"{ind}for z_c in range(1, NC):")
         i2 = ind + "    "
-        L.append(f"{i2}z_t = z_base + z_c")
-        self._wait_chunk(L, i2, "z_t", two)
+        if part:
+            partial_form.pass1_wait(self, L, i2, False)
+        else:
+            L.append(f"{i2}z_t = z_base + z_c")
+            self._wait_chunk(L, i2, "z_t", two)
         self.chunk_setup(L, i2)
         self.emit_states(p, p.rolling, L, i2, "roll", "rolling")
         L.append(f"{i2}n_a = n_a + n_b")
+        if part:
+            partial_form.pass1_release(self, L, i2)
         L.append(f"{ind}# the sub-rows' partial states folded into the row's with the derived merge")
         L.append(f"{ind}{', '.join(names)}, n_a = tl.reduce(({', '.join(names)}, n_a), 0, _{self.name}_merge)")
         for q in names:
@@ -468,14 +506,16 @@ class StagedGen(RowGen):
         if any(o not in self.enc.elementwise_outputs for o in self.outputs):
             self.emit_row_outputs_staged(L, ind)
         L.append(f"{ind}# ---- pass 2: the outputs elementwise over {self.axis!r}, from the staged chunks")
-        B = [f"{i2}z_t = z_base + z_c"]
+        B = [] if part else [f"{i2}z_t = z_base + z_c"]
         if self.tma_store:
             B.append(f"{i2}z_ob = z_t % 2")
             B.append(f"{i2}z_orow = z_row * NSUB + z_c * CR")
             B.append(f"{i2}if EVEN:   # the copy out of this buffer two chunks ago has read it")
             B.append(f"{i2}    tma.store_wait({len(self.elem_out)})")
             B.append(f"{i2}    _sync()")
-        if not self.emulate:
+        if part:
+            partial_form.pass2_slot(self, B, i2)
+        elif not self.emulate:
             B.append(f"{i2}z_slot = z_t % NBUF")
         self.chunk_setup(B, i2)
         self.emit_elem_outputs_staged(B, i2)
@@ -488,8 +528,12 @@ class StagedGen(RowGen):
         if self.tma_store:
             L.append("    tma.store_wait(0)   # the last copies out have read their buffers")
         compute = _gluonize(self._exp("\n".join(L)))
-        copy = _gluonize(copy_partition(self, two, descs, slots))
-        K, wrappers = staged_kernel(self, two, sig, slots, descs, dts, outs)
+        if part:
+            copy = _gluonize(partial_form.copy_partition(self, descs, slots))
+            K, wrappers = partial_form.partial_kernel(self, sig, slots, descs, dts), []
+        else:
+            copy = _gluonize(copy_partition(self, two, descs, slots))
+            K, wrappers = staged_kernel(self, two, sig, slots, descs, dts, outs)
         parts = [_gluonize(self._exp(self.merge_fn(p))), compute] + wrappers
         return "\n\n\n".join(parts + [copy, _gluonize("\n".join(K))])
 
@@ -501,6 +545,10 @@ class StagedGen(RowGen):
         helpers = _helpers(re.sub(r"\b(_max_nan|_min_nan)\b(?!\()", r"\1(", kern + "\n".join(own))) + own
         explain = self.f.explain().replace('"""', "'''")
         head = STAGED_HEADER.format(name=self.name, axis=self.axis, explain=explain)
+        if self.partial:   # (codegen/row_gluon_partial.py)
+            head = head.replace("each row read once into a shared-memory ring.",
+                                "partial staging: a row longer than the ring,\nits first KEEP chunks "
+                                "read once, the others twice (through RING rotating slots).")
         if "PROPAGATE_ALL" in kern or any("PROPAGATE_ALL" in h or "PropagateNan" in h for h in helpers):
             head += "PROPAGATE_ALL = gl.constexpr(tl.PropagateNan.ALL)   # max/min propagate NaN, as torch\n"
         helpers = [h.replace("gl.PropagateNan.ALL", "PROPAGATE_ALL") for h in helpers]
@@ -515,7 +563,8 @@ def emulation_source(fusion, **opts) -> str:
     of CW, per-sub-row states, the merge over sub-rows, the masks), with each chunk loaded from
     global memory instead of its ring slot: what Triton's interpreter can check on the CPU. Its
     arguments: the staged kernel's, without NSUB, NBUF and the dtypes. ``opts``: StagedGen's
-    (exp2, hoist, qfast, rows_in_flight: with 2, the two groups' rows in turn)."""
+    (exp2, hoist, qfast, rows_in_flight: with 2, the two groups' rows in turn; partial: the slots
+    emulated too, a scratch ring per program after the inputs and outputs, KEEP and RING)."""
     from acefuse.codegen.row import HEADER
     g = StagedGen(fusion, emulate=True, **opts)
     kern = g.kernel()
@@ -529,7 +578,7 @@ def emulation_source(fusion, **opts) -> str:
 def staged_source(fusion, **opts) -> str:
     """The staged Gluon module source of a row-family Fusion (CodegenError, a ValueError, where
     the program has no staged form); ``opts``: StagedGen's (tma_store, exp2, hoist, qfast,
-    rows_in_flight)."""
+    rows_in_flight, partial)."""
     return StagedGen(fusion, **opts).module()
 
 

@@ -3,7 +3,10 @@ the Triton module's own launch, for af.compile's kernels on an sm_90 GPU (called
 codegen/compile.py ``Kernel.__call__``): timed on the first call per input shapes, outputs
 compared, the faster kept, remembered on the kernel and on disk (codegen/tuning.py,
 ``what='staged'``): codegen/auto_choice.py, shared with the contraction family's ``auto_gluon``;
-this module says what is particular to rows.
+this module says what is particular to rows. A row longer than the ring (262144 bf16 elements:
+64 chunks, 28 slots fit) is timed the same way, through the staged kernel's partial form
+(codegen/row_gluon_partial.py: its first chunks kept in shared memory, the rest read twice, one
+row in flight: AUTO_CONFIGS' two groups run as one).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def _choice_source(kernel, gs) -> str | None:
     tri = getattr(kernel, "source", None)
     if tri is None:
         return None
-    return hashlib.sha256("\0".join([tri] + [g.source + g.tag for g in gs]).encode()).hexdigest()
+    # (the partial form's source too: it runs rows longer than the ring)
+    return hashlib.sha256("\0".join([tri] + [g.source + g.tag + (g.partial_source or "") for g in gs]).encode()).hexdigest()
 
 
 def _not_here(kernel, dev):
