@@ -221,13 +221,19 @@ class GluonGen(WarpSpecialised, ContractionGen):
             ctx.leaf = lambda name, s=subst: s.get(name, self.leaves[name])
         return ctx, em
 
-    def kernel(self) -> str:
+    def _begin(self):
+        """Before the template writes a Gluon kernel's text: its one pass, a start from the
+        empty block (the Gluon kernels do not peel the first key tile), no Triton-Hopper
+        descriptors, nothing hoisted yet."""
         self.p = self.f.passes[0]
         if self.empty_start() is None:
             raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
-                               "first key tile would be peeled; the Gluon kernel (phase 1) does not peel")
+                               "first key tile would be peeled; the Gluon kernel does not peel")
         self.hopper, self.tma = False, {}
         self.hoisting, self._hoisted = [], {}
+
+    def kernel(self) -> str:
+        self._begin()
         qn, kn, vn = self.q_name, self.k_name, self.v_name
         L = ["@gluon.jit",
              f"def {self.name}_gluon({', '.join(self.sig())}, "

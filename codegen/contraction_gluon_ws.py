@@ -34,12 +34,7 @@ class WarpSpecialised:
         consumer's prologue over its own warpgroup's rows, the mask analysis before the key
         loops, the key loops, the stores). ``pids``: prologue lines (by their start) replaced
         in all three prologues (the persistent kernel's work item)."""
-        self.p = self.f.passes[0]
-        if self.empty_start() is None:
-            raise CodegenError(f"program {self.name!r}: its states do not start from an empty block, so the "
-                               "first key tile would be peeled; the Gluon kernel does not peel")
-        self.hopper, self.tma = False, {}
-        self.hoisting, self._hoisted = [], {}
+        self._begin()
         pro, body, store = [], [], []
         self.prologue(pro)
         self.key_loop(body, "0", "n_j")

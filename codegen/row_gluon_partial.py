@@ -33,6 +33,8 @@ Text in, text out: Triton-flavoured lines the caller passes through ``_gluonize`
 """
 from __future__ import annotations
 
+from acefuse.codegen.row_gluon_parts import one_group, ring_inputs
+
 PARTIAL_RING_BYTES = 65536   # rotating slots: this many bytes of the staged inputs in flight (8 slots of 8 KB)
 
 
@@ -149,24 +151,9 @@ def partial_kernel(gen, sig: str, slots: str, descs: str, dts: str):
          f"RING: gl.constexpr, CR: gl.constexpr, CW: gl.constexpr, EVEN: gl.constexpr, {dts}, num_warps: gl.constexpr):",
          "    # a persistent program per SM; each row's first KEEP chunks read once, the others twice",
          "    # (NBUF = KEEP + RING slots)"]
-    for t in gen.staged:
-        K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
-        K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
-                 f"block_shape=[CR, CW], layout=SL_{t})")
-        K.append(f"    slots_{t} = gl.allocate_shared_memory(DT_{t}, [NBUF, CR, CW], SL_{t})")
-    K += ["    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-          "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-          "    for i in gl.static_range(NBUF):",
-          "        mbarrier.init(full.index(i), count=1)",
-          "        mbarrier.init(empty.index(i), count=1)",
-          "    fence_async_shared()",
-          "    gl.warp_specialize([",
-          f"        (_{gen.name}_compute, ({sig}, full, empty, {slots}, NC, NBUF, KEEP, RING, CR, CW, EVEN, num_warps)),",
-          f"        (_{gen.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, KEEP, RING, NSUB, CR)),",
-          "    ], [1], [24])",
-          "    for i in gl.static_range(NBUF):",
-          "        mbarrier.invalidate(full.index(i))",
-          "        mbarrier.invalidate(empty.index(i))"]
+    K += ring_inputs(gen)
+    K += one_group(f"_{gen.name}_compute, ({sig}, full, empty, {slots}, NC, NBUF, KEEP, RING, CR, CW, EVEN, num_warps)",
+                   f"_{gen.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, KEEP, RING, NSUB, CR)")
     return K
 
 

@@ -36,6 +36,37 @@ def copy_partition(gen, two: bool, descs: str, slots: str) -> str:
     return "\n".join(C)
 
 
+def ring_inputs(gen) -> list:
+    """Each staged input's shared layout, its descriptor over the rows as sub-rows of CW, and
+    its NBUF ring slots (the kernel's text)."""
+    K = []
+    for t in gen.staged:
+        K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
+        K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
+                 f"block_shape=[CR, CW], layout=SL_{t})")
+        K.append(f"    slots_{t} = gl.allocate_shared_memory(DT_{t}, [NBUF, CR, CW], SL_{t})")
+    return K
+
+
+def one_group(compute: str, copy: str) -> list:
+    """One compute group's kernel end: a full and an empty barrier per slot, the fork into the
+    compute partition and the copy warp (``compute``, ``copy``: each function and its
+    arguments), and the barriers' invalidation."""
+    return ["    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
+            "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
+            "    for i in gl.static_range(NBUF):",
+            "        mbarrier.init(full.index(i), count=1)",
+            "        mbarrier.init(empty.index(i), count=1)",
+            "    fence_async_shared()",
+            "    gl.warp_specialize([",
+            f"        ({compute}),",
+            f"        ({copy}),",
+            "    ], [1], [24])",
+            "    for i in gl.static_range(NBUF):",
+            "        mbarrier.invalidate(full.index(i))",
+            "        mbarrier.invalidate(empty.index(i))"]
+
+
 def staged_kernel(gen, two: bool, sig: str, slots: str, descs: str, dts: str, outs: str):
     """(the kernel's text, the two groups' compute wrappers or none): a persistent program per
     SM; descriptors over each staged input's rows as sub-rows of CW, the ring of NBUF slots, a
@@ -48,30 +79,15 @@ def staged_kernel(gen, two: bool, sig: str, slots: str, descs: str, dts: str, ou
          "    # a persistent program per SM; each row of the staged inputs is read once, through the ring"]
     if two:
         K[-1] += " (two compute groups of num_warps warps each)"
-    for t in gen.staged:
-        K.append(f"    SL_{t}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_{t})")
-        K.append(f"    {t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
-                 f"block_shape=[CR, CW], layout=SL_{t})")
-        K.append(f"    slots_{t} = gl.allocate_shared_memory(DT_{t}, [NBUF, CR, CW], SL_{t})")
+    K += ring_inputs(gen)
     for o in gen.elem_out if gen.tma_store else ():
         K.append(f"    SLO_{o}: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CR, CW], DT_O_{o})")
         K.append(f"    {o}_odesc = tma.make_tensor_descriptor({o}_ptr, shape=[n_rows * NSUB, CW], strides=[CW, 1], "
                  f"block_shape=[CR, CW], layout=SLO_{o})")
         K.append(f"    obuf_{o} = gl.allocate_shared_memory(DT_O_{o}, [2, CR, CW], SLO_{o})")
     if not two:
-        K += ["    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-              "    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())",
-              "    for i in gl.static_range(NBUF):",
-              "        mbarrier.init(full.index(i), count=1)",
-              "        mbarrier.init(empty.index(i), count=1)",
-              "    fence_async_shared()",
-              "    gl.warp_specialize([",
-              f"        (_{gen.name}_compute, ({sig}, full, empty, {slots}, {outs}NC, NBUF, CR, CW, EVEN, num_warps)),",
-              f"        (_{gen.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)),",
-              "    ], [1], [24])",
-              "    for i in gl.static_range(NBUF):",
-              "        mbarrier.invalidate(full.index(i))",
-              "        mbarrier.invalidate(empty.index(i))"]
+        K += one_group(f"_{gen.name}_compute, ({sig}, full, empty, {slots}, {outs}NC, NBUF, CR, CW, EVEN, num_warps)",
+                       f"_{gen.name}_copy, ({descs}, full, empty, {slots}, n_rows, NC, NBUF, NSUB, CR)")
         return K, []
     K += ["    # a full barrier per slot and group (G * NBUF + slot), an empty barrier per slot",
           "    full = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())",
