@@ -26,6 +26,7 @@ class GluonKernel:
         self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
+        self._plans = {}   # input signature -> a launch plan (plan_args)
 
     def __call__(self, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None, **inputs):
         import torch
@@ -33,7 +34,7 @@ class GluonKernel:
         if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
             raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only (CUDA tensors "
                              "there); use af.compile")
-        grid, args, kw, out = self.launch_args(inputs, BLOCK_I, BLOCK_J, num_warps, stages)
+        grid, args, kw, out = self.plan_args(inputs, BLOCK_I, BLOCK_J, num_warps, stages)
         _allocator()
         with torch.cuda.device(q.device):
             # a one-axis grid: the persistent kernel (launch_args chose it)
@@ -42,6 +43,48 @@ class GluonKernel:
 
     def _nests(self, t, name):
         return _nests(t, self.tensors[name])
+
+    def _signature(self, inputs, opts):
+        """What a launch plan depends on: each operand's shape, strides, dtype, device and
+        16-byte alignment, the tile options and L2_KB; None (no plan kept) where an operand is
+        not a plain tensor."""
+        import torch
+        key = [opts, L2_KB]
+        for n in self.tensors:
+            t = inputs.get(n)
+            if type(t) is not torch.Tensor:
+                return None
+            key.append((tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+        return tuple(key)
+
+    def plan_args(self, inputs, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None):
+        """``launch_args`` kept per input signature (``_signature``): the first call checks the
+        inputs and chooses the tiles and the grid; a later call with the same signature only puts
+        its operands, fresh outputs and (dynamic work items) a zeroed counter into the kept
+        arguments, by position (operands passed twice, or aliased, stay per call)."""
+        import torch
+        opts = (BLOCK_I, BLOCK_J, num_warps, stages)
+        key = self._signature(inputs, opts)
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            grid, args, kw, out = self.launch_args(inputs, *opts)
+            if key is not None:
+                slots, pos = [("val", a) for a in args], 0
+                for n, axes in self.tensors.items():
+                    slots[pos], pos = ("in", n), pos + 1 + len(axes)
+                for o, axes in self.out_axes.items():
+                    slots[pos], pos = ("out", o), pos + 1 + len(axes)
+                if len(grid) == 1 and self.dynamic:   # the persistent kernel's work-item counter, last
+                    slots[-1] = ("cnt", None)
+                outs = [(o, tuple(t.shape), t.dtype, t.device) for o, t in out.items()]
+                self._plans[key] = (grid, slots, kw, outs)
+            return grid, args, kw, out
+        grid, slots, kw, outs = plan
+        out = {o: torch.empty(shape, device=dev, dtype=dt) for o, shape, dt, dev in outs}
+        dev = outs[0][3]
+        args = [inputs[x] if k == "in" else out[x] if k == "out" else x if k == "val"
+                else torch.zeros(1, dtype=torch.int32, device=dev) for k, x in slots]
+        return grid, args, kw, out
 
     def launch_args(self, inputs, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None):
         """(grid, positional arguments, constexpr keywords, outputs) of one launch; the checks
