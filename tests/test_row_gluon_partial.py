@@ -21,7 +21,7 @@ from tests.test_row_gluon import PROGRAMS, _call, _check, _fusion, _inputs, _on_
 
 def test_partial_staging_options_and_refusals():
     """A row longer than the ring (or than ``nbuf``): partial staging, all the ring's slots
-    (or nbuf), ``ring`` rotating (default: 64 KB of them, at least 2, at most half), one group
+    (or nbuf), ``ring`` rotating (default: 96 KB of them, at least 2, at most half), one group
     (rows_in_flight=2's warps together); refused with a reason where it cannot take the row."""
     long = _inputs("softmax", 2, 262144, 1)
     for ring, keep in ((4, 24), (12, 16)):
@@ -29,11 +29,11 @@ def test_partial_staging_options_and_refusals():
         assert (kw["KEEP"], kw["RING"], kw["NBUF"]) == (keep, ring, 28)
     k2 = rg.compile_staged(_fusion("softmax"), rows_in_flight=2)
     kw = k2.launch_args(long)[2]
-    assert kw["num_warps"] == 8 and "REGS" not in kw and kw["KEEP"] == 20 and "_compute1" not in k2.partial_source
+    assert kw["num_warps"] == 8 and "REGS" not in kw and kw["KEEP"] == 16 and "_compute1" not in k2.partial_source
     kw = rg.compile_staged(_fusion("softmax"), nbuf=6).launch_args(_inputs("softmax", 2, 8 * 4096, 1))[2]
     assert (kw["NC"], kw["KEEP"], kw["RING"]) == (8, 3, 3)   # nbuf below the row's chunks: partial too
     kw = rg.compile_staged(_fusion("two")).launch_args(_inputs("two", 2, 65536, 1))[2]   # 16 KB slots
-    assert (kw["NBUF"], kw["KEEP"], kw["RING"]) == (14, 10, 4)
+    assert (kw["NBUF"], kw["KEEP"], kw["RING"]) == (14, 8, 6)
     with pytest.raises(ValueError, match="rg_softmax.*needs 64 ring slots.*ring=28 leaves no slot kept"):
         rg.compile_staged(_fusion("softmax"), ring=28).launch_args(long)
     with pytest.raises(ValueError, match="nbuf=40 is more than fit"):
