@@ -1,30 +1,19 @@
 """The contraction template's mask analysis finds the whole run of fully visible key tiles, however
 many SCAN-tile steps it spans (issue 15: with SCAN = 16 the Gluon kernel ran every causal tile past
 the first 2048 keys through the masked loop). The analysis block of the generated source is run
-here with numpy standing in for ``tl``, at small SCAN, against a brute-force tile classification."""
+here with numpy standing in for ``tl`` (codegen/masks.py ``_NumpyTL``), at small SCAN, against a
+brute-force tile classification."""
 import runpy
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import acefuse as af
+from acefuse.codegen.masks import _NumpyTL   # the analysis' tl on host arrays (codegen/masks.py)
 
 EX = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "attention.py"))
 i, j = af.index("i"), af.index("j")
-
-class _NumpyTl(types.SimpleNamespace):
-    """``tl`` on host arrays: the reductions by axis, everything else numpy's."""
-    arange = staticmethod(lambda a, b: np.arange(a, b))
-    min = staticmethod(lambda x, axis=0: np.min(x, axis=axis))
-    max = staticmethod(lambda x, axis=0: np.max(x, axis=axis))
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-_TL = _NumpyTl()
 
 
 def _analysis(src):
@@ -36,7 +25,7 @@ def _analysis(src):
 
 
 def _run(code, i_lo, i_hi, n_j, block_j, scan):
-    env = dict(tl=_TL, i_lo=float(i_lo), i_hi=float(i_hi), n_j=n_j, BLOCK_J=block_j, SCAN=scan)
+    env = dict(tl=_NumpyTL, i_lo=float(i_lo), i_hi=float(i_hi), n_j=n_j, BLOCK_J=block_j, SCAN=scan)
     exec(code, env)
     return int(env["first"]), int(env["a"]), int(env["b"]), int(env["end"])
 
