@@ -128,6 +128,21 @@ def classify(prog, tensors, terms, out_axes, j, C):
     return R, E, G, Lk
 
 
+def row_indices(R, G) -> list:
+    """A row tile's indices from ``pid_r`` and ``pid_g``: its rows and their mask, each row
+    axis' index (the rows are the row axes flattened, the last innermost) and each grid axis'
+    (``pid_g`` over the grid axes, the last innermost), in int64."""
+    L = ["    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)",
+         "    rmask = rows < n_rows",
+         "    rem = rows.to(tl.int64)"]
+    for a in reversed(R):
+        L += [f"    idx_{a} = rem % len_{a}", f"    rem = rem // len_{a}"]
+    L.append("    gem = pid_g.to(tl.int64)")
+    for a in reversed(G):
+        L += [f"    idx_{a} = gem % len_{a}", f"    gem = gem // len_{a}"]
+    return L
+
+
 class ContractionGen(MaskAnalysis):
     # masked tiles inside the keys without a bounds mask (key_loop; False: the previous template,
     # every masked tile with the bounds mask, kept for measuring one against the other)
@@ -310,16 +325,7 @@ class ContractionGen(MaskAnalysis):
         # and starting the longest programs first shortens the tail
         L.append("    pid_r = tl.num_programs(0) - 1 - tl.program_id(0)")
         L.append("    pid_g = tl.program_id(1)")
-        L.append("    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)")
-        L.append("    rmask = rows < n_rows")
-        L.append("    rem = rows.to(tl.int64)")
-        for a in reversed(self.R):
-            L.append(f"    idx_{a} = rem % len_{a}")
-            L.append(f"    rem = rem // len_{a}")
-        L.append("    gem = pid_g.to(tl.int64)")
-        for a in reversed(self.G):
-            L.append(f"    idx_{a} = gem % len_{a}")
-            L.append(f"    gem = gem // len_{a}")
+        L += row_indices(self.R, self.G)
         if len(self.R) == 1:
             # one query axis: its index is the row, so the tile's range is known without reducing
             # over the rows (a block-wide min and max, each a round trip through shared memory)

@@ -162,6 +162,27 @@ def _cmp_truth(op, al, ah, bl, bh):
     return (eq, ne) if op == "CmpEq" else (ne, eq)
 
 
+def _interval_leaf(g, t: Term, axis: str, box: str, n_f: str):
+    """(lo, hi) of a constant, an index or an axis length (``g``: the generator, ContractionGen
+    or SumGen): ``axis``'s index over the tile's box (``{box}_lo``, ``{box}_hi``), a row axis'
+    over the row tile's, any other a point; ``axis``'s length ``n_f``."""
+    op = t.op
+    if op == "Num":
+        v = repr(float(t.args[0]))
+        return v, v
+    if op == "Idx":
+        a = t.args[0]
+        if a == axis:
+            return f"{box}_lo", f"{box}_hi"
+        if a in g.R:
+            return f"{a}_lo", f"{a}_hi"
+        return f"(idx_{a} * 1.0)", f"(idx_{a} * 1.0)"
+    if op == "Size":
+        v = n_f if t.args[0] == axis else f"(len_{t.args[0]} * 1.0)"
+        return v, v
+    raise CodegenError(f"no interval leaf for {op!r}")
+
+
 class MaskAnalysis:
     """Mixin of ContractionGen (needs ``axis``, ``R``, ``G``, ``leaves``)."""
 
@@ -256,19 +277,8 @@ class MaskAnalysis:
         """(lo, hi) float32 expressions of an index expression over the tile's index box:
         exact, or (-inf, inf) where exactness is not proved (the module docstring)."""
         op = t.op
-        if op == "Num":
-            v = repr(float(t.args[0]))
-            return v, v
-        if op == "Idx":
-            a = t.args[0]
-            if a == self.axis:
-                return "j_lo", "j_hi"
-            if a in self.R:
-                return f"{a}_lo", f"{a}_hi"
-            return f"(idx_{a} * 1.0)", f"(idx_{a} * 1.0)"
-        if op == "Size":
-            v = "nj_f" if t.args[0] == self.axis else f"(len_{t.args[0]} * 1.0)"
-            return v, v
+        if op in ("Num", "Idx", "Size"):
+            return _interval_leaf(self, t, self.axis, "j", "nj_f")
         if op in ("Neg", "Add", "Sub", "Max2", "Min2", "Mul", "Abs") and any(
                 a.op == "Num" and not _int_const(a) for a in t.args):
             return _WIDE   # a non-integer (or huge) constant: float32 bounds may be rounded

@@ -10,8 +10,8 @@ import re
 from acefuse.rewrite.terms import Term, pretty, is_integer, INT_OPS, BOOLEAN
 from acefuse.codegen.emit import CodegenError, _scale_log2e, pow_expr
 from acefuse.codegen.row import HEADER
-from acefuse.codegen.contraction import ContractionGen, _flat_mul
-from acefuse.codegen.masks import _pos_const
+from acefuse.codegen.contraction import ContractionGen, _flat_mul, row_indices
+from acefuse.codegen.masks import _interval_leaf, _pos_const
 from acefuse.rewrite.dag import nodes
 from acefuse.codegen.sums_loops import two_loop_axes, compile_two_loops, double_sum_axis  # noqa: F401 (re-exported)
 
@@ -744,19 +744,8 @@ class SumGen:
 
     def interval(self, t: Term, L: list):
         op = t.op
-        if op == "Num":
-            v = repr(float(t.args[0]))
-            return v, v
-        if op == "Idx":
-            a = t.args[0]
-            if a == self.F:
-                return "f_lo", "f_hi"
-            if a in self.R:
-                return f"{a}_lo", f"{a}_hi"
-            return f"(idx_{a} * 1.0)", f"(idx_{a} * 1.0)"
-        if op == "Size":
-            v = "nf_f" if t.args[0] == self.F else f"(len_{t.args[0]} * 1.0)"
-            return v, v
+        if op in ("Num", "Idx", "Size"):
+            return _interval_leaf(self, t, self.F, "f", "nf_f")
         if op in ("Neg", "Add", "Sub", "Mul", "Abs", "Max2", "Min2", "FloorDiv", "Mod", "In"):
             return ContractionGen.interval(self, t, L)
         raise CodegenError(f"program {self.name!r}: no interval arithmetic for {op!r} in a mask condition")
@@ -803,16 +792,7 @@ class SumGen:
         L.append("    if REV:   # the row tiles in reverse order (the launcher times both on a GPU)")
         L.append("        pid_r = tl.num_programs(0) - 1 - pid_r")
         L.append("    pid_g = tl.program_id(1)")
-        L.append("    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)")
-        L.append("    rmask = rows < n_rows")
-        L.append("    rem = rows.to(tl.int64)")
-        for a in reversed(self.R):
-            L.append(f"    idx_{a} = rem % len_{a}")
-            L.append(f"    rem = rem // len_{a}")
-        L.append("    gem = pid_g.to(tl.int64)")
-        for a in reversed(self.G):
-            L.append(f"    idx_{a} = gem % len_{a}")
-            L.append(f"    gem = gem // len_{a}")
+        L += row_indices(self.R, self.G)
         for a in self.R:
             L.append(f"    {a}_lo = tl.min(tl.where(rmask, idx_{a}, 2**31), axis=0) * 1.0")
             L.append(f"    {a}_hi = tl.max(tl.where(rmask, idx_{a}, -1), axis=0) * 1.0")
