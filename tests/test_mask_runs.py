@@ -46,7 +46,7 @@ def _band(window):
 def test_full_run_spans_every_step(name, visible):
     prog = EX["causal"] if name == "causal" else _band(200)
     code = _analysis(af.compile(prog).source)
-    assert "more = " in code
+    assert "goes_on = " in code
     rng = np.random.default_rng()
     n_j, bj = 1000, 16
     for scan in (2, 4, 16):
@@ -66,7 +66,7 @@ def test_full_run_spans_every_step(name, visible):
 
 def test_the_run_check_fails_without_the_continuation():
     """The check above, on the analysis with its continuation line removed, finds the cut run."""
-    code = _analysis(af.compile(EX["causal"]).source).replace("take | more", "take")
+    code = _analysis(af.compile(EX["causal"]).source).replace("take | goes_on", "take")
     first, a, b, end = _run(code, 900, 915, 1000, 16, 4)
     assert (a, b) == (0, 64)   # one step of 4 tiles; tiles 64 .. 895 went to the masked loop
 
