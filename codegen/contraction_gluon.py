@@ -255,16 +255,9 @@ class GluonGen(WarpSpecialised, ContractionGen):
         pro = []
         self.prologue(pro)
         L += pro
-        (c,), (e,) = self.C, self.E
-        qrows, qstride = self._q_rows()
-        L += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
-              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[{qrows}, len_{c}], "
-              f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
-              f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
-              f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
-              f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
-              f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
-              "    # the query tile, once; key and value tiles: two stages",
+        L += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends"]
+        L += self._tma_descs()
+        L += ["    # the query tile, once; key and value tiles: two stages",
               f"    q_smem = gl.allocate_shared_memory(DOT_T, [BLOCK_I, BLOCK_D], {qn}_desc.layout)",
               f"    k_smem = gl.allocate_shared_memory(DOT_T, [2, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
               f"    v_smem = gl.allocate_shared_memory(DOT_T, [2, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
@@ -329,6 +322,22 @@ class GluonGen(WarpSpecialised, ContractionGen):
             raise CodegenError(f"the contraction template's key loop changed shape ({loops} tile loops, "
                                "expected 3); codegen/contraction_gluon.py needs updating")
         return out
+
+    def _tma_descs(self, spans_grid=False):
+        """The query, key and value operands' TMA descriptors over their (rows, inner axis)
+        matrices: this program's grid-axes slice, or (``spans_grid``, the persistent kernel)
+        all slices stacked."""
+        (c,), (e,) = self.C, self.E
+        qn, kn, vn = self.q_name, self.k_name, self.v_name
+        qrows, qstride = self._q_rows()
+        base = (lambda n: f"{n}_ptr") if spans_grid else (lambda n: f"{n}_ptr + off_{n}_g")
+        g = "n_g * " if spans_grid else ""
+        return [f"    {qn}_desc = tma.make_tensor_descriptor({base(qn)}, shape=[{g}{qrows}, len_{c}], "
+                f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
+                f"    {kn}_desc = tma.make_tensor_descriptor({base(kn)}, shape=[{g}n_j, len_{c}], "
+                f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
+                f"    {vn}_desc = tma.make_tensor_descriptor({base(vn)}, shape=[{g}n_j, len_{e}], "
+                f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)"]
 
     def _q_rows(self):
         """(length, row stride) of the query operand's rows as text: its one query axis, or the

@@ -56,6 +56,18 @@ class WarpSpecialised:
         con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
         return pro, par_pro, con_pro, body[:cut[0] + 1], body[cut[0] + 1:], store
 
+    @staticmethod
+    def _ring_init(per_wg):
+        """The barriers' initialisation: one of each ``per_wg`` name per consumer warpgroup, and
+        per ring stage its key and value arrivals and its release by both consumers."""
+        return (["    for w in gl.static_range(2):"]
+                + [f"        mbarrier.init({b}.index(w), count=1)" for b in per_wg]
+                + ["    for st in gl.static_range(NS):",
+                   "        mbarrier.init(k_bar.index(st), count=1)",
+                   "        mbarrier.init(v_bar.index(st), count=1)",
+                   "        mbarrier.init(kv_free.index(st), count=2)   # released by both consumers",
+                   "    fence_async_shared()"])
+
     def kernel_ws(self) -> str:
         """The warp-specialised kernel (FlashAttention-3's structure, issue 15 phase 2): one
         program owns ``2 * BLOCK_I`` query rows. The parent region runs the template's
@@ -76,11 +88,9 @@ class WarpSpecialised:
           ``overlap`` each consumer issues the next tile's score MMA before this tile's math.
         """
         qn, kn, vn = self.q_name, self.k_name, self.v_name
-        (c,), (e,) = self.C, self.E
         # the program's rows: its query axes flattened (n_rows); the mask analysis of the parent
         # covers both consumers' rows
         pro, par_pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws")
-        qrows, qstride = self._q_rows()
         sig = ", ".join(self.sig())
         consts = ("BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_E: gl.constexpr, BLOCK_D: gl.constexpr, "
                   "DOT_T: gl.constexpr, SCAN: gl.constexpr, INSTR_N: gl.constexpr, NS: gl.constexpr")
@@ -101,14 +111,9 @@ class WarpSpecialised:
              "    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_D], DOT_T)",
              "    V_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_E], DOT_T)"]
         P += par_pro + analysis
-        P += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends",
-              f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr + off_{qn}_g, shape=[{qrows}, len_{c}], "
-              f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
-              f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr + off_{kn}_g, shape=[n_j, len_{c}], "
-              f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
-              f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr + off_{vn}_g, shape=[n_j, len_{e}], "
-              f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
-              "    # the two consumers' query tiles; the key/value ring of NS stages",
+        P += ["    # TMA descriptors of this program's (rows, inner axis) matrices: zeros past the ends"]
+        P += self._tma_descs()
+        P += ["    # the two consumers' query tiles; the key/value ring of NS stages",
               f"    q_bufs = gl.allocate_shared_memory(DOT_T, [2, BLOCK_I, BLOCK_D], {qn}_desc.layout)",
               f"    k_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
               f"    v_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
@@ -117,14 +122,7 @@ class WarpSpecialised:
               "    k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
               "    v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
               "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())",
-              "    for w in gl.static_range(2):",
-              "        mbarrier.init(q_bar.index(w), count=1)",
-              "        mbarrier.init(turn.index(w), count=1)",
-              "    for st in gl.static_range(NS):",
-              "        mbarrier.init(k_bar.index(st), count=1)",
-              "        mbarrier.init(v_bar.index(st), count=1)",
-              "        mbarrier.init(kv_free.index(st), count=2)   # released by both consumers",
-              "    fence_async_shared()",
+              *self._ring_init(("q_bar", "turn")),
               "    gl.warp_specialize([",
               f"        (_{self.name}_consume0, ({sig}, first, a, b, end, {ring}, {cargs})),",
               f"        (_{self.name}_consume1, ({sig}, first, a, b, end, {ring}, {cargs})),",
@@ -294,13 +292,8 @@ class WarpSpecialised:
              f"    n_g = {n_g}",
              "    n_rp = (n_rows + 2 * BLOCK_I - 1) // (2 * BLOCK_I)",
              "    n_items = n_rp * n_g",
-             "    # TMA descriptors over the operands flattened to (grid axes x rows, inner axis)",
-             f"    {qn}_desc = tma.make_tensor_descriptor({qn}_ptr, shape=[n_g * {qrows}, len_{c}], "
-             f"strides=[{qstride}, 1], block_shape=[BLOCK_I, BLOCK_D], layout=Q_SL)",
-             f"    {kn}_desc = tma.make_tensor_descriptor({kn}_ptr, shape=[n_g * n_j, len_{c}], "
-             f"strides=[s_{kn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_D], layout=K_SL)",
-             f"    {vn}_desc = tma.make_tensor_descriptor({vn}_ptr, shape=[n_g * n_j, len_{e}], "
-             f"strides=[s_{vn}_{self.axis}, 1], block_shape=[BLOCK_J, BLOCK_E], layout=V_SL)",
+             "    # TMA descriptors over the operands flattened to (grid axes x rows, inner axis)"] + \
+            self._tma_descs(spans_grid=True) + [
              f"    q_bufs = gl.allocate_shared_memory(DOT_T, [2, BLOCK_I, BLOCK_D], {qn}_desc.layout)",
              f"    k_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_D], {kn}_desc.layout)",
              f"    v_smem = gl.allocate_shared_memory(DOT_T, [NS, BLOCK_J, BLOCK_E], {vn}_desc.layout)",
@@ -312,15 +305,7 @@ class WarpSpecialised:
              "    kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())"] + (
             ["    item_buf = gl.allocate_shared_memory(gl.int32, [1, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))"]
             if dyn else []) + [
-             "    for w in gl.static_range(2):",
-             "        mbarrier.init(q_bar.index(w), count=1)",
-             "        mbarrier.init(q_free.index(w), count=1)",
-             "        mbarrier.init(turn.index(w), count=1)",
-             "    for st in gl.static_range(NS):",
-             "        mbarrier.init(k_bar.index(st), count=1)",
-             "        mbarrier.init(v_bar.index(st), count=1)",
-             "        mbarrier.init(kv_free.index(st), count=2)   # released by both consumers",
-             "    fence_async_shared()",
+             *self._ring_init(("q_bar", "q_free", "turn")),
              "    gl.warp_specialize([",
              f"        (_{nm}_consume0, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
              f"        (_{nm}_consume1, ({sig}, n_rp, n_g, n_items, {ring}, {cargs})),",
