@@ -1,7 +1,16 @@
-"""What the GPU benchmarks share: loading an exported kernel, timing a call, and the
-device's measured ceilings (copy bandwidth, bf16 matmul throughput) that rates are
-read against. The benchmarks import it as a sibling module (``import _common``): they
-run as scripts from this folder (``python benchmarks/bench_rows.py``).
+"""What the GPU benchmarks share: loading a kernel (derived and generated in the run, or an
+exported module), timing a call, and the device's measured ceilings (copy bandwidth, bf16
+matmul throughput) that rates are read against. The benchmarks import it as a sibling module
+(``import _common``): they run as scripts from this folder (``python benchmarks/bench_rows.py``).
+
+Where a kernel comes from (``--source`` of the benchmarks, ``set_source``):
+- ``compile``: ``af.compile`` of the example program, in this run (needs acefuse and egglog;
+  on the GPU machine carry the egglog wheel). The automatic call (no options) is what a user
+  gets, Gluon kernels included on an sm_90 GPU; calls with schedule options run the generated
+  Triton module's launcher with them.
+- ``export``: the module ``benchmarks/kernels/<name>.py`` written by benchmarks/export.py
+  (torch and triton only; the Triton module alone, no Gluon kernels).
+- ``auto`` (default): ``compile`` where acefuse and egglog import, else ``export``.
 """
 from __future__ import annotations
 
@@ -13,13 +22,83 @@ import torch
 KERNELS = Path(__file__).resolve().parent / "kernels"
 
 
+SOURCE = {"where": "auto"}   # set_source(); what load() reads
+
+
+def set_source(where):
+    """Where ``load`` takes kernels from: 'compile', 'export' or 'auto' (the module docstring);
+    returns the one in effect."""
+    if where == "auto":
+        try:
+            import acefuse  # noqa: F401
+            import egglog  # noqa: F401
+            where = "compile"
+        except ImportError:
+            where = "export"
+    SOURCE["where"] = where
+    return where
+
+
 def load(name):
-    """The generated module ``benchmarks/kernels/<name>.py`` (written by
-    benchmarks/export.py; it needs only torch and triton)."""
+    """The kernel of benchmark program ``name`` (benchmarks/export.py's PROGRAMS): an object
+    whose ``run(**inputs, **options)`` runs it (see the module docstring)."""
+    if set_source(SOURCE["where"]) == "compile":
+        return Compiled(name)
     spec = importlib.util.spec_from_file_location(f"bench_{name}", KERNELS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def example_program(name, var=None):
+    """The program ``var`` (default ``name``) of the example file that benchmarks/export.py
+    lists for ``name``, with that file's namespace."""
+    import runpy
+    from export import PROGRAMS, ROOT
+    files = [f for f, v in PROGRAMS if v == name]
+    if not files:
+        raise KeyError(f"no benchmark program {name!r} (benchmarks/export.py PROGRAMS)")
+    ns = runpy.run_path(str(ROOT / files[0]))
+    return ns[var or name], ns
+
+
+class Compiled:
+    """``af.compile`` of a program in this run, with an exported module's interface: ``run()``
+    with no options is the automatic call (what a user gets); with options (``schedule``,
+    ``block_j``, ...) the generated Triton module's launcher; ``kept()`` names what the automatic
+    call kept for the last input shapes it chose for."""
+
+    def __init__(self, name, prog=None):
+        import acefuse as af
+        self.name = name
+        self.kernel = af.compile(prog if prog is not None else example_program(name)[0])
+        self.module = self.kernel.module
+
+    def run(self, **inputs):
+        opts = {k: inputs.pop(k) for k in list(inputs) if k not in self.kernel.program.tensors}
+        if not opts:
+            return self.kernel(**inputs)
+        return self.module.run(**inputs, **opts)
+
+    def kept(self):
+        for attr in ("_gluon", "_staged"):
+            choice = getattr(self.kernel, f"{attr}_choice", None) or {}
+            for v in choice.values():
+                return "triton" if v == "triton" else describe_gluon(v)
+        return "triton"
+
+    def __getattr__(self, a):   # SPLIT, STACKED, ... of the generated module
+        return getattr(self.__dict__["module"], a)
+
+
+def describe_gluon(g):
+    """A Gluon kernel's form in a few letters: ws (warp-specialised), ov (overlap), P
+    (persistent), D (dynamic work items), pp (ping-pong), df (deferred P @ V); a staged row
+    kernel's class name otherwise."""
+    if not hasattr(g, "ws"):
+        return type(g).__name__
+    return "gluon " + "".join(t for t, on in (("ws", g.ws), ("ov", g.overlap), ("pp", g.pingpong),
+                                               ("df", g.defer), ("P", g.persistent), ("D", g.dynamic)) if on)
 
 
 def bench(fn, rep=100, warmup=10):

@@ -1,9 +1,16 @@
 """GPU benchmark of the generated attention kernels against SDPA (flash and cuDNN
 backends), FlexAttention (compiled, with block masks) and torch.compile of the
-plain program, in one run, on the same inputs. Needs only torch and triton.
+plain program, in one run, on the same inputs.
 
     python benchmarks/bench_attention.py --part prefill|variants|decode [--out f.json]
-        [--path auto|portable|hopper|both] [--ws] [--no-sweep] [--peers sdpa-flash,sdpa-cudnn,flex]
+        [--source auto|compile|export] [--path auto|portable|hopper|both] [--ws] [--no-sweep]
+        [--peers sdpa-flash,sdpa-cudnn,flex]
+
+``--source``: where the kernels come from (benchmarks/_common.py): ``compile`` derives and
+generates them in this run with ``af.compile`` (needs egglog: carry its wheel to the GPU
+machine), and "auto" is then the call a user makes, which on an sm_90 GPU chooses between the
+Triton module and the warp-specialised Gluon kernels by timing them (the row says which it
+kept); ``export`` imports benchmarks/kernels/ (written by benchmarks/export.py; Triton only).
 
 ``--path``: which of the generated kernels to time besides the automatic choice: the
 portable one, the Hopper one (TMA descriptors, pipelined key loop; capability 9.0+), or
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import _common
 from _common import load, bench, ceilings
 
 D = 128
@@ -35,15 +43,15 @@ WINDOW = 256
 CAP = 30.0
 
 
-def visible_pairs(kind, n):
+def visible_pairs(kind, n, window=WINDOW):
     if kind in ("causal", "alibi"):
         return n * (n + 1) / 2
     if kind == "sliding_window":
-        return sum(min(i + 1, WINDOW) for i in range(n))
+        return sum(min(i + 1, window) for i in range(n))
     return n * n
 
 
-def plain(kind, slope=None):
+def plain(kind, slope=None, window=WINDOW):
     """The same function written plainly in torch (for torch.compile and checks)."""
     def f(q, k, v):
         if k.shape[1] != q.shape[1]:
@@ -61,19 +69,19 @@ def plain(kind, slope=None):
         if kind in ("causal", "alibi"):
             s = s.masked_fill(j > i, -math.inf)
         if kind == "sliding_window":
-            s = s.masked_fill((j > i) | (i - j >= WINDOW), -math.inf)
+            s = s.masked_fill((j > i) | (i - j >= window), -math.inf)
         return (torch.softmax(s, -1).to(v.dtype) @ v)
     return f
 
 
-def flex(kind, B, H, N, slope=None, gqa=False):
+def flex(kind, B, H, N, slope=None, gqa=False, window=WINDOW):
     from torch.nn.attention.flex_attention import flex_attention, create_block_mask
     fa = torch.compile(flex_attention, dynamic=False)
     mask_mod = None
     if kind in ("causal", "alibi"):
         mask_mod = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
     elif kind == "sliding_window":
-        mask_mod = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOW)
+        mask_mod = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < window)
     bm = create_block_mask(mask_mod, None, None, N, N, device="cuda") if mask_mod else None
     score_mod = None
     if kind == "softcap":
@@ -120,9 +128,10 @@ def report(label, res, peers, rate, unit):
     """One line: acefuse's automatic and best choice, then each peer, as ``rate(ms)`` in
     ``unit`` (nan where not timed)."""
     r = lambda ms: rate(ms) if ms else float("nan")  # noqa: E731
-    line = f"{label:28s} acefuse auto {r(res.get('auto_ms')):6.0f} best {r(res.get('best_ms')):6.0f} {unit} [{res.get('best')}]"
+    line = (f"{label:28s} acefuse auto {r(res.get('auto_ms')):6.1f}" + (f" ({res['kept']})" if "kept" in res else "")
+            + f" best {r(res.get('best_ms')):6.1f} {unit} [{res.get('best')}]")
     for pn in peers:
-        line += f" | {pn} {r(res.get(pn + '_ms')):6.0f}"
+        line += f" | {pn} {r(res.get(pn + '_ms')):6.1f}"
     print(line, flush=True)
     for key in sorted(k for k in res if k.startswith(("err_", "wrong_")) or k.endswith("_err")):
         print(f"{'':28s}   {key}: {res[key]}", flush=True)
@@ -139,7 +148,15 @@ def path_cands():
     return out
 
 
-def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
+def window_program(window):
+    """The example's sliding-window program with another window (``--source compile`` only)."""
+    import acefuse as af
+    _, ns = _common.example_program("attention")
+    i, j = ns["i"], ns["j"]
+    return ns["attend"](f"sliding_window{window}", af.where((j <= i) & (i - j < window), ns["score"], af.NEG_INF))
+
+
+def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True, window=WINDOW):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(B * N + H)
     q = torch.randn(B, H, N, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -149,7 +166,10 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
     name = {"global": "attention"}.get(kind, kind)
     if HKV != H:
         name = "gqa"
-    mod = mods.setdefault(name, load(name))
+    if kind == "sliding_window" and window != WINDOW:
+        mod = mods.setdefault(f"{name}{window}", _common.Compiled(name, window_program(window)))
+    else:
+        mod = mods.setdefault(name, load(name))
     if name == "gqa":
         G = HKV
         inputs = dict(q=q.view(B, G, H // G, N, D), k=k, v=v)
@@ -162,7 +182,7 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
         unview = lambda o: o
     ref = None
     if N <= 4096:
-        ref = plain(kind, slope)(q.float(), k.float(), v.float())
+        ref = plain(kind, slope, window)(q.float(), k.float(), v.float())
     peers = {}
     causal = kind in ("causal",)
     if kind in ("global", "causal") and HKV == H:
@@ -171,8 +191,8 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
     elif kind == "global":  # GQA
         peers["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION, False, gqa=True)
         peers["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION, False, gqa=True)
-    peers["flex"] = flex(kind, B, H, N, slope, gqa=HKV != H)
-    peers["compile-plain"] = torch.compile(plain(kind, slope), dynamic=False)
+    peers["flex"] = flex(kind, B, H, N, slope, gqa=HKV != H, window=window)
+    peers["compile-plain"] = torch.compile(plain(kind, slope, window), dynamic=False)
     if OPTS["peers"] is not None:
         peers = {pn: fn for pn, fn in peers.items() if pn in OPTS["peers"]}
     res = dict(case=label, kind=kind, B=B, H=H, HKV=HKV, N=N, flops=flops)
@@ -196,6 +216,8 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
         t = bench(lambda: mod.run(**inputs, **kw))
         if lab == "auto":
             res["auto_ms"] = t
+            if hasattr(mod, "kept"):
+                res["kept"] = mod.kept()
         if lab in [c[0] for c in path_cands()]:
             res[f"{lab}_ms"] = t
         if best is None or t < best[0]:
@@ -205,6 +227,8 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True):
     time_peers(res, peers, (q, k, v), compile_s=True)
     rows.append(res)
     report(label, res, [c[0] for c in path_cands()] + list(peers), lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOP/s")
+    if OPTS.get("save"):   # each case: a run cut off by a time limit keeps its rows
+        OPTS["save"]()
     return res
 
 
@@ -239,6 +263,8 @@ def run_decode(label, B, HQ, HKV, L, rows, mods):
         t = bench(lambda: mod.run(**inputs, **kw))
         if lab == "auto":
             res["auto_ms"], res["rel_err"] = t, err
+            if hasattr(mod, "kept"):
+                res["kept"] = mod.kept()
         if best is None or t < best[0]:
             best = (t, lab)
     if best:
@@ -264,14 +290,20 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep at N=4096")
     ap.add_argument("--peers", default=None, help="comma-separated peers to time (default: all)")
     ap.add_argument("--sizes", default="1024,4096,16384", help="prefill sequence lengths")
+    ap.add_argument("--source", default="auto", choices=["auto", "compile", "export"],
+                    help="kernels derived in this run (compile) or exported modules (export)")
+    ap.add_argument("--windows", default=str(WINDOW),
+                    help="sliding windows of the variants part (other than 256: --source compile)")
     args = ap.parse_args(argv)
+    source = _common.set_source(args.source)
     OPTS.update(paths={"auto": (), "both": ("portable", "hopper")}.get(args.path, (args.path,)), ws=args.ws,
                 peers=None if args.peers is None else args.peers.split(","), sweep=not args.no_sweep)
     props = torch.cuda.get_device_properties(0)
     copy, mm = ceilings()
-    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}")
+    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; kernels: {source}")
     print(f"measured ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
     rows, mods = [], {}
+    OPTS["save"] = lambda: save(args.out, props, copy, mm, rows, source)
     H = 16
     if args.part == "smoke":
         run_case("smoke global N=1024", "global", 2, H, H, 1024, 4 * 2 * H * D * 1024 ** 2, rows, mods, sweep=False)
@@ -281,23 +313,26 @@ def main(argv=None):
             for kind in ("global", "causal"):
                 fl = 4 * B * H * D * visible_pairs(kind, N)
                 run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, fl, rows, mods, sweep=(N == 4096))
-                save(args.out, props, copy, mm, rows)   # each case: a run cut off by a time limit keeps its rows
     if args.part == "variants":
         B, N = 4, 4096
-        for kind in ("alibi", "softcap", "sliding_window"):
+        for kind in ("alibi", "softcap"):
             run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, 4 * B * H * D * visible_pairs(kind, N), rows, mods,
                      sweep=False)
+        for w in (int(x) for x in args.windows.split(",")):
+            run_case(f"sliding_window{w} B={B} N={N}", "sliding_window", B, H, H, N,
+                     4 * B * H * D * visible_pairs("sliding_window", N, w), rows, mods, sweep=False, window=w)
         run_case(f"gqa 32q/8kv B={B} N={N}", "global", B, 32, 8, N, 4 * B * 32 * D * N * N, rows, mods, sweep=False)
     if args.part == "decode":
         for L in (4096, 32768):
             run_decode(f"decode B=8 32q/8kv L={L}", 8, 32, 8, L, rows, mods)
-    save(args.out, props, copy, mm, rows)
+    save(args.out, props, copy, mm, rows, source)
     return 0
 
 
-def save(out, props, copy, mm, rows):
+def save(out, props, copy, mm, rows, source=None):
     if out:
-        Path(out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, rows=rows), indent=1))
+        Path(out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, source=source,
+                                             torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

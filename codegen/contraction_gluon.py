@@ -56,7 +56,7 @@ from acefuse.codegen.contraction_ctx import CContext
 from acefuse.codegen.contraction_gluon_ws import WarpSpecialised
 # the template's text -> Gluon text; the module header's helpers as Gluon functions
 # (codegen/row_gluon.py imports _helpers from here)
-from acefuse.codegen.gluon_text import _gluonize, _helpers   # noqa: F401
+from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize, _helpers   # noqa: F401
 # the compiled kernel and its launch: re-exported (tests, codegen/row_gluon*.py and the GPU
 # scripts import them from here)
 from acefuse.codegen.contraction_gluon_launch import (SMEM_SM90, WS_MAXNREG, WS_REGS,  # noqa: F401
@@ -160,7 +160,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
     def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
-                 dynamic=False):
+                 dynamic=False, tile_store=None):
         super().__init__(fusion)
         # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
         # running through tile t+1's elementwise math and is waited on just before the
@@ -190,6 +190,13 @@ class GluonGen(WarpSpecialised, ContractionGen):
         # math of tile t and waited on with tile t's P @ V (FlashAttention-3's intra-warpgroup
         # overlap); off: every MMA is waited on where it is issued
         self.overlap = bool(overlap)
+        # tile_store: output tiles written from STORE_L (store_outputs). Its layout conversion takes
+        # shared memory (about 8 KB with Triton 3.6), which leaves 2 stages of 128 keys instead of 3;
+        # by default on where the kernel has no overlap and no defer (session 19, H200: global
+        # N=1024 persistent 311.8 -> 290.3 us; the overlap form with 2 stages 339.1 -> 383.9 us).
+        # None: that default (ACEFUSE_GLUON_TILE_STORE=0 turns it off)
+        self.tile_store_opt = (self.TILE_STORE and not overlap and not defer) if tile_store is None else bool(tile_store)
+        self.tile_store = False   # set where store_outputs writes a tile from STORE_L (the launcher's shared memory)
         if len(self.R) < 1 or len(self.C) != 1 or len(self.E) != 1:
             raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one or more query axes, one "
                                f"contraction axis and one value axis (got rows {self.R}, contractions {self.C}, "
@@ -221,6 +228,34 @@ class GluonGen(WarpSpecialised, ContractionGen):
             ctx.leaf = lambda name, s=subst: s.get(name, self.leaves[name])
         return ctx, em
 
+    # a tile store over (rows, value columns) from the MMA layout writes 4 bytes a thread, half
+    # a 32-byte sector a row per instruction (session 19, H200, global N=1024: the stores took
+    # 12% of the persistent kernel's time, 37 of 305 us); from STORE_L each thread writes 8
+    # consecutive values (16 bytes, whole sectors; 8x fewer store instructions). Both layouts give
+    # warp w the same 16 rows, so the conversion stays inside each warp (shuffles, no shared memory)
+    _TILE_STORE = re.compile(r"^(\s*)tl\.store\((\w+)_ptr \+ off_\2_g \+ off_\2_r\[:, None\] \+ "
+                             r"ecols\[None, :\] \* (s_\w+), (_out\(.*, \2_ptr\)), "
+                             r"mask=rmask\[:, None\] & emask\[None, :\]\)$")
+
+    # the default of tile_store (off, ACEFUSE_GLUON_TILE_STORE=0: tiles stored from the MMA layout)
+    TILE_STORE = __import__("os").environ.get("ACEFUSE_GLUON_TILE_STORE", "1") != "0"
+
+    def store_outputs(self, L, ind="    "):
+        """The template's stores, a tile over (rows, value columns) written from STORE_L."""
+        mine = []
+        super().store_outputs(mine, ind)
+        e = self.E[0]
+        for ln in mine:
+            m = self._TILE_STORE.match(ln) if self.tile_store_opt else None
+            if m:
+                self.tile_store = True
+                sp, o, st, val = m.groups()
+                ln = (f"{sp}_sc = gl.arange(0, BLOCK_E, layout=SCOL_L)   # whole sectors: 16 bytes a thread\n"
+                      f"{sp}tl.store({o}_ptr + off_{o}_g + gl.convert_layout(off_{o}_r, SROW_L)[:, None] + "
+                      f"_sc[None, :] * {st}, gl.convert_layout({val}, STORE_L), "
+                      f"mask=gl.convert_layout(rmask, SROW_L)[:, None] & (_sc < len_{e})[None, :])")
+            L.append(ln)
+
     def _begin(self):
         """Before the template writes a Gluon kernel's text: its one pass, a start from the
         empty block (the Gluon kernels do not peel the first key tile), no Triton-Hopper
@@ -231,6 +266,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
                                "first key tile would be peeled; the Gluon kernel does not peel")
         self.hopper, self.tma = False, {}
         self.hoisting, self._hoisted = [], {}
+        self.tile_store = False
 
     def kernel(self) -> str:
         self._begin()
@@ -248,6 +284,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
              "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
              "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])",
+             STORE_LAYOUTS.format(nw="num_warps"),
              "    # shared-memory layouts of the query, key and value tiles (TMA destinations, MMA operands)",
              "    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_D], DOT_T)",
              "    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_J, BLOCK_D], DOT_T)",
@@ -450,7 +487,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
 
 
 def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                 **fuse_kw) -> str:
+                 tile_store=None, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
@@ -458,12 +495,12 @@ def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persis
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                    dynamic=dynamic).module()
+                    dynamic=dynamic, tile_store=tile_store).module()
 
 
 
 def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                  **fuse_kw) -> GluonKernel:
+                  tile_store=None, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -475,7 +512,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                   dynamic=dynamic)
+                   dynamic=dynamic, tile_store=tile_store)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)
@@ -546,7 +583,10 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 # The overlap form replaces the plain one-shot form of session 16 (equal within 3% at causal,
 # 7-12% ahead at global 4K and 16K); dynamic items replace every-NPROG-th (equal at 1K, 1.5-4%
 # ahead at 4K and 16K). Each variant here is one more compile on a program's first call.
-AUTO_VARIANTS = ({"ws": True, "overlap": True}, {"ws": True, "persistent": True, "dynamic": True})
+# the persistent kernel both ways: output tiles from STORE_L (2 stages of 128 keys: faster at
+# global N = 1K to 16K on an H200) and from the MMA layout (3 stages: faster causal at N = 1K)
+AUTO_VARIANTS = ({"ws": True, "overlap": True}, {"ws": True, "persistent": True, "dynamic": True},
+                 {"ws": True, "persistent": True, "dynamic": True, "tile_store": False})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 # how the choice is kept on the kernel and on disk (codegen/auto_choice.py)
@@ -599,8 +639,9 @@ def _sm90(dev) -> bool:
 
 
 def _variant_tag(g) -> str:
-    """A Gluon kernel's variant as remembered on disk: its compile_gluon flags."""
-    return ",".join(f for f in VARIANT_FLAGS if getattr(g, f, False))
+    """A Gluon kernel's variant as remembered on disk: its compile_gluon flags (and tile_store
+    where its output tiles are stored from STORE_L)."""
+    return ",".join([f for f in VARIANT_FLAGS if getattr(g, f, False)] + (["tile_store"] if getattr(g, "tile_store", False) else []))
 
 
 def _choice_source(kernel, gs) -> str | None:
@@ -623,7 +664,11 @@ def _not_here(kernel, dev):
 def _compile_all(kernel):
     """The Gluon kernels the automatic choice times (AUTO_VARIANTS), or the exception that says
     why the program is outside them."""
-    return tuple(compile_gluon(kernel.fusion, **v) for v in AUTO_VARIANTS)
+    gs = {}
+    for v in AUTO_VARIANTS:   # (variants whose sources come out the same are one kernel)
+        g = compile_gluon(kernel.fusion, **v)
+        gs.setdefault(g.source, g)
+    return tuple(gs.values())
 
 
 def _too_little(g0, inputs) -> bool:

@@ -23,6 +23,7 @@ class GluonKernel:
         self.sig = gen.sig()
         self.ws, self.overlap, self.persistent, self.defer = gen.ws, gen.overlap, gen.persistent, gen.defer
         self.dynamic = gen.dynamic
+        self.tile_store = gen.tile_store   # output tiles stored from STORE_L (its conversion's scratch)
         self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
@@ -34,12 +35,18 @@ class GluonKernel:
         if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
             raise ValueError(f"program {self.name!r}: the Gluon kernel runs on an sm_90+ GPU only (CUDA tensors "
                              "there); use af.compile")
-        grid, args, kw, out = self.plan_args(inputs, BLOCK_I, BLOCK_J, num_warps, stages)
+        grid, args, kw, out, site = self._plan(inputs, (BLOCK_I, BLOCK_J, num_warps, stages))
         _allocator()
         with torch.cuda.device(q.device):
-            # a one-axis grid: the persistent kernel (launch_args chose it)
-            (self.fn_persistent if len(grid) == 1 else self.fn)[grid](*args, **kw)
+            if site is not None:   # a kept plan: Triton's compiled kernel launched directly once it exists
+                site(grid, args, kw)
+            else:
+                self._fn(grid)[grid](*args, **kw)
         return out
+
+    def _fn(self, grid):
+        """The kernel a launch runs: a one-axis grid is the persistent kernel (launch_args chose it)."""
+        return self.fn_persistent if len(grid) == 1 else self.fn
 
     def _nests(self, t, name):
         return _nests(t, self.tensors[name])
@@ -62,13 +69,22 @@ class GluonKernel:
         inputs and chooses the tiles and the grid; a later call with the same signature only puts
         its operands, fresh outputs and (dynamic work items) a zeroed counter into the kept
         arguments, by position (operands passed twice, or aliased, stay per call)."""
+        return self._plan(inputs, (BLOCK_I, BLOCK_J, num_warps, stages))[:4]
+
+    def _plan(self, inputs, opts):
+        """plan_args and the kept plan's launch site (codegen/fastlaunch.py ``Site``: after the
+        plan's first launch through Triton's JIT, its compiled kernel is launched directly;
+        None where no plan is kept). Every per-call slot is a tensor whose dtype and alignment
+        the plan fixes (the inputs' are in the signature; outputs and the counter are fresh
+        allocations of fixed dtypes), so the site watches none of them."""
         import torch
-        opts = (BLOCK_I, BLOCK_J, num_warps, stages)
         key = self._signature(inputs, opts)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             grid, args, kw, out = self.launch_args(inputs, *opts)
+            site = None
             if key is not None:
+                from acefuse.codegen.fastlaunch import Site
                 slots, pos = [("val", a) for a in args], 0
                 for n, axes in self.tensors.items():
                     slots[pos], pos = ("in", n), pos + 1 + len(axes)
@@ -77,14 +93,16 @@ class GluonKernel:
                 if len(grid) == 1 and self.dynamic:   # the persistent kernel's work-item counter, last
                     slots[-1] = ("cnt", None)
                 outs = [(o, tuple(t.shape), t.dtype, t.device) for o, t in out.items()]
-                self._plans[key] = (grid, slots, kw, outs)
-            return grid, args, kw, out
-        grid, slots, kw, outs = plan
+                template = [x if k == "val" else None for k, x in slots]
+                site = Site(self._fn(grid), template, keyed=[i for i, v in enumerate(template) if v is None])
+                self._plans[key] = (grid, slots, kw, outs, site)
+            return grid, args, kw, out, site
+        grid, slots, kw, outs, site = plan
         out = {o: torch.empty(shape, device=dev, dtype=dt) for o, shape, dt, dev in outs}
         dev = outs[0][3]
         args = [inputs[x] if k == "in" else out[x] if k == "out" else x if k == "val"
                 else torch.zeros(1, dtype=torch.int32, device=dev) for k, x in slots]
-        return grid, args, kw, out
+        return grid, args, kw, out, site
 
     def launch_args(self, inputs, BLOCK_I=None, BLOCK_J=None, num_warps=None, stages=None):
         """(grid, positional arguments, constexpr keywords, outputs) of one launch; the checks
@@ -139,13 +157,16 @@ class GluonKernel:
                              f"BLOCK_J of 16 (got {BLOCK_I}, {BLOCK_J}, {num_warps} warps)")
         if self.ws:   # shared memory: two query tiles and the ring; 227 KB per program on sm_90
             per_stage = BLOCK_J * (BLOCK_D + BLOCK_E) * 2
-            stages = stages or max(2, min(4, (SMEM_SM90 - 2 * BLOCK_I * BLOCK_D * 2 - 1024) // per_stage))
+            # the output tile's layout conversion (GluonGen.store_outputs) may take shared memory:
+            # room for one tile of it (Triton 3.9 took 7936 bytes at 64 x 128)
+            fixed = 2 * BLOCK_I * BLOCK_D * 2 + 1024 + (BLOCK_I * BLOCK_E * 2 if self.tile_store else 0)
+            stages = stages or max(2, min(4, (SMEM_SM90 - fixed) // per_stage))
             if self.defer and stages < 3:
                 # tile t waits for tile t+1's keys while tile t-1's stage is released only in
                 # tile t's body: with two stages tile t+1 could never be copied
                 raise ValueError(f"program {self.name!r}: the deferred P @ V (defer=True) needs 3 or more "
                                  f"key/value stages (got {stages})")
-            if 2 * BLOCK_I * BLOCK_D * 2 + stages * per_stage + 1024 > SMEM_SM90 or stages < 2:
+            if fixed + stages * per_stage > SMEM_SM90 or stages < 2:
                 raise ValueError(f"program {self.name!r}: {stages} key/value stages of {BLOCK_J} keys and two "
                                  f"query tiles of {BLOCK_I} rows do not fit sm_90's shared memory (or fewer "
                                  "than 2 stages); use fewer stages or smaller tiles")

@@ -12,7 +12,7 @@ import re
 
 from acefuse.codegen.emit import CodegenError
 from acefuse.codegen.contraction import _drop_dead
-from acefuse.codegen.gluon_text import _gluonize
+from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize
 
 
 class WarpSpecialised:
@@ -26,7 +26,8 @@ class WarpSpecialised:
                 "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)   # one value per query row",
                 "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
                 "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
-                f"    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [{nw}], [0])"]
+                f"    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [{nw}], [0])",
+                STORE_LAYOUTS.format(nw=nw)]
 
     def _ws_parts(self, what, pids=None):
         """The template's prologue, key loop and stores cut for the warp-specialised kernels:

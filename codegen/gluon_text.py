@@ -9,6 +9,12 @@ from acefuse.codegen.emit import CodegenError
 from acefuse.codegen.contraction import TANH_MM
 from acefuse.codegen.row import HEADER
 
+# the layout output tiles are stored from (GluonGen.store_outputs): 2 rows x 8 values a thread, a
+# warp 16 rows x 32 values (warp w: rows 16w .. 16w + 15, as in the MMA layout)
+STORE_LAYOUTS = ("    STORE_L: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [{nw}, 1], [1, 0])   # output tiles\n"
+                 "    SROW_L: gl.constexpr = gl.SliceLayout(1, STORE_L)\n"
+                 "    SCOL_L: gl.constexpr = gl.SliceLayout(0, STORE_L)")
+
 # layouts of the aranges the template writes, by their length
 _ARANGE_LAYOUT = {"BLOCK_I": "ROW_L", "BLOCK_J": "COL_L", "BLOCK_E": "COL_L", "BLOCK_D": "COL_L", "SCAN": "SCAN_L"}
 

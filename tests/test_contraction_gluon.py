@@ -358,10 +358,17 @@ def test_launch_arguments_match_the_kernel():
     params = [p.strip() for p in re.search(r"def p_slope_gluon\((.*?)\):", ws.source).group(1).split(",")]
     assert len(args) == len([p for p in params if "constexpr" not in p])
     assert sorted(k_ for k_ in kw if k_ != "maxnreg") == sorted(p.split(":")[0] for p in params if "constexpr" in p)
-    assert grid == (3, 6) and kw["BLOCK_I"] == 64 and kw["num_warps"] == 4 and kw["NS"] == 3
+    # output tiles stored from STORE_L: room for the conversion's scratch leaves 2 stages of 128 keys
+    assert ws.tile_store and grid == (3, 6) and kw["BLOCK_I"] == 64 and kw["num_warps"] == 4 and kw["NS"] == 2
     assert ws.launch_args(ins, BLOCK_J=64)[2]["NS"] == 4
     with pytest.raises(ValueError, match="shared memory"):
-        ws.launch_args(ins, stages=4)
+        ws.launch_args(ins, stages=3)
+    mma = compile_gluon(PROGS["p_slope"](), ws=True, tile_store=False)   # stores from the MMA layout: 3
+    assert not mma.tile_store and mma.launch_args(ins)[2]["NS"] == 3
+    with pytest.raises(ValueError, match="shared memory"):
+        mma.launch_args(ins, stages=4)
+    ov = compile_gluon(PROGS["p_slope"](), ws=True, overlap=True)   # the overlap form keeps 3 by default
+    assert not ov.tile_store and ov.launch_args(ins)[2]["NS"] == 3
     with pytest.raises(ValueError, match="warpgroup"):
         ws.launch_args(ins, num_warps=8)
     df = compile_gluon(PROGS["p_slope"](), ws=True, overlap=True, defer=True)
@@ -748,3 +755,19 @@ def test_af_compile_takes_path_gluon_and_refuses_it_clearly_off_the_gpu():
     sc = (Q.double() @ K.double().T)
     want = torch.softmax(sc, -1) @ V.double()
     torch.testing.assert_close(kern(q=Q, k=K, v=V).double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_output_tiles_are_stored_whole_sectors_where_asked():
+    """tile_store: the output tile is converted to STORE_L (8 consecutive values a thread) before
+    its store, its rows' offsets and mask with it; by default on without the overlap (whose ring
+    keeps 3 stages), off with tile_store=False (stores from the MMA layout, as the template
+    writes them)."""
+    on = gluon_source(PROGS["p_lower"](), ws=True, persistent=True, dynamic=True)
+    off = gluon_source(PROGS["p_lower"](), ws=True, persistent=True, dynamic=True, tile_store=False)
+    ov = gluon_source(PROGS["p_lower"](), ws=True, overlap=True)
+    stores = lambda src: [ln for ln in src.split("\n") if "gl.store(o_ptr" in ln]   # noqa: E731
+    assert len(stores(on)) == 2 and all("gl.convert_layout(_out(" in ln and ", STORE_L)" in ln
+                                         and "gl.convert_layout(rmask, SROW_L)" in ln for ln in stores(on))
+    assert "STORE_L: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [4, 1], [1, 0])" in on
+    for src in (off, ov):
+        assert stores(src) and not any("STORE_L" in ln for ln in stores(src))

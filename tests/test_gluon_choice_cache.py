@@ -175,13 +175,13 @@ def test_the_fastest_of_several_gluon_kernels_is_kept_and_remembered(gpu, monkey
     gpu.times = (2e-3, 1.5e-3, 1e-3)
     ins = _inputs(40, 10)
     a = _call(af.compile(_prog()), ins)
-    assert gpu.timed == [3] and gpu.launched == ["ws,persistent", "ws,pingpong,persistent"]
+    assert gpu.timed == [3] and gpu.launched == ["ws,persistent,tile_store", "ws,pingpong,persistent,tile_store"]
     (kept,) = a._gluon_choice.values()
-    assert cg._variant_tag(kept) == "ws,pingpong,persistent"
+    assert cg._variant_tag(kept) == "ws,pingpong,persistent,tile_store"
     assert list(a._gluon_times.values()) == [(2e-3, 1e-3)]
     b = _call(af.compile(_prog()), ins)
-    assert gpu.timed == [3] and gpu.launched[2:] == ["ws,pingpong,persistent"]
-    assert cg._variant_tag(next(iter(b._gluon_choice.values()))) == "ws,pingpong,persistent"
+    assert gpu.timed == [3] and gpu.launched[2:] == ["ws,pingpong,persistent,tile_store"]
+    assert cg._variant_tag(next(iter(b._gluon_choice.values()))) == "ws,pingpong,persistent,tile_store"
     gpu.wrong = True   # one variant's outputs disagreeing: Triton kept, nothing recorded
     with pytest.warns(UserWarning, match="differ"):
         c = _call(af.compile(_prog()), _inputs(44, 11))

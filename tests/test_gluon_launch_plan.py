@@ -82,3 +82,41 @@ def test_another_signature_gets_its_own_plan_and_checks():
     # tile options are part of the signature
     kern.plan_args(dict(q=_x(1, 2, 128, D), k=_x(1, 2, 128, D), v=_x(1, 2, 128, D)), BLOCK_J=64)
     assert len(kern._plans) == 3
+
+
+def _ref64(q, k, v, causal):
+    s = (q.double() @ k.double().transpose(-1, -2)) * EX["SCALE"]   # the example's scale (its D is 128)
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(), dict(persistent=True, dynamic=True), dict(overlap=True)])
+@pytest.mark.parametrize("name", ["attention", "causal"])
+def test_gpu_calls_through_a_kept_plan_against_float64(name, kw):
+    """On an sm_90 GPU: three calls with one signature (the second and third through the kept
+    plan, launched directly: codegen/fastlaunch.py), each on fresh random inputs, each against
+    float64; the outputs are distinct tensors, and the dynamic work-item counter starts at zero
+    every time (a stale counter would leave rows unwritten)."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    kern = compile_gluon(EX[name], ws=True, **kw)
+    g = torch.Generator(device="cuda").manual_seed(len(name) * 31 + len(kw))
+    outs = []
+    for _ in range(3):
+        x = lambda: torch.randn(2, 3, 512, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v = x(), x(), x()
+        o = kern(q=q, k=k, v=v)["o"]
+        ref = _ref64(q, k, v, name == "causal")
+        assert torch.isfinite(o).all()
+        err = ((o.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{name} {kw}: relative error {err:.3e} on call {len(outs) + 1}"
+        outs.append(o)
+    assert len(kern._plans) == 1
+    assert len({o.data_ptr() for o in outs}) == 3   # each call's own output
+    site = next(iter(kern._plans.values()))[4]
+    if site.fast:   # (a checked Triton version) the second and third calls launched directly
+        assert site.direct == 2
