@@ -93,12 +93,13 @@ class Compiled:
 
 def describe_gluon(g):
     """A Gluon kernel's form in a few letters: ws (warp-specialised), ov (overlap), P
-    (persistent), D (dynamic work items), pp (ping-pong), df (deferred P @ V); a staged row
-    kernel's class name otherwise."""
+    (persistent), D (dynamic work items), pp (ping-pong), df (deferred P @ V), "+tile store"
+    (output tiles stored from STORE_L); a staged row kernel's class name otherwise."""
     if not hasattr(g, "ws"):
         return type(g).__name__
     return "gluon " + "".join(t for t, on in (("ws", g.ws), ("ov", g.overlap), ("pp", g.pingpong),
-                                               ("df", g.defer), ("P", g.persistent), ("D", g.dynamic)) if on)
+                                               ("df", g.defer), ("P", g.persistent), ("D", g.dynamic),
+                                               ("+tile store", getattr(g, "tile_store", False))) if on)
 
 
 def bench(fn, rep=100, warmup=10):
