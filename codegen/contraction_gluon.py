@@ -160,7 +160,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
     def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
-                 dynamic=False, tile_store=None):
+                 dynamic=False, tile_store=None, stage_store=False):
         super().__init__(fusion)
         # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
         # running through tile t+1's elementwise math and is waited on just before the
@@ -196,6 +196,15 @@ class GluonGen(WarpSpecialised, ContractionGen):
         # N=1024 persistent 311.8 -> 290.3 us; the overlap form with 2 stages 339.1 -> 383.9 us).
         # None: that default (ACEFUSE_GLUON_TILE_STORE=0 turns it off)
         self.tile_store_opt = (self.TILE_STORE and not overlap and not defer) if tile_store is None else bool(tile_store)
+        # stage_store (EXPERIMENTAL, ws without overlap or ping-pong): the output tiles in STORE_L
+        # through the last key tile's value buffer (WarpSpecialised._stage_store) instead of the
+        # conversion's scratch, so the ring keeps 3 stages of 128 keys; needs BLOCK_J >= 2 BLOCK_I
+        self.stage_store = bool(stage_store)
+        if stage_store:
+            if not ws or overlap or pingpong or defer:
+                raise CodegenError("stage_store is an option of the warp-specialised Gluon kernel without overlap, "
+                                   "ping-pong or defer")
+            self.tile_store_opt = True
         self.tile_store = False   # set where store_outputs writes a tile from STORE_L (the launcher's shared memory)
         if len(self.R) < 1 or len(self.C) != 1 or len(self.E) != 1:
             raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one or more query axes, one "
@@ -487,7 +496,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
 
 
 def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                 tile_store=None, **fuse_kw) -> str:
+                 tile_store=None, stage_store=False, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
@@ -495,12 +504,12 @@ def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persis
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                    dynamic=dynamic, tile_store=tile_store).module()
+                    dynamic=dynamic, tile_store=tile_store, stage_store=stage_store).module()
 
 
 
 def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                  tile_store=None, **fuse_kw) -> GluonKernel:
+                  tile_store=None, stage_store=False, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -512,7 +521,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                   dynamic=dynamic, tile_store=tile_store)
+                   dynamic=dynamic, tile_store=tile_store, stage_store=stage_store)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)

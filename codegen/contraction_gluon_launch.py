@@ -24,6 +24,7 @@ class GluonKernel:
         self.ws, self.overlap, self.persistent, self.defer = gen.ws, gen.overlap, gen.persistent, gen.defer
         self.dynamic = gen.dynamic
         self.tile_store = gen.tile_store   # output tiles stored from STORE_L (its conversion's scratch)
+        self.stage_store = gen.stage_store   # ... through the last key tile's value buffer instead
         self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)
@@ -159,7 +160,11 @@ class GluonKernel:
             per_stage = BLOCK_J * (BLOCK_D + BLOCK_E) * 2
             # the output tile's layout conversion (GluonGen.store_outputs) may take shared memory:
             # room for one tile of it (Triton 3.9 took 7936 bytes at 64 x 128)
-            fixed = 2 * BLOCK_I * BLOCK_D * 2 + 1024 + (BLOCK_I * BLOCK_E * 2 if self.tile_store else 0)
+            fixed = 2 * BLOCK_I * BLOCK_D * 2 + 1024 + (BLOCK_I * BLOCK_E * 2 if self.tile_store and not self.stage_store
+                                                        else 0)
+            if self.stage_store and BLOCK_J < 2 * BLOCK_I:
+                raise ValueError(f"program {self.name!r}: stage_store writes both consumers' output tiles into one "
+                                 f"value tile, which needs BLOCK_J >= 2 * BLOCK_I (got {BLOCK_J}, {BLOCK_I})")
             stages = stages or max(2, min(4, (SMEM_SM90 - fixed) // per_stage))
             if self.defer and stages < 3:
                 # tile t waits for tile t+1's keys while tile t-1's stage is released only in

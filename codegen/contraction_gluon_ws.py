@@ -57,12 +57,16 @@ class WarpSpecialised:
         con_pro[rows_ln[0]] = "    rows = (pid_r * 2 + WG) * BLOCK_I + tl.arange(0, BLOCK_I)   # this warpgroup's rows"
         return pro, par_pro, con_pro, body[:cut[0] + 1], body[cut[0] + 1:], store
 
-    @staticmethod
-    def _ring_init(per_wg):
+    def _ring_init(self, per_wg):
         """The barriers' initialisation: one of each ``per_wg`` name per consumer warpgroup, and
-        per ring stage its key and value arrivals and its release by both consumers."""
+        per ring stage its key and value arrivals and its release by both consumers. With
+        ``stage_store`` the ``turn`` barriers (ping-pong's, unused then) count both consumers:
+        ``turn[0]`` says that both finished their last P @ V (``_stage_store``)."""
+        both = getattr(self, "stage_store", False)
         return (["    for w in gl.static_range(2):"]
-                + [f"        mbarrier.init({b}.index(w), count=1)" for b in per_wg]
+                + [f"        mbarrier.init({b}.index(w), count={2 if both and b == 'turn' else 1})"
+                   + ("   # both consumers' last P @ V (stage_store)" if both and b == "turn" else "")
+                   for b in per_wg]
                 + ["    for st in gl.static_range(NS):",
                    "        mbarrier.init(k_bar.index(st), count=1)",
                    "        mbarrier.init(v_bar.index(st), count=1)",
@@ -165,7 +169,7 @@ class WarpSpecialised:
              ] + self._layouts(4) + con_pro
         C += ["    q_smem = q_bufs.index(WG)",
               "    mbarrier.wait(q_bar.index(WG), 0)"]
-        C += self.hoisting + self._ws_pipeline(loops) + store
+        C += self.hoisting + self._ws_pipeline(loops) + self._stage_store(store, "", "0")
         wrappers = []
         for w in (0, 1):
             wrappers += ["@gluon.jit",
@@ -360,7 +364,8 @@ class WarpSpecialised:
             con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
         else:
             con_body += self.hoisting + self._early_q_free(pipe)
-        con_body += store + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J", "    it = it + 1"]
+        con_body += self._stage_store(store, "tc + ", "it & 1") + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J",
+                                                                   "    it = it + 1"]
         C = ["@gluon.jit",
              f"def _{nm}_consume(WG: gl.constexpr, {sig}, n_rp, n_g, n_items, {ring}, {ccons}):",
              "    # a consumer warpgroup: per item, the template's key loop over the ring on rows WG of the pair",
@@ -373,6 +378,40 @@ class WarpSpecialised:
                          f"    _{nm}_consume({w}, {sig}, n_rp, n_g, n_items, {ring}, {cargs})", ""]
         funcs = ["\n".join(C), "\n".join(wrappers).rstrip(), "\n".join(Ld), "\n".join(P)]
         return _gluonize("\n\n\n".join(funcs))
+
+    def _stage_store(self, store, base, phase):
+        """``stage_store``: the output tiles go through shared memory that is free by then instead
+        of a layout conversion's scratch (which costs the ring a stage): the last key tile's
+        value buffer, BLOCK_I of its rows per consumer, once both consumers' last P @ V are
+        complete (``turn[0]``, two arrivals an item). Each warp writes its tile rows from the MMA
+        layout and reads the same rows back in STORE_L (16 bytes a thread), then the stage is
+        released to the load partition. ``base``: the running tile count before this item's
+        tiles; ``phase``: ``turn[0]``'s phase this item. Without stage_store: ``store`` as is."""
+        if not self.stage_store:
+            return store
+        last = f"(({base}(end - first + BLOCK_J - 1) // BLOCK_J - 1) % NS)"
+        out, n = [], 0
+        for ln in store:
+            m = re.match(r"^(\s*)_sc = gl\.arange\(0, BLOCK_E, layout=SCOL_L\).*\n(\s*)tl\.store\((.*), "
+                         r"gl\.convert_layout\((_out\(.*\)), STORE_L\), (mask=.*)\)$", ln, re.S)
+            if m is None:
+                out.append(ln)
+                continue
+            sp, _, ptr, val, mask = m.groups()
+            if n == 0:
+                out += [f"{sp}mbarrier.arrive(turn.index(0), count=1)   # this consumer's last P @ V is complete",
+                        f"{sp}mbarrier.wait(turn.index(0), {phase})   # and the other's: the value buffer is free",
+                        f"{sp}o_buf = v_smem.index({last}).slice(WG * BLOCK_I, BLOCK_I)"]
+            n += 1
+            out += [f"{sp}o_buf.store({val})   # the tile from the MMA layout, read back 16 bytes a thread",
+                    f"{sp}_sc = gl.arange(0, BLOCK_E, layout=SCOL_L)",
+                    f"{sp}tl.store({ptr}, o_buf.load(STORE_L), {mask})"]
+        if n:
+            out += ["    fence_async_shared()   # (the load partition's copies into the stage come after these reads)",
+                    f"    mbarrier.arrive(kv_free.index({last}), count=1)   # the last tile's stage"]
+        else:   # (no tile output: the last stage is released as every other)
+            out.append(f"    mbarrier.arrive(kv_free.index({last}), count=1)")
+        return out
 
     @staticmethod
     def _early_q_free(pipe):
@@ -470,7 +509,10 @@ class WarpSpecialised:
                 out.append(f"{ind}s_cur = warpgroup_mma_wait(1, deps=(s_next,))   # P @ V of this tile still runs")
                 continue
             out += tile
-            out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1)   # this tile's MMAs are complete")
+            if self.stage_store:   # the last tile's value buffer stages the output tiles: released after them
+                out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1, pred=start + BLOCK_J < end)")
+            else:
+                out.append(f"{ind}mbarrier.arrive(kv_free.index(stage), count=1)   # this tile's MMAs are complete")
             if self.overlap:
                 out.append(f"{ind}s_cur = warpgroup_mma_wait(0, deps=(s_next,))")
         if n != 3:

@@ -771,3 +771,48 @@ def test_output_tiles_are_stored_whole_sectors_where_asked():
     assert "STORE_L: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [4, 1], [1, 0])" in on
     for src in (off, ov):
         assert stores(src) and not any("STORE_L" in ln for ln in stores(src))
+
+
+def test_stage_store_keeps_three_stages_and_is_refused_where_it_cannot_run():
+    """stage_store (EXPERIMENTAL): the output tiles through the last key tile's value buffer, so
+    the ring keeps 3 stages of 128 keys (no conversion scratch is reserved); it needs 2 * BLOCK_I
+    rows in a value tile, and is an option of the ws kernel without overlap, ping-pong or defer."""
+    ins = dict(q=torch.randn(2, 3, 300, D, dtype=torch.bfloat16), k=torch.randn(2, 3, 256, D, dtype=torch.bfloat16),
+               v=torch.randn(2, 3, 256, D, dtype=torch.bfloat16))
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    ss = compile_gluon(PROGS["p_lower"](), ws=True, persistent=True, dynamic=True, stage_store=True)
+    assert ss.stage_store and ss.tile_store and ss.launch_args(ins)[2]["NS"] == 3
+    with pytest.raises(ValueError, match="BLOCK_J >= 2"):
+        ss.launch_args(ins, BLOCK_J=64)
+    src = ss.source
+    assert src.count("o_buf.load(STORE_L)") == 2 and "gl.convert_layout(_out(" not in src
+    assert src.count("pred=start + BLOCK_J < end") == 6   # 3 tile loops x (one-shot, persistent)
+    for bad in (dict(overlap=True), dict(pingpong=True), dict(overlap=True, defer=True)):
+        with pytest.raises(CodegenError, match="stage_store"):
+            gluon_source(PROGS["p_lower"](), ws=True, stage_store=True, **bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("N", [333, 1024])
+@pytest.mark.parametrize("name", ["p_plain", "p_lower", "p_band", "p_lag", "p_cap"])
+def test_gpu_stage_store_against_float64(name, N, persistent):
+    """stage_store on the GPU against float64: partial row tiles (333), masks that skip tiles
+    before and after a band, rows that see no key (p_lag), several items per program."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    from acefuse.codegen.contraction_gluon import compile_gluon
+    key = (name, "stage_store", persistent)
+    if key not in _KERNS:
+        _KERNS[key] = compile_gluon(PROGS[name](), ws=True, persistent=persistent, dynamic=persistent, stage_store=True)
+    kern = _KERNS[key]
+    g = torch.Generator(device="cuda").manual_seed(N + len(name) + persistent)
+    B, H = 2, 12
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
+    qx, kx, vx = x(B, H, N, D), x(B, H, N, D), x(B, H, N, D)
+    out = kern(q=qx, k=kx, v=vx)["o"]
+    ref = _ref(qx, kx, vx, lower=name == "p_lower", band=BAND if name == "p_band" else None,
+               lag=LAG if name == "p_lag" else None, cap=CAP if name == "p_cap" else None)
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{name} N={N} persistent={persistent}: relative error {err:.3e}"

@@ -200,8 +200,11 @@ SCHEDULES = [dict(), dict(schedule="single"), dict(schedule="loop", block_j=16),
 @st.composite
 def row_case(draw, name):
     ref, floats, masks = ROWS[name]
-    # (a norm over one element is a constant: its gradient is float32 noise of terms ~1/|x|)
-    low = 2 if name in ("layernorm", "rmsnorm") else 1
+    # (a norm over one element is a constant: its gradient is float32 noise of terms ~1/|x|; so is
+    # layernorm over two, whose normalised values are +-d / sqrt(d^2 + eps) for any two inputs
+    # 2d apart: its gradient, ~eps / d^3, is a difference of terms ~1/|d| (a full run at c265570 drew
+    # n=2, float32: 1.3351e-05 against 1.3231e-05, one float32 ulp of those terms))
+    low = {"layernorm": 3, "rmsnorm": 2}.get(name, 1)
     return dict(dtype=draw(st.sampled_from(DTYPES)), sched=draw(st.sampled_from(SCHEDULES)),
                 r=draw(st.integers(1, 6)), n=draw(st.integers(low, 70)), scale=draw(st.sampled_from([0.5, 3.0])),
                 offset=draw(st.sampled_from([0.0, 20.0])), mask=draw(st.sampled_from((None,) + masks)),
