@@ -5,6 +5,12 @@ same inputs. bf16, B=4, H=16, N=4096, D=128.
 
     python benchmarks/bench_masks.py --export          # here (needs egglog): derive the kernels
     python benchmarks/bench_masks.py [--out f.json]    # on the GPU (torch + triton only)
+    python benchmarks/bench_masks.py --source compile  # on the GPU, egglog carried: derive in the run
+
+``--source compile`` (the default where acefuse and egglog import) times ``af.compile``'s kernels
+as a user calls them: on an sm_90 GPU, the automatic choice between the Triton kernel and the
+warp-specialised Gluon kernels (each row says which it kept); ``export`` times the exported Triton
+modules of ``--export``.
 
 The programs are written plainly below (as a user writes them), at realistic sizes
 (windows of hundreds of keys, a 64 x 64 NATTEN image), not the small constants of the
@@ -142,7 +148,11 @@ def reference(name, q, k, v, doc, slope):
     return torch.softmax(sc, -1) @ vf
 
 
-def load(name):
+def load(name, source="export"):
+    if source == "compile":   # derived and compiled in this run (benchmarks/_common.py)
+        sys.path.insert(0, str(HERE))
+        import _common
+        return _common.Compiled(name, programs()[name])
     spec = importlib.util.spec_from_file_location(f"bm_{name}", KERNELS / f"bm_{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -154,7 +164,15 @@ def main(argv=None):
     ap.add_argument("--export", action="store_true", help="derive and write the kernels (needs egglog)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variants")
+    ap.add_argument("--source", default="auto", choices=["auto", "compile", "export"])
     args = ap.parse_args(argv)
+    if args.source == "auto":
+        try:
+            import acefuse  # noqa: F401
+            import egglog  # noqa: F401
+            args.source = "compile"
+        except ImportError:
+            args.source = "export"
     if args.export:
         export()
         return 0
@@ -179,7 +197,7 @@ def main(argv=None):
     mm = 2 * 8192 ** 3 / (bench(lambda: a @ a) * 1e-3) / 1e12
     del x, y, a
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}")
+    print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; kernels: {args.source}")
     print(f"measured ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
     print(f"B={B} H={H} N={N} D={D} bf16")
     q, k, v, doc, slope = make_inputs()
@@ -197,13 +215,15 @@ def main(argv=None):
         extra = {"doc": doc} if name == "document" else {"slope": slope} if name == "alibi" else {}
         ref = reference(name, q, k, v, doc, slope)
         try:
-            mod = load(name)
+            mod = load(name, args.source)
             o = mod.run(q=q, k=k, v=v, **extra)
             o = o["o"] if isinstance(o, dict) else o
             err = ((o[:1].float() - ref).norm() / ref.norm()).item()
             res["rel_err"] = err
             if err < 2e-2:
                 res["acefuse_ms"] = bench(lambda: mod.run(q=q, k=k, v=v, **extra))
+                if hasattr(mod, "kept"):
+                    res["kept"] = mod.kept()
             else:
                 res["acefuse_wrong"] = True
         except Exception as exc:
@@ -224,12 +244,13 @@ def main(argv=None):
         rows.append(res)
         print(f"{name:16s} visible {res['visible_fraction']:.4f}  acefuse {res['acefuse_tflops']:6.0f}  "
               f"flex {res['flex_tflops']:6.0f} TFLOP/s  x{ratio:.2f}  err {res.get('rel_err', float('nan')):.1e}"
+              f"{'  kept ' + res['kept'] if 'kept' in res else ''}"
               f"{'  ' + res['acefuse_err'] if 'acefuse_err' in res else ''}"
               f"{'  WRONG' if res.get('acefuse_wrong') else ''}{'  ' + res['flex_err'] if 'flex_err' in res else ''}",
               flush=True)
         torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm,
+        Path(args.out).write_text(json.dumps(dict(device=props.name, copy_gbs=copy, matmul_tflops=mm, source=args.source,
                                                   cudnn_causal_ms=cudnn_ms, rows=rows), indent=1))
     return 0
 
