@@ -240,7 +240,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
     # a tile store over (rows, value columns) from the MMA layout writes 4 bytes a thread, half
     # a 32-byte sector a row per instruction (session 19, H200, global N=1024: the stores took
     # 12% of the persistent kernel's time, 37 of 305 us); from STORE_L each thread writes 8
-    # consecutive values (16 bytes, whole sectors; 8x fewer store instructions). Both layouts give
+    # consecutive values (16 bytes, whole sectors; 4x fewer store instructions). Both layouts give
     # warp w the same 16 rows, so the conversion stays inside each warp (shuffles, no shared memory)
     _TILE_STORE = re.compile(r"^(\s*)tl\.store\((\w+)_ptr \+ off_\2_g \+ off_\2_r\[:, None\] \+ "
                              r"ecols\[None, :\] \* (s_\w+), (_out\(.*, \2_ptr\)), "
