@@ -25,7 +25,10 @@ of the states (``ContractionGen.empty_start``), 16-bit inputs, on sm_90. Phase 2
 warp specialisation, FlashAttention-3's structure: a TMA load partition feeding a ring of
 key/value stages and two consumer warpgroups with a query tile each (options: ``pingpong``,
 their MMAs in alternating blocks; ``overlap``, the next score MMA during this tile's math;
-``persistent``, one program per SM walking work items).
+``persistent``, one program per SM walking work items). Output tiles: ``tile_store`` (on by default
+without overlap) stores them from ``STORE_L``, 16 bytes a thread, through the layout conversion's
+shared-memory scratch (which costs the ring a stage); ``stage_store`` (experimental) through the
+last key tile's value buffer instead (WarpSpecialised._stage_store).
 
 The modules: this one generates the phase-1 kernel and the module (``GluonGen``), loads it
 (``compile_gluon``) and makes ``af.compile``'s automatic choice (``auto_gluon``);
