@@ -319,6 +319,9 @@ def main(argv=None):
             run_case(f"{kind} B={B} N={N}", kind, B, H, H, N, 4 * B * H * D * visible_pairs(kind, N), rows, mods,
                      sweep=False)
         for w in (int(x) for x in args.windows.split(",")):
+            if w != WINDOW and source != "compile":
+                print(f"sliding_window{w}: skipped (only the window of {WINDOW} is exported; use --source compile)")
+                continue
             run_case(f"sliding_window{w} B={B} N={N}", "sliding_window", B, H, H, N,
                      4 * B * H * D * visible_pairs("sliding_window", N, w), rows, mods, sweep=False, window=w)
         run_case(f"gqa 32q/8kv B={B} N={N}", "global", B, 32, 8, N, 4 * B * 32 * D * N * N, rows, mods, sweep=False)
