@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+import _common   # (a sibling module: the benchmarks run as scripts from this folder)
+
 HERE = Path(__file__).resolve().parent
 KERNELS = HERE / "kernels"
 B, H, N, D = 4, 16, 4096, 128
@@ -150,8 +152,6 @@ def reference(name, q, k, v, doc, slope):
 
 def load(name, source="export"):
     if source == "compile":   # derived and compiled in this run (benchmarks/_common.py)
-        sys.path.insert(0, str(HERE))
-        import _common
         return _common.Compiled(name, programs()[name])
     spec = importlib.util.spec_from_file_location(f"bm_{name}", KERNELS / f"bm_{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -166,13 +166,7 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="comma-separated variants")
     ap.add_argument("--source", default="auto", choices=["auto", "compile", "export"])
     args = ap.parse_args(argv)
-    if args.source == "auto":
-        try:
-            import acefuse  # noqa: F401
-            import egglog  # noqa: F401
-            args.source = "compile"
-        except ImportError:
-            args.source = "export"
+    args.source = _common.set_source(args.source)
     if args.export:
         export()
         return 0
