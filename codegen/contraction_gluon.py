@@ -48,6 +48,7 @@ the kernel runs on a Hopper GPU only; on the CPU this module can only generate i
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 
@@ -244,13 +245,14 @@ class GluonGen(WarpSpecialised, ContractionGen):
     # a 32-byte sector a row per instruction (session 19, H200, global N=1024: the stores took
     # 12% of the persistent kernel's time, 37 of 305 us); from STORE_L each thread writes 8
     # consecutive values (16 bytes, whole sectors; 4x fewer store instructions). Both layouts give
-    # warp w the same 16 rows, so the conversion stays inside each warp (shuffles, no shared memory)
+    # warp w the same 16 rows, yet Triton 3.6 converts through shared memory (about 8 KB for a
+    # 64 x 128 tile): the launcher leaves room for it (one stage fewer), stage_store does not need it
     _TILE_STORE = re.compile(r"^(\s*)tl\.store\((\w+)_ptr \+ off_\2_g \+ off_\2_r\[:, None\] \+ "
                              r"ecols\[None, :\] \* (s_\w+), (_out\(.*, \2_ptr\)), "
                              r"mask=rmask\[:, None\] & emask\[None, :\]\)$")
 
     # the default of tile_store (off, ACEFUSE_GLUON_TILE_STORE=0: tiles stored from the MMA layout)
-    TILE_STORE = __import__("os").environ.get("ACEFUSE_GLUON_TILE_STORE", "1") != "0"
+    TILE_STORE = os.environ.get("ACEFUSE_GLUON_TILE_STORE", "1") != "0"
 
     def store_outputs(self, L, ind="    "):
         """The template's stores, a tile over (rows, value columns) written from STORE_L."""
