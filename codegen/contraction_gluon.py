@@ -164,7 +164,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
     """The Gluon loop kernel of a contraction-family fusion (module docstring)."""
 
     def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
-                 dynamic=False, tile_store=None, stage_store=False):
+                 dynamic=False, tile_store=None, stage_store=False, own_range=False):
         super().__init__(fusion)
         # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
         # running through tile t+1's elementwise math and is waited on just before the
@@ -209,6 +209,19 @@ class GluonGen(WarpSpecialised, ContractionGen):
                 raise CodegenError("stage_store is an option of the warp-specialised Gluon kernel without overlap, "
                                    "ping-pong or defer")
             self.tile_store_opt = True
+        # own_range (the persistent kernel without overlap, ping-pong, defer or stage_store): each
+        # consumer runs the mask analysis over its own rows as well and folds only the key tiles
+        # its rows see (the pair's others it releases unread), with the mask evaluated only on
+        # the tiles its rows see partly (WarpSpecialised._own_range). Off by default: measured
+        # (session 20, H200, causal N=1K/4K/16K) 257.1/444.1/518.6 TFLOP/s against 267.0/445.8/531.5
+        # without (the second analysis and the waits cost more than the diagonal tiles' masks
+        # save); the automatic choice times it where the program has a mask (AUTO_VARIANTS)
+        plain = persistent and not (overlap or pingpong or defer or stage_store)
+        self.own_range_opt = bool(own_range)
+        if self.own_range_opt and not plain:
+            raise CodegenError("own_range is an option of the persistent warp-specialised Gluon kernel without "
+                               "overlap, ping-pong, defer or stage_store")
+        self.own_range = False   # set where the persistent kernel's consumers take their own tiles
         self.tile_store = False   # set where store_outputs writes a tile from STORE_L (the launcher's shared memory)
         if len(self.R) < 1 or len(self.C) != 1 or len(self.E) != 1:
             raise CodegenError(f"program {self.name!r}: the Gluon kernel needs one or more query axes, one "
@@ -501,7 +514,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
 
 
 def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                 tile_store=None, stage_store=False, **fuse_kw) -> str:
+                 tile_store=None, stage_store=False, own_range=False, **fuse_kw) -> str:
     """The Gluon module source of a program (or a Fusion) of the contraction family."""
     import acefuse as af
     from acefuse.fuse import certified_or_unfused
@@ -509,12 +522,12 @@ def gluon_source(prog_or_fusion, overlap=False, ws=False, pingpong=False, persis
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     return GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                    dynamic=dynamic, tile_store=tile_store, stage_store=stage_store).module()
+                    dynamic=dynamic, tile_store=tile_store, stage_store=stage_store, own_range=own_range).module()
 
 
 
 def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=False, defer=False, dynamic=False,
-                  tile_store=None, stage_store=False, **fuse_kw) -> GluonKernel:
+                  tile_store=None, stage_store=False, own_range=False, **fuse_kw) -> GluonKernel:
     """EXPERIMENTAL: the Gluon Hopper kernel of ``prog`` (a certified one-pass contraction
     fusion), written to acefuse's cache folder and loaded. Needs ``triton.experimental.gluon``
     (Triton >= 3.5) and an sm_90 GPU to run."""
@@ -526,7 +539,7 @@ def compile_gluon(prog, overlap=False, ws=False, pingpong=False, persistent=Fals
     if certified_or_unfused(f) is not f:
         raise CodegenError(f"program {f.program.name!r}: its fusion is not certified; no Gluon kernel")
     gen = GluonGen(f, overlap=overlap, ws=ws, pingpong=pingpong, persistent=persistent, defer=defer,
-                   dynamic=dynamic, tile_store=tile_store, stage_store=stage_store)
+                   dynamic=dynamic, tile_store=tile_store, stage_store=stage_store, own_range=own_range)
     src = gen.module()
     h = hashlib.sha256(src.encode()).hexdigest()[:16]
     path = cached_source(f"{gen.name}_gluon", h, src)
@@ -600,7 +613,9 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 # the persistent kernel both ways: output tiles from STORE_L (2 stages of 128 keys: faster at
 # global N = 1K to 16K on an H200) and from the MMA layout (3 stages: faster causal at N = 1K)
 AUTO_VARIANTS = ({"ws": True, "overlap": True}, {"ws": True, "persistent": True, "dynamic": True},
-                 {"ws": True, "persistent": True, "dynamic": True, "tile_store": False})
+                 {"ws": True, "persistent": True, "dynamic": True, "tile_store": False},
+                 # (the same source as the second where the program has no mask: compiled once)
+                 {"ws": True, "persistent": True, "dynamic": True, "own_range": True})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 # how the choice is kept on the kernel and on disk (codegen/auto_choice.py)
@@ -654,8 +669,10 @@ def _sm90(dev) -> bool:
 
 def _variant_tag(g) -> str:
     """A Gluon kernel's variant as remembered on disk: its compile_gluon flags (and tile_store
-    where its output tiles are stored from STORE_L)."""
-    return ",".join([f for f in VARIANT_FLAGS if getattr(g, f, False)] + (["tile_store"] if getattr(g, "tile_store", False) else []))
+    where its output tiles are stored from STORE_L, own_range where its consumers fold their own
+    rows' key tiles)."""
+    return ",".join([f for f in VARIANT_FLAGS if getattr(g, f, False)]
+                    + [f for f in ("tile_store", "own_range") if getattr(g, f, False)])
 
 
 def _choice_source(kernel, gs) -> str | None:

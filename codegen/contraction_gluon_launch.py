@@ -25,6 +25,7 @@ class GluonKernel:
         self.dynamic = gen.dynamic
         self.tile_store = gen.tile_store   # output tiles stored from STORE_L (its conversion's scratch)
         self.stage_store = gen.stage_store   # ... through the last key tile's value buffer instead
+        self.own_range = gen.own_range   # each consumer folds its own rows' key tiles (own_range)
         self.pingpong = gen.pingpong
         self.fn = getattr(module, f"{gen.name}_gluon")
         self.fn_persistent = getattr(module, f"{gen.name}_gluon_persistent", None)

@@ -249,7 +249,7 @@ class WarpSpecialised:
                 "    pid_g = ": "    pid_g = g0 + w_i % hg"}
         self._pp_items = True   # the turn phases count work items too (GContext.reduce_tile)
         try:
-            _, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
+            tpro, pro, con_pro, analysis, loops, store = self._ws_parts("kernel_ws_persistent", pids)
         finally:
             self._pp_items = False
         n_g = " * ".join(f"len_{a}" for a in self.G) or "1"
@@ -363,7 +363,15 @@ class WarpSpecialised:
                 con_body += self._pingpong_item_end()
             con_body += ["    mbarrier.arrive(q_free.index(WG), count=1)   # its last score MMA is complete"]
         else:
-            con_body += self.hoisting + self._early_q_free(pipe)
+            own = self._own_range(tpro, con_pro, analysis, pipe) if self.own_range_opt and self.mask_sites() else None
+            if own is None:
+                con_body += self.hoisting + self._early_q_free(pipe)
+            else:
+                head, pipe = own
+                self.own_range = True
+                con_body = head + con_body[len(con_pro) + len(analysis):]
+                con_body += self.hoisting + self._early_q_free(pipe, "first_w", "end_w")
+                con_body += self._released_unread("end_w", "end", "after")
         con_body += self._stage_store(store, "tc + ", "it & 1") + ["    tc = tc + (end - first + BLOCK_J - 1) // BLOCK_J",
                                                                    "    it = it + 1"]
         C = ["@gluon.jit",
@@ -413,8 +421,69 @@ class WarpSpecialised:
             out.append(f"    mbarrier.arrive(kv_free.index({last}), count=1)")
         return out
 
+    def _own_range(self, pro, con_pro, analysis, pipe):
+        """``own_range``: the consumer's prologue and key loops over the key tiles its own rows
+        see, or None where the template's loops are not the three the text expects. The load
+        partition copies the tiles the pair's rows see (the mask analysis over both consumers'
+        rows, as before); each consumer runs the same analysis over its own rows first (a box
+        inside the pair's, so its tiles lie among the pair's: interval arithmetic only loses
+        tiles as the box shrinks), folds those, evaluates the mask only on those its rows see
+        partly, and releases the pair's others unread (``_released_unread``). Where the own
+        analysis leaves the pair's tiles (rows past the end) or finds none, the consumer runs
+        the pair's first tile masked, as the template runs a row tile that sees no key. Returns
+        (the consumer's prologue and analyses, in place of ``con_pro + analysis``; the loops)."""
+        loops = {"range(first, a, BLOCK_J)": "range(first_w, a_w, BLOCK_J)",
+                 "range(a, b, BLOCK_J)": "range(a_w, b_w, BLOCK_J)",
+                 "range(b, end, BLOCK_J)": "range(b_w, end_w, BLOCK_J)"}
+        heads = tuple(f"    {a}_{b} = " for a in self.R for b in ("lo", "hi"))
+        own_b = [ln.replace("pid_r * BLOCK_I", "(pid_r * 2 + WG) * BLOCK_I") for ln in pro if ln.startswith(heads)]
+        pair = "\n".join(self._pair_bounds())
+        found = [ln for ln in pipe if ln.lstrip().startswith("for start in ")]
+        if (pair not in con_pro or len(own_b) != 2 * len(self.R) or len(found) != 3
+                or any(k not in ln for k, ln in zip(loops, found))):
+            return None
+        k = con_pro.index(pair)
+        body = (con_pro[:k] + ["    # this warpgroup's rows (own_range): the key tiles it folds"] + own_b
+                + con_pro[k + 1:] + analysis
+                + ["    first_w = first", "    a_w = a", "    b_w = b", "    end_w = end",
+                   "    # both consumers' rows: the tiles the load partition copies (the ring's count)", pair]
+                + analysis
+                + ["    # this warpgroup's tiles among the pair's; rows that see none (or lie past the end) run",
+                   "    # the pair's first tile, masked",
+                   "    ok_w = (first_w >= first) & (end_w <= end) & (first_w < end_w)",
+                   "    first_w = tl.where(ok_w, first_w, first)",
+                   "    end_w = tl.where(ok_w, end_w, tl.minimum(first + BLOCK_J, end))",
+                   "    a_w = tl.where(ok_w, tl.minimum(tl.maximum(a_w, first_w), end_w), end_w)",
+                   "    b_w = tl.where(ok_w, tl.minimum(tl.maximum(b_w, a_w), end_w), end_w)"])
+        out, first = [], True
+        for ln in pipe:
+            if ln.lstrip().startswith("for start in "):
+                if first:
+                    out += self._released_unread("first", "first_w", "before")
+                    first = False
+                for a, b in loops.items():
+                    ln = ln.replace(a, b)
+            out.append(ln)
+        return body, out
+
     @staticmethod
-    def _early_q_free(pipe):
+    def _released_unread(lo, hi, where):
+        """The pair's key tiles ``lo .. hi`` that this consumer's rows do not see (own_range):
+        each stage released unread once its key and value tiles landed. The waits keep this
+        consumer's view of the stage's barriers in step (mbarrier waits are by phase parity: a
+        consumer that skipped a landing would see the barrier of the stage's next tile as two
+        phases behind, i.e. complete, and read the stage before it lands), and they also order
+        the arrival after both consumers' release of the stage's tile before (an earlier arrival
+        would count towards that release)."""
+        return [f"    for start in range({lo}, {hi}, BLOCK_J):   # the pair's tiles {where} this warpgroup's: "
+                "released unread",
+                "        t_i = tc + (start - first) // BLOCK_J",
+                "        mbarrier.wait(k_bar.index(t_i % NS), (t_i // NS) & 1)",
+                "        mbarrier.wait(v_bar.index(t_i % NS), (t_i // NS) & 1)",
+                "        mbarrier.arrive(kv_free.index(t_i % NS), count=1)"]
+
+    @staticmethod
+    def _early_q_free(pipe, first="first", end="end"):
         """The persistent kernel's consumers (score MMAs waited on where issued): the query
         buffer released right after the item's last score MMA, so that the load partition copies
         the next item's query tile (and, behind it, its first key tiles) while this warpgroup
@@ -427,12 +496,12 @@ class WarpSpecialised:
             m = re.match(r"(\s*)_dot_\d+ = warpgroup_mma\(q_smem, ", ln)
             if m:
                 n += 1
-                out += [f"{m.group(1)}if start + BLOCK_J >= end:   # the item's last score MMA: its query tile is free",
+                out += [f"{m.group(1)}if start + BLOCK_J >= {end}:   # the item's last score MMA: its query tile is free",
                         f"{m.group(1)}    mbarrier.arrive(q_free.index(WG), count=1)"]
         if n == 0:
             raise CodegenError("the persistent kernel's key loops have no score MMA on the query tile; "
                                "codegen/contraction_gluon_ws.py (_early_q_free) needs updating")
-        return out + ["    if end <= first:   # no tiles: the query tile is free at the item's end",
+        return out + [f"    if {end} <= {first}:   # no tiles: the query tile is free at the item's end",
                       "        mbarrier.arrive(q_free.index(WG), count=1)"]
 
     def _defer(self, tile, ind):

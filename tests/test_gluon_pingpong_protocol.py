@@ -38,7 +38,7 @@ def _fusion(masked):
 KEEP = re.compile(r"(for (item|start|w|st) in |if WG|else:|mbarrier\.(wait|arrive)\(|_tma_load\(|(t_i|stage|ph|tc|it) = )")
 
 
-KEEP_Q = re.compile(KEEP.pattern[:-1] + r"|if (start|end) .*:|_dot_\d+ = warpgroup_mma\(q_smem, )")
+KEEP_Q = re.compile(KEEP.pattern[:-1] + r"|if (start|end\w*) .*:|_dot_\d+ = warpgroup_mma\(q_smem, |_pv\d+ = warpgroup_mma\()")
 KEEP_D = re.compile(KEEP_Q.pattern[:-1] + r"|item = |while |item_buf\.)")
 
 
@@ -64,21 +64,29 @@ def _protocol(src, fn, persistent, q_slots=False, dynamic=False):
             return ["yield ('read', ('q', WG), item)"]
         if q_slots and re.match(r"_tma_load\(q_desc, \[.*?\], q_bar\.index\(w\), .*\)$", body):
             return ["yield ('tma', 'q_bar', w, ('q', w), item)"]
+        if q_slots and re.match(r"_tma_load\(v_desc, \[.*?\], v_bar\.index\(stage\), .*\)$", body):
+            return ["yield ('tma', 'v_bar', stage, ('v', stage), t_i)"]   # the value tile of tile t_i
+        if q_slots and re.match(r"_pv\d+ = warpgroup_mma\(", body):
+            return ["yield ('read', ('v', stage), t_i)"]   # P @ V: the stage must still hold tile t_i
+        if re.match(r"_pv\d+ = ", body):
+            return None
         m = re.match(r"_tma_load\(\w+, \[.*?\], (\w+)\.index\((.*?)\), .*\)$", body)
         if m:
             body = f"yield ('tma', '{m.group(1)}', {m.group(2)})"
         m = re.match(r"mbarrier\.arrive\((\w+)\.index\((.*?)\), count=1, pred=(.*)\)$", body)
         if m:   # a predicated arrival
             return [f"if {m.group(3)}:", f"    yield ('arrive', '{m.group(1)}', {m.group(2)})"]
+        own = ["    first_w, a_w, b_w, end_w = OWN(item, WG) if OWN and WG is not None else (first, a, b, end)"]
         if persistent and body.startswith("for item in range("):
-            return [body, "    first, a, b, end = ITEM(item)"]
+            return [body, "    first, a, b, end = ITEM(item)"] + own
         if dynamic and body.startswith("while item < n_items:"):
-            return [body, "    first, a, b, end = ITEM(item)", "    if WG is not None:", "        SEEN.append((WG, item))"]
+            return [body, "    first, a, b, end = ITEM(item)", "    if WG is not None:", "        SEEN.append((WG, item))"] + own
         return [body]
     if dynamic:
-        header = ["def part(WG, ITEM, NS, n_items, CNT, BUF, SEEN):", "    BLOCK_J = 1"]
+        header = ["def part(WG, ITEM, NS, n_items, CNT, BUF, SEEN, OWN=None):", "    BLOCK_J = 1"]
     else:
-        header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0):", "    BLOCK_J = 1", "    PID, NPROG = 0, 1"]
+        header = ["def part(WG, ITEM, NS, n_items, first=0, a=0, b=0, end=0, OWN=None):", "    BLOCK_J = 1",
+                  "    PID, NPROG = 0, 1"]
     return barrier_model.partition(src, fn, KEEP_D if dynamic else KEEP_Q if q_slots else KEEP, header, translate)
 
 
@@ -173,6 +181,22 @@ def test_without_the_acknowledgement_parity_waits_alias():
 
 
 
+def _own(rng, items):
+    """own_range: each consumer's tiles of each item, a random run inside the pair's (the kernel's
+    own analysis finds a box inside the pair's; a consumer always folds at least one tile)."""
+    own = {}
+    for x, (first, _, _, end) in enumerate(items):
+        for w in (0, 1):
+            if end <= first:
+                own[x, w] = (first, first, first, first)
+                continue
+            fw = rng.randint(first, end - 1)
+            ew = rng.randint(fw + 1, end)
+            aw = rng.randint(fw, ew)
+            own[x, w] = (fw, aw, rng.randint(aw, ew), ew)
+    return lambda x, w: own[x, w]
+
+
 def _run_persistent(src, name, rng, trials, items_min=1):
     nm = f"{name}_p"
     con, con_text = _protocol(src, f"_{nm}_consume", True, q_slots=True)
@@ -182,7 +206,8 @@ def _run_persistent(src, name, rng, trials, items_min=1):
         NS = rng.choice((2, 3, 4))
         items = [(0, a, b, max(T, items_min)) for (_, a, b, T) in _items(rng, rng.randint(1, 6), 5)]
         it = lambda x, items=items: items[x]   # noqa: E731
-        parts = {"consume0": con(0, it, NS, len(items)), "consume1": con(1, it, NS, len(items)),
+        own = _own(rng, items)
+        parts = {"consume0": con(0, it, NS, len(items), OWN=own), "consume1": con(1, it, NS, len(items), OWN=own),
                  "load": load(None, it, NS, len(items))}
         why = barrier_model.run(parts, trial, counts=COUNTS)
         if why is not None:
@@ -196,9 +221,11 @@ def test_persistent_kernel_frees_the_query_tile_after_its_last_score(masked):
     the item's last score MMA (so that the next item's query copy overlaps this item's last
     tile): every run finishes, and no score MMA reads a query buffer the next item's copy
     already took."""
-    gen = GluonGen(_fusion(masked), ws=True, persistent=True)
+    gen = GluonGen(_fusion(masked), ws=True, persistent=True, own_range=masked)
     con_text, bad = _run_persistent(gen.module(), gen.name, random.Random(11 + masked), 200, items_min=masked)
-    assert "if start + BLOCK_J >= end:" in con_text and "('read', ('q', WG), item)" in con_text
+    assert "if start + BLOCK_J >= end" in con_text and "('read', ('q', WG), item)" in con_text
+    assert "('read', ('v', stage), t_i)" in con_text
+    assert ("range(end_w, end, BLOCK_J)" in con_text) == masked   # (own_range: where a mask is)
     assert not bad, bad[:3]
 
 
@@ -207,10 +234,10 @@ def test_the_model_finds_a_query_tile_freed_too_early():
     may land while this item's last score still reads the buffer)."""
     gen = GluonGen(_fusion(True), ws=True, persistent=True)
     src = gen.module()
-    early = re.compile(r"(\n(\s*)(_dot_\d+ = warpgroup_mma\(q_smem, [^\n]*)\n\s*if start \+ BLOCK_J >= end:[^\n]*\n"
+    early = re.compile(r"(\n(\s*)(_dot_\d+ = warpgroup_mma\(q_smem, [^\n]*)\n\s*if start \+ BLOCK_J >= (end\w*):[^\n]*\n"
                        r"\s*mbarrier\.arrive\(q_free\.index\(WG\), count=1\))")
     assert early.search(src)
-    wrong = early.sub(lambda m: f"\n{m.group(2)}if start + BLOCK_J >= end:\n{m.group(2)}    "
+    wrong = early.sub(lambda m: f"\n{m.group(2)}if start + BLOCK_J >= {m.group(4)}:\n{m.group(2)}    "
                                 f"mbarrier.arrive(q_free.index(WG), count=1)\n{m.group(2)}{m.group(3)}", src)
     _, bad = _run_persistent(wrong, gen.name, random.Random(5), 200)
     assert any("read slot ('q'" in b for b in bad), bad[:3]
@@ -238,11 +265,11 @@ def _run_dynamic(src, name, rng, trials, programs=2):
         NS = rng.choice((2, 3, 4))
         items = _items(rng, rng.randint(1, 7), 5)
         it = lambda x, items=items: items[x]   # noqa: E731
-        cnt, seen, parts = [0], [], {}
+        cnt, seen, parts, own = [0], [], {}, _own(rng, items)
         for p in range(programs):
             buf = [None]
-            parts[f"c0@{p}"] = _per_program(con(0, it, NS, len(items), cnt, buf, seen), p)
-            parts[f"c1@{p}"] = _per_program(con(1, it, NS, len(items), cnt, buf, seen), p)
+            parts[f"c0@{p}"] = _per_program(con(0, it, NS, len(items), cnt, buf, seen, own), p)
+            parts[f"c1@{p}"] = _per_program(con(1, it, NS, len(items), cnt, buf, seen, own), p)
             parts[f"ld@{p}"] = _per_program(load(None, it, NS, len(items), cnt, buf, seen), p)
         why = barrier_model.run(parts, trial, counts={k + f"@{p}": c for k, c in COUNTS.items()
                                                       for p in range(programs)})
@@ -262,6 +289,38 @@ def test_dynamic_persistent_kernel_takes_each_item_once(masked):
     text, bad = _run_dynamic(gen.module(), gen.name, random.Random(21 + masked), 150)
     assert "CNT[0] += 1" in text and "BUF[0] = item" in text and "item = BUF[0]" in text
     assert not bad, bad[:3]
+
+
+def test_own_range_releases_the_tiles_it_does_not_read():
+    """own_range (the persistent kernel, where a mask is): each consumer folds a run of the pair's
+    key tiles (random here) and releases the others unread; every run finishes, each item is
+    folded once, and no P @ V finds its value stage holding another tile."""
+    gen = GluonGen(_fusion(True), ws=True, persistent=True, dynamic=True, own_range=True)
+    src = gen.module()
+    assert gen.own_range and "range(first_w, a_w, BLOCK_J)" in src and "released unread" in src
+    text, bad = _run_dynamic(src, gen.name, random.Random(33), 200)
+    assert "range(first, first_w, BLOCK_J)" in text and "range(end_w, end, BLOCK_J)" in text
+    assert not bad, bad[:3]
+    plain = GluonGen(_fusion(True), ws=True, persistent=True, dynamic=True)
+    assert "first_w" not in plain.module() and not plain.own_range
+    unmasked = GluonGen(_fusion(False), ws=True, persistent=True, dynamic=True, own_range=True)
+    assert unmasked.module() == GluonGen(_fusion(False), ws=True, persistent=True, dynamic=True).module()
+    assert not unmasked.own_range   # (no mask: every tile is the pair's; the source is the plain one)
+
+
+def test_the_model_finds_a_tile_released_unread_too_early():
+    """The check can fail: a consumer that releases the tiles it does not read without waiting
+    for them to land reads a later tile of the same stage before it lands (the stage's barrier,
+    two phases ahead of its last wait there, looks complete to it)."""
+    gen = GluonGen(_fusion(True), ws=True, persistent=True, dynamic=True, own_range=True)
+    src = gen.module()
+    waits = ["            mbarrier.wait(k_bar.index(t_i % NS), (t_i // NS) & 1)\n",
+             "            mbarrier.wait(v_bar.index(t_i % NS), (t_i // NS) & 1)\n"]
+    assert all(src.count(w) == 2 for w in waits)
+    for w in waits:
+        src = src.replace(w, "")
+    _, bad = _run_dynamic(src, gen.name, random.Random(34), 200)
+    assert any("read slot ('v'" in b or "read slot (('v'" in b for b in bad), bad[:3]
 
 
 def test_the_model_finds_an_item_published_too_early():
