@@ -202,6 +202,7 @@ class ContractionGen(MaskAnalysis):
         # alone (set by module(); Gluon's kernel keeps its own)
         self.inb_tiles = False
         self.tile_inb = False   # the tiles being emitted lie inside the keys (CContext.inb)
+        self.whole_tiles = False   # every key tile lies inside the keys (key_loop)
         takes = _takes(list(self.leaves.values()) + list(self.outputs.values()))
         # tensors an index is read from (page tables) must be int32/int64; tensors outside the
         # dot products (document ids, masks, biases) may be integers or floats
@@ -488,7 +489,9 @@ class ContractionGen(MaskAnalysis):
         loops = ((lo1, "a", "inb" if self.inb_tiles else False, "masked"), ("a", "b", True, "fully visible"),
                  ("b", "end", False, "masked"))
         for lo_, hi_, full, what in loops:
-            self.tile_inb = full == "inb"
+            # (whole_tiles: a kernel whose launcher takes only whole key tiles and stores no row
+            # past the end, so that every tile lies inside the keys: GluonGen's persistent kernel)
+            self.tile_inb = full == "inb" or getattr(self, "whole_tiles", False)
             full = full is True
             if full and self.hopper:
                 # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
