@@ -27,8 +27,10 @@ key/value stages and two consumer warpgroups with a query tile each (options: ``
 their MMAs in alternating blocks; ``overlap``, the next score MMA during this tile's math;
 ``persistent``, one program per SM walking work items). Output tiles: ``tile_store`` (on by default
 without overlap) stores them from ``STORE_L``, 16 bytes a thread, through the layout conversion's
-shared-memory scratch (which costs the ring a stage); ``stage_store`` (experimental) through the
-last key tile's value buffer instead (WarpSpecialised._stage_store).
+shared-memory scratch (which costs the ring a stage); ``stage_store`` (an option) through the
+last key tile's value buffer instead (WarpSpecialised._stage_store). ``own_range`` (persistent
+kernel; timed by the automatic choice where a mask is): each consumer folds only its own rows' key
+tiles (WarpSpecialised._own_range).
 
 The modules: this one generates the phase-1 kernel and the module (``GluonGen``), loads it
 (``compile_gluon``) and makes ``af.compile``'s automatic choice (``auto_gluon``);
@@ -200,9 +202,11 @@ class GluonGen(WarpSpecialised, ContractionGen):
         # N=1024 persistent 311.8 -> 290.3 us; the overlap form with 2 stages 339.1 -> 383.9 us).
         # None: that default (ACEFUSE_GLUON_TILE_STORE=0 turns it off)
         self.tile_store_opt = (self.TILE_STORE and not overlap and not defer) if tile_store is None else bool(tile_store)
-        # stage_store (EXPERIMENTAL, ws without overlap or ping-pong): the output tiles in STORE_L
-        # through the last key tile's value buffer (WarpSpecialised._stage_store) instead of the
-        # conversion's scratch, so the ring keeps 3 stages of 128 keys; needs BLOCK_J >= 2 BLOCK_I
+        # stage_store (ws without overlap or ping-pong): the output tiles in STORE_L through the last
+        # key tile's value buffer (WarpSpecialised._stage_store) instead of the conversion's
+        # scratch, so the ring keeps 3 stages of 128 keys; needs BLOCK_J >= 2 BLOCK_I. Correct on the
+        # H200 (session 20) and at least as fast as the MMA-layout stores, but faster than the
+        # default tile stores only at global N=16K (+0.8%): not in the automatic choice
         self.stage_store = bool(stage_store)
         if stage_store:
             if not ws or overlap or pingpong or defer:
