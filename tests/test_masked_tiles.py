@@ -114,12 +114,41 @@ def test_bounds_mask_still_zeroes_sums_without_an_inf_select(monkeypatch):
 @pytest.mark.parametrize("name", ["alibi", "sliding_window"])
 def test_variant_masked_tile_selects_once(name):
     """A score that is no scaled dot (ALiBi's bias added) is selected once too: the exp2 reads the
-    max's selected tile times log2(e), not a second select of the scaled sum."""
+    max's selected tile times log2(e), not a second select of the scaled sum. A conjunction of
+    conditions (the window's j <= i and i - j < W) is one select per condition, each reading the
+    one before (the tile mask, where there is one, the last): no tensor of booleans for the
+    conjunction."""
     kern = _kernel_src(af.compile(EX[name]).source, f"{name}_attn")
     bodies = _masked_loops(kern)
     assert bodies
+    conds = 2 if name == "sliding_window" else 1
     for body in bodies:
-        assert body.count("tl.where(") == 1, body
-        sel = re.search(r"(_t\d+) = tl\.where\(_c\d+, ", body).group(1)
+        sels = re.findall(r"(_t\d+) = tl\.where\((\w+), (\w+), float\('-inf'\)\)", body)
+        tile = conds > 1 and "tmask = " in body
+        assert len(sels) == body.count("tl.where(") == conds + tile, body
+        for (prev, _, _), (_, _, arg) in zip(sels, sels[1:]):
+            assert arg == prev, body
+        assert (sels[-1][1] == "tmask") == tile, body
+        assert " & " not in "".join(ln for ln in body.split("\n") if re.match(r"\s*_c\d+ = ", ln) and "tmask" not in ln)
+        sel = sels[-1][0]
         assert re.search(rf"tl\.max\({sel}, axis=1\)", body)
         assert "tl.sum(tl.where(" not in body
+
+
+@pytest.mark.parametrize("n", [77, 700])
+def test_conjunction_masked_tiles_float64(n, monkeypatch):
+    """The window's selects one condition at a time, at sizes that are no multiple of a tile (the
+    last key tile partly out of bounds, tiles cut by both conditions), against float64 on fresh
+    inputs, both paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kern = af.compile(EX["sliding_window"])
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+    q[..., n // 2, :] *= 30.0
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ref = _ref(q, k, v, EX["SCALE"], (j <= i) & (i - j < EX["WINDOW"]))
+    for path in ("portable", "hopper"):
+        o = kern(q=q, k=k, v=v, path=path)
+        assert torch.isfinite(o).all()
+        err = (o.double() - ref).abs().max().item()
+        assert err <= 2e-5 * max(1.0, ref.abs().max().item()), (path, err)
