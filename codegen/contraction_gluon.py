@@ -29,8 +29,7 @@ their MMAs in alternating blocks; ``overlap``, the next score MMA during this ti
 without overlap) stores them from ``STORE_L``, 16 bytes a thread, through the layout conversion's
 shared-memory scratch (which costs the ring a stage); ``stage_store`` (an option) through the
 last key tile's value buffer instead (WarpSpecialised._stage_store). ``own_range`` (persistent
-kernel; timed by the automatic choice where a mask is): each consumer folds only its own rows' key
-tiles (WarpSpecialised._own_range).
+kernel, an option): each consumer folds only its own rows' key tiles (WarpSpecialised._own_range).
 
 The modules: this one generates the phase-1 kernel and the module (``GluonGen``), loads it
 (``compile_gluon``) and makes ``af.compile``'s automatic choice (``auto_gluon``);
@@ -218,8 +217,8 @@ class GluonGen(WarpSpecialised, ContractionGen):
         # its rows see (the pair's others it releases unread), with the mask evaluated only on
         # the tiles its rows see partly (WarpSpecialised._own_range). Off by default: measured
         # (session 20, H200, causal N=1K/4K/16K) 257.1/444.1/518.6 TFLOP/s against 267.0/445.8/531.5
-        # without (the second analysis and the waits cost more than the diagonal tiles' masks
-        # save); the automatic choice times it where the program has a mask (AUTO_VARIANTS)
+        # without, and on a window of 256 keys 80.6/80.3/75.0 against 84.3/82.9/79.5 (the second
+        # analysis and the waits cost more than the masks it saves): not in AUTO_VARIANTS
         plain = persistent and not (overlap or pingpong or defer or stage_store)
         self.own_range_opt = bool(own_range)
         if self.own_range_opt and not plain:
@@ -617,9 +616,7 @@ def call_gluon(kernel, inputs: dict, explicit: bool):
 # the persistent kernel both ways: output tiles from STORE_L (2 stages of 128 keys: faster at
 # global N = 1K to 16K on an H200) and from the MMA layout (3 stages: faster causal at N = 1K)
 AUTO_VARIANTS = ({"ws": True, "overlap": True}, {"ws": True, "persistent": True, "dynamic": True},
-                 {"ws": True, "persistent": True, "dynamic": True, "tile_store": False},
-                 # (the same source as the second where the program has no mask: compiled once)
-                 {"ws": True, "persistent": True, "dynamic": True, "own_range": True})
+                 {"ws": True, "persistent": True, "dynamic": True, "tile_store": False})
 AUTO_MIN_WORK = 1 << 24   # query rows x keys below which the automatic choice keeps the Triton kernel untimed
 AUTO_MARGIN = 0.97        # the Gluon kernel is kept only when it takes at most this fraction of the Triton time
 # how the choice is kept on the kernel and on disk (codegen/auto_choice.py)
