@@ -156,10 +156,14 @@ def test_band_masked_tiles_inside_the_keys_have_no_bounds_mask(kname):
     # tiles below the window and inside the keys: the band's condition alone, loads unmasked by keys
     for body in (first, full):
         assert "tmask" not in body and "< n_j" not in body and "< end" not in body
-    assert first.count("tl.where(") == 1 and "tl.where(" not in full
-    # the last loop's tiles (the diagonal, the tile the keys end in): the keys' bound as the tile mask
+    # (the band's two conditions: one select each, the second reading the first)
+    assert first.count("tl.where(") == 2 and "tl.where(" not in full
+    assert re.search(r"(_t\d+) = tl\.where\(_c\d+, _dot_\d+, float\('-inf'\)\)\n(?:.*\n)*?\s*_t\d+ = "
+                     r"tl\.where\(_c\d+, \1, float\('-inf'\)\)", first)
+    # the last loop's tiles (the diagonal, the tile the keys end in): the keys' bound as the tile
+    # mask, the last select of the chain
     assert re.search(r"tmask = cols\[None, :\] < end\n", last)
-    assert re.search(r"_c\d+ = _c\d+ & tmask", last)
+    assert re.search(r"_t\d+ = tl\.where\(tmask, _t\d+, float\('-inf'\)\)", last)
 
 
 @pytest.mark.parametrize("path,schedule", [("portable", "loop"), ("hopper", "loop"), ("portable", "split")])
