@@ -56,12 +56,10 @@ tiles a mask does not exclude.
 """
 from __future__ import annotations
 
-import re
-
 from acefuse.rewrite.terms import Term, pretty, A, B, is_integer
-from acefuse.codegen.emit import Emitter, CodegenError, _conjuncts
+from acefuse.codegen.emit import Emitter, CodegenError
 from acefuse.codegen.row import HEADER, emit_output
-from acefuse.codegen.masks import MaskAnalysis, UNKNOWN
+from acefuse.codegen.masks import MaskAnalysis
 from acefuse.codegen.contraction_ctx import CContext, _cjoin, _flat_mul
 from acefuse.codegen import contraction_launch
 
@@ -199,9 +197,6 @@ class ContractionGen(MaskAnalysis):
         self.hopper = False
         self.tma = {}
         self.tile_start = "start"
-        # masked loops copied by the conditions of a conjunction that hold on all their tiles
-        # (key_loop, loop_conjuncts); GluonGen's warp-specialised kernels parse three loops
-        self.spec_masked = True
         # key_loop: masked tiles inside the keys (the first masked loop's) apply the program's mask
         # alone, with no bounds mask and no masked load; the last loop's tile mask is the keys' bound
         # alone (set by module(); Gluon's kernel keeps its own)
@@ -493,84 +488,26 @@ class ContractionGen(MaskAnalysis):
         # (inb_tiles: the first loop's masked tiles lie inside the keys: the program's mask alone)
         loops = ((lo1, "a", "inb" if self.inb_tiles else False, "masked"), ("a", "b", True, "fully visible"),
                  ("b", "end", False, "masked"))
-        spec = self.loop_conjuncts(sites)[:2] if self.spec_masked else []   # (at most three copies)
         for lo_, hi_, full, what in loops:
             # (whole_tiles: a kernel whose launcher takes only whole key tiles and stores no row
             # past the end, so that every tile lies inside the keys: GluonGen's persistent kernel)
             self.tile_inb = full == "inb" or getattr(self, "whole_tiles", False)
             full = full is True
-            guards = [] if full else [(c, self.range_guard(c, lo_, hi_, hi, f"_h{k}{lo_}")) for k, c in enumerate(spec)]
-            guards = [(c, g) for c, g in guards if g is not None]
-            if not guards:
-                self._tile_loop(L, lo_, hi_, full, what, ind, subst, comment)
-                continue
-            L.append(f"{ind}# the mask's conditions that hold on every tile of this loop (interval arithmetic over")
-            L.append(f"{ind}# the loop's index box): a copy of the loop without the select of that condition")
-            for _, (lines, _) in guards:
-                L.extend(ind + ln for ln in lines)
-            for k, (c, (_, h)) in enumerate(guards):
-                L.append(f"{ind}{'if' if k == 0 else 'elif'} {h}:   # {pretty(c)} on every tile")
-                self._tile_loop(L, lo_, hi_, full, what, ind + "    ", subst, comment, dropped=(c,))
-            L.append(f"{ind}else:")
-            self._tile_loop(L, lo_, hi_, full, what, ind + "    ", subst, comment)
+            if full and self.hopper:
+                # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
+                L.append(f"{ind}for start in tl.range({lo_}, {hi_}, BLOCK_J, warp_specialize=WS):  # {what} tiles")
+            else:
+                L.append(f"{ind}for start in range({lo_}, {hi_}, BLOCK_J):  # {what} tiles")
+            setup, body = [], []
+            self.tile_setup(setup, "start", ind + "    ", "end", full=full)
+            ctx, em = self.region("roll", ind + "    ", full=full, subst=subst if full else None)
+            self.emit_states(p.rolling, em, body, ind + "    ", "_new", comment)
+            for s_ in p.states:
+                body.append(f"{ind}    {s_.name} = {s_.name}_new")
+            if self.uses_counts():
+                body.append(f"{ind}    n_a = n_a + n_b")
+            L.extend(_used_setup(setup, body) + body)
         self.tile_inb = False
-
-    def _tile_loop(self, L, lo_, hi_, full, what, ind, subst, comment, dropped=()):
-        """One key loop over the tiles ``lo_ .. hi_`` (``dropped``: conditions of the mask proved
-        to hold on each of its tiles, which then have no select: Emitter._masked_selects)."""
-        p = self.p
-        if full and self.hopper:
-            # the main loop: TMA loads pipelined over num_stages (warp specialization on request)
-            L.append(f"{ind}for start in tl.range({lo_}, {hi_}, BLOCK_J, warp_specialize=WS):  # {what} tiles")
-        else:
-            L.append(f"{ind}for start in range({lo_}, {hi_}, BLOCK_J):  # {what} tiles")
-        setup, body = [], []
-        self.tile_setup(setup, "start", ind + "    ", "end", full=full)
-        ctx, em = self.region("roll", ind + "    ", full=full, subst=subst if full else None)
-        ctx.dropped = dropped
-        self.emit_states(p.rolling, em, body, ind + "    ", "_new", comment)
-        for s_ in p.states:
-            body.append(f"{ind}    {s_.name} = {s_.name}_new")
-        if self.uses_counts():
-            body.append(f"{ind}    n_a = n_a + n_b")
-        L.extend(_used_setup(setup, body) + body)
-
-    def loop_conjuncts(self, sites) -> list:
-        """The conditions of masks that are conjunctions (``c1 & c2``: a band, a window) whose
-        every atom interval arithmetic bounds without a lookup: a masked loop is copied for each,
-        the copy without its select running where the condition holds on all the loop's tiles (a
-        sliding window's tiles cut by its lower edge all lie below the diagonal, and its tiles on
-        the diagonal inside the window, so that each masked tile selects by one condition, not two)."""
-        out = []
-        for _, cond in sites:
-            leaves = _conjuncts(cond)
-            if len(leaves) < 2:
-                continue
-            for c in leaves:
-                if c not in out and not any(u.op == "Take" for u in c.walk()) and self.truth(c, [])[0] != UNKNOWN:
-                    out.append(c)
-        return out
-
-    def range_guard(self, cond: Term, lo_: str, hi_: str, hi: str, prefix: str):
-        """(lines, name) of a scalar that holds where ``cond`` holds on every element of every
-        tile of the loop ``range(lo_, hi_, BLOCK_J)`` (its keys ``lo_`` up to the end of its last
-        tile, at most ``hi``, by the row tile's bounds), by the mask analysis' interval
-        arithmetic (masks.py); None where an atom has no bound."""
-        prefix = re.sub(r"\W", "", prefix)
-        box = f"{prefix}j"
-        self._box = box
-        try:
-            L = []
-            always, _ = self.truth(cond, L)
-        finally:
-            del self._box
-        if UNKNOWN in always:
-            return None
-        L = [f"{box}_lo = ({lo_}) * 1.0",
-             f"{box}_hi = (tl.minimum({lo_} + ({hi_} - ({lo_}) + BLOCK_J - 1) // BLOCK_J * BLOCK_J, {hi}) - 1) * 1.0"] + L
-        L.append(f"{prefix} = {always}")
-        # (scalars: no tile vector to broadcast against, masks._cmp_truth's ``start * 0.0``)
-        return [re.sub(r"\biv(\d+)", rf"{prefix}v\1", ln).replace(" + start * 0.0", "") for ln in L], prefix
 
     def empty_start(self):
         """{state: its value on an empty block} when the key loop may start from those values

@@ -167,8 +167,6 @@ class GluonGen(WarpSpecialised, ContractionGen):
     def __init__(self, fusion, overlap=False, ws=False, pingpong=False, persistent=False, defer=False,
                  dynamic=False, tile_store=None, stage_store=False, own_range=False):
         super().__init__(fusion)
-        # one copy of each masked loop (the pipelines below parse the template's three loops)
-        self.spec_masked = False
         # defer (ws + overlap): FlashAttention-3's intra-warpgroup order: tile t's P @ V keeps
         # running through tile t+1's elementwise math and is waited on just before the
         # accumulator is read (its rescale), where tile t's stage is released

@@ -324,11 +324,7 @@ class Emitter:
         """``where(c1 & c2 & ..., value, -inf)`` on a masked tile as one select per condition,
         ``where(c2, where(c1, value, -inf), -inf)`` (the tile mask, if any, the outermost): the
         same values exactly, without the conjunction as a tensor of booleans (its bytes and their
-        bitwise ands: session 20, the sliding window's sm_90 code, 280 of 8256 instructions).
-        A condition the loop proved to hold on each of its tiles (``ctx.dropped``:
-        ContractionGen.key_loop's copies of a masked loop) has no select: it keeps every element."""
-        dropped = getattr(self.ctx, "dropped", ())
-        leaves = [x for x in leaves if x not in dropped]
+        bitwise ands: session 20, the sliding window's sm_90 code, 280 of 8256 instructions)."""
         a, sa = self.emit(value)
         conds = [self.cond(x) for x in leaves]
         s = sa
@@ -336,8 +332,6 @@ class Emitter:
             s = self.join(s, sc)
         mask = self._fold_mask()
         if s != "tile":
-            if not conds:
-                return a, sa
             c = self.bind(" & ".join(self._bcast(c, sc, s) for c, sc in conds), s, "c")[0]
             return self.bind(f"tl.where({c}, {self._bcast(a, sa, s)}, float('-inf'))", s)
         v = self._bcast(a, sa, s)

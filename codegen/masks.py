@@ -278,7 +278,7 @@ class MaskAnalysis:
         exact, or (-inf, inf) where exactness is not proved (the module docstring)."""
         op = t.op
         if op in ("Num", "Idx", "Size"):
-            return _interval_leaf(self, t, self.axis, getattr(self, "_box", "j"), "nj_f")
+            return _interval_leaf(self, t, self.axis, "j", "nj_f")
         if op in ("Neg", "Add", "Sub", "Max2", "Min2", "Mul", "Abs") and any(
                 a.op == "Num" and not _int_const(a) for a in t.args):
             return _WIDE   # a non-integer (or huge) constant: float32 bounds may be rounded
