@@ -231,10 +231,6 @@ class Emitter:
                     self._ninf.add(out[0])
             return out
         if op in _CMP:
-            key = getattr(getattr(ctx, "g", None), "axis", None) if self._fold_mask() else None
-            sep = _separated(t, key) if key else None
-            if sep is not None:
-                return self.emit(sep)
             (a, sa), (b, sb) = self.emit(t.args[0]), self.emit(t.args[1])
             s = self.join(sa, sb)
             return self.bind(f"({self._bcast(a, sa, s)} {_CMP[op]} {self._bcast(b, sb, s)})", s, "c")
@@ -585,72 +581,6 @@ def pow_expr(a: str, p) -> str:
         m = f"tl.exp({p!r} * tl.log(tl.abs({a})))"
         return f"tl.where({a} < 0, -{m}, {m})" if int(p) % 2 else m
     return f"tl.exp({p!r} * tl.log({a}))"
-
-
-def _linear(t: Term):
-    """``t`` as ({axis: coefficient}, constant) when it is a sum of indices and integer constants
-    (+, -, negation; every coefficient and the constant an integer), else None."""
-    op = t.op
-    if op == "Idx":
-        return {t.args[0]: 1}, 0
-    if op == "Num" and not isinstance(t.args[0], Term):
-        v = float(t.args[0])
-        return ({}, int(v)) if v == int(v) and abs(v) < 2 ** 24 else None
-    if op == "Neg":
-        x = _linear(t.args[0])
-        return None if x is None else ({a: -c for a, c in x[0].items()}, -x[1])
-    if op in ("Add", "Sub"):
-        x, y = _linear(t.args[0]), _linear(t.args[1])
-        if x is None or y is None:
-            return None
-        sg = 1 if op == "Add" else -1
-        co = dict(x[0])
-        for a, c in y[0].items():
-            co[a] = co.get(a, 0) + sg * c
-        return {a: c for a, c in co.items() if c}, x[1] + sg * y[1]
-    return None
-
-
-def _separated(t: Term, key: str):
-    """A comparison of index sums on a masked tile with the key index alone on one side and the
-    row indices and constants on the other (``i - j < w`` -> ``j > i - w``), so that the per-row
-    side is computed once per row and each element costs a comparison and no subtraction; None
-    when it is already so (or is no such comparison). The same truth values: both are exact
-    integer arithmetic in float32 for indices and constants below 2**24 in magnitude, which the
-    comparison as written needs as well."""
-    x, y = _linear(t.args[0]), _linear(t.args[1])
-    if x is None or y is None:
-        return None
-    co = dict(x[0])
-    for a, c in y[0].items():
-        co[a] = co.get(a, 0) - c
-    ck = co.pop(key, 0)
-    co = {a: c for a, c in co.items() if c}
-    const = x[1] - y[1]
-    if abs(ck) != 1 or not co:
-        return None   # no key index alone, or nothing per row to move
-    # already separated: one side the key index (coefficient 1) and nothing else of it
-    for side, other in ((t.args[0], t.args[1]), (t.args[1], t.args[0])):
-        if side.op == "Idx" and side.args[0] == key and key not in _linear(other)[0]:
-            return None
-    # ck * j + sum(co) + const  OP  0   <=>   j  OP'  -(sum(co) + const) / ck
-    flip = {"CmpLt": "CmpGt", "CmpLe": "CmpGe", "CmpGt": "CmpLt", "CmpGe": "CmpLe",
-            "CmpEq": "CmpEq", "CmpNe": "CmpNe"}
-    op = t.op if ck == 1 else flip[t.op]
-    rest = None
-    for a in sorted(co):
-        c = -co[a] * ck   # the coefficient of index a on the right-hand side
-        term = Term("Idx", (a,))
-        for _ in range(abs(c) - 1):
-            term = Term("Add", (term, Term("Idx", (a,))))
-        if rest is None:
-            rest = term if c > 0 else Term("Neg", (term,))
-        else:
-            rest = Term("Add" if c > 0 else "Sub", (rest, term))
-    k = -const * ck
-    if k:
-        rest = Term("Add" if k > 0 else "Sub", (rest, Term("Num", (float(abs(k)),))))
-    return Term(op, (Term("Idx", (key,)), rest))
 
 
 def _conjuncts(t: Term) -> list:
