@@ -258,7 +258,8 @@ def _grad_rank(rank, world, sizes, ins, cot, zigzag):
     return {"idx": idx, **{str(k): v for k, v in res.items()}}
 
 
-@pytest.mark.parametrize("sizes,zigzag", [([13, 6, 10], False), ([10, 10], True)])
+@pytest.mark.parametrize("sizes,zigzag", [([13, 6, 10], False),
+                                          pytest.param([10, 10], True, marks=pytest.mark.slow)])   # (13 s)
 def test_backward_ring_skips_fully_masked_blocks(sizes, zigzag):
     """Causal attention's backward ring skips the blocks above the diagonal (the forward's mask
     analysis proves them fully masked) and its gradients equal those with every block run and
@@ -355,7 +356,7 @@ def _lookup_on_rank(rank, world, sizes, inputs, names):
     return res
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])   # (3: 29 s on 2 cores)
 def test_zigzag_ring_one_kernel_per_step_with_lookup_positions(world):
     """``ring_positions = "lookup"``: one block kernel per ring step (every local query against
     the whole visiting shard, global positions read from 1-D tensors) gives the one-process

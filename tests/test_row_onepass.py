@@ -103,8 +103,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
-@pytest.mark.parametrize("case", range(len(CASES)))
+def _rotated(cases, names, per):
+    """pytest parameters (*case, name) of every case with every name: ``per(k)`` of the names run
+    by default for case ``k``, a different window of them for each case, so that every name and
+    every case runs; the rest are marked slow (session 21: the 2-core suite was over 15 minutes;
+    ``pytest -m slow`` runs them all)."""
+    return [pytest.param(*c, n, marks=() if (i - k * per(k)) % len(names) < per(k) else pytest.mark.slow)
+            for k, c in enumerate(cases) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("case,name", _rotated([(k,) for k in range(len(CASES))], list(PROGRAMS),
+                                               lambda k: len(PROGRAMS) if CASES[k][0] * CASES[k][1] < 40000 else 2))
 def test_onepass_matches_float64(name, case):
     R, N, kw = CASES[case]
     mod = _module(name)
@@ -120,8 +129,10 @@ def test_onepass_matches_float64(name, case):
     assert p.kw["EVEN"] == (N % p.chunk == 0 and p.chunk == p.kw["BLOCK_J"] and R % br == 0)
 
 
-@pytest.mark.parametrize("kw", [dict(nsplit=11, block_r=2), dict(nsplit=3, block_r=1, per_sm=3),
-                                dict(block_j=2048, block_r=1), dict(nsplit=5, block_r=2, narrow=True)])
+@pytest.mark.parametrize("kw", [dict(nsplit=11, block_r=2),
+                                pytest.param(dict(nsplit=3, block_r=1, per_sm=3), marks=pytest.mark.slow),
+                                pytest.param(dict(block_j=2048, block_r=1), marks=pytest.mark.slow),
+                                dict(nsplit=5, block_r=2, narrow=True)])
 def test_onepass_bfloat16_masked_rows_and_large_values(kw):
     """bfloat16 softmax (also with the chunk held as loaded, narrow): a row -inf in its first
     chunks, a fully masked row (0, as the single-tile schedule gives), a row of values near
@@ -205,8 +216,11 @@ def test_timed_launch_may_pick_onepass(monkeypatch):
     assert seen and list(mod._PLANS.values())[-1].schedule == "onepass"
 
 
-@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy", "stats"])
-@pytest.mark.parametrize("R,N,ns,per,br", [(5, 9001, 3, 2, 1), (7, 8192, 4, 4, 2), (5, 9001, 11, 1, 1)])
+TEAMS = [(5, 9001, 3, 2, 1), (7, 8192, 4, 4, 2), (5, 9001, 11, 1, 1)]
+
+
+@pytest.mark.parametrize("R,N,ns,per,br,name", _rotated(TEAMS, ["softmax", "layernorm", "cross_entropy", "stats"],
+                                                         lambda k: 2))
 def test_persistent_teams_with_the_next_block_prefetched(name, R, N, ns, per, br):
     """stages=2 (as the timed launch passes it): persistent teams load their next block's
     chunk before they wait (PERSISTENT 2; the last block's prefetch masked past the rows)."""
