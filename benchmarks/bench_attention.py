@@ -102,6 +102,13 @@ SWEEP = [dict(block_i=128, block_j=64, num_warps=8, num_stages=3),
          dict(block_i=128, block_j=128, num_warps=8, num_stages=2),
          dict(block_i=64, block_j=64, num_warps=4, num_stages=3),
          dict(block_i=128, block_j=64, num_warps=4, num_stages=3)]
+# the windows' sweep (--sweep-windows): smaller key tiles and other depths besides SWEEP, to find
+# tiles the tuner's candidates lack (session 21: the window of 256 at 1.13x FlexAttention)
+SWEEP_WINDOWS = SWEEP + [dict(block_i=128, block_j=32, num_warps=8, num_stages=3),
+                         dict(block_i=64, block_j=32, num_warps=4, num_stages=3),
+                         dict(block_i=64, block_j=64, num_warps=4, num_stages=2),
+                         dict(block_i=64, block_j=128, num_warps=4, num_stages=2),
+                         dict(block_i=128, block_j=64, num_warps=8, num_stages=4)]
 
 
 def time_peers(res, peers, args, compile_s=False):
@@ -196,9 +203,10 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True, window=WI
     if OPTS["peers"] is not None:
         peers = {pn: fn for pn, fn in peers.items() if pn in OPTS["peers"]}
     res = dict(case=label, kind=kind, B=B, H=H, HKV=HKV, N=N, flops=flops)
-    sweep = sweep and OPTS["sweep"]
+    sweep = OPTS["sweep"] and sweep
+    tiles = sweep if isinstance(sweep, list) else SWEEP
     cands = [("auto", {})] + path_cands() + ([(f"bi{c['block_i']}/bj{c['block_j']}/w{c['num_warps']}/s{c['num_stages']}", c)
-                                              for c in SWEEP] if sweep else [])
+                                              for c in tiles] if sweep else [])
     best = None
     for lab, kw in cands:
         try:
@@ -220,6 +228,8 @@ def run_case(label, kind, B, H, HKV, N, flops, rows, mods, sweep=True, window=WI
                 res["kept"] = mod.kept()
         if lab in [c[0] for c in path_cands()]:
             res[f"{lab}_ms"] = t
+        elif lab != "auto":
+            res[f"sweep_{lab}_ms"] = t
         if best is None or t < best[0]:
             best = (t, lab)
     if best:
@@ -292,6 +302,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1024,4096,16384", help="prefill sequence lengths")
     ap.add_argument("--source", default="auto", choices=["auto", "compile", "export"],
                     help="kernels derived in this run (compile) or exported modules (export)")
+    ap.add_argument("--sweep-windows", action="store_true",
+                    help="variants: time the windows' portable kernel over SWEEP_WINDOWS's tiles too")
     ap.add_argument("--windows", default=str(WINDOW),
                     help="sliding windows of the variants part (other than 256: --source compile)")
     args = ap.parse_args(argv)
@@ -323,7 +335,8 @@ def main(argv=None):
                 print(f"sliding_window{w}: skipped (only the window of {WINDOW} is exported; use --source compile)")
                 continue
             run_case(f"sliding_window{w} B={B} N={N}", "sliding_window", B, H, H, N,
-                     4 * B * H * D * visible_pairs("sliding_window", N, w), rows, mods, sweep=False, window=w)
+                     4 * B * H * D * visible_pairs("sliding_window", N, w), rows, mods,
+                     sweep=SWEEP_WINDOWS if args.sweep_windows else False, window=w)
         run_case(f"gqa 32q/8kv B={B} N={N}", "global", B, 32, 8, N, 4 * B * 32 * D * N * N, rows, mods, sweep=False)
     if args.part == "decode":
         for L in (4096, 32768):
