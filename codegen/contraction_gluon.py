@@ -61,7 +61,7 @@ from acefuse.codegen.contraction_ctx import CContext
 from acefuse.codegen.contraction_gluon_ws import WarpSpecialised
 # the template's text -> Gluon text; the module header's helpers as Gluon functions
 # (codegen/row_gluon.py imports _helpers from here)
-from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize, _helpers   # noqa: F401
+from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize, scan_layouts, _helpers   # noqa: F401
 # the compiled kernel and its launch: re-exported (tests, codegen/row_gluon*.py and the GPU
 # scripts import them from here)
 from acefuse.codegen.contraction_gluon_launch import (SMEM_SM90, WS_MAXNREG, WS_REGS,  # noqa: F401
@@ -87,7 +87,8 @@ INTERPRETED = gl.constexpr(False)
 
 class GContext(CContext):
     """CContext whose two contractions are warpgroup MMAs on the shared-memory tiles of
-    the current key stage (``k_cur``, ``v_cur``) and whose lookups are refused."""
+    the current key stage (``k_cur``, ``v_cur``). Lookups (a mask from data: ``ids.at(n=i)``) are
+    the template's loads, in the row or column layout of their index (session 21)."""
 
     def contract(self, t: Term, em):
         g = self.g
@@ -119,9 +120,6 @@ class GContext(CContext):
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
         return out, sh
 
-    def take(self, t: Term, em, as_int=False):
-        raise CodegenError(f"`{pretty(t)}`: lookups (af.take) are not in the Gluon kernel (phase 1); "
-                           "use the Triton paths")
 
     def key_rows(self, t: Term, inner: str, em):
         g = self.g
@@ -246,7 +244,9 @@ class GluonGen(WarpSpecialised, ContractionGen):
         self.k_name = find((j, c), "key")
         self.v_name = find((j, e), "value")
         if self.index_tensors:
-            raise CodegenError(f"program {self.name!r}: lookups are not in the Gluon kernel (phase 1)")
+            raise CodegenError(f"program {self.name!r}: lookups whose positions are read from tensors "
+                               f"({', '.join(self.index_tensors)}: a page table) are not in the Gluon kernel; "
+                               "use the Triton paths")
 
     def region(self, mode, ind, full=False, subst=None):
         ctx = GContext(self, mode, full=full)
@@ -314,6 +314,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
              "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
              "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])",
+             *scan_layouts("num_warps", self.scan_lookups()),
              STORE_LAYOUTS.format(nw="num_warps"),
              "    # shared-memory layouts of the query, key and value tiles (TMA destinations, MMA operands)",
              "    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_D], DOT_T)",

@@ -12,7 +12,7 @@ import re
 
 from acefuse.codegen.emit import CodegenError
 from acefuse.codegen.contraction import _drop_dead
-from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize
+from acefuse.codegen.gluon_text import STORE_LAYOUTS, _gluonize, scan_layouts
 
 
 class WarpSpecialised:
@@ -27,6 +27,7 @@ class WarpSpecialised:
                 "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)   # one value per key / value column",
                 "    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)",
                 f"    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [{nw}], [0])",
+                *scan_layouts(nw, self.scan_lookups()),
                 STORE_LAYOUTS.format(nw=nw)]
 
     def _ws_parts(self, what, pids=None):
@@ -354,7 +355,8 @@ class WarpSpecialised:
               "    MMA: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])   # one warp: index math only",
               "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)",
               "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)",
-              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])"] + loop_over_items(ld_body, "load")
+              "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])",
+              *scan_layouts(1, self.scan_lookups())] + loop_over_items(ld_body, "load")
 
         con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)"]
         if not dyn:   # (dynamic: waited on before the item is read)

@@ -16,7 +16,19 @@ STORE_LAYOUTS = ("    STORE_L: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [
                  "    SCOL_L: gl.constexpr = gl.SliceLayout(0, STORE_L)")
 
 # layouts of the aranges the template writes, by their length
-_ARANGE_LAYOUT = {"BLOCK_I": "ROW_L", "BLOCK_J": "COL_L", "BLOCK_E": "COL_L", "BLOCK_D": "COL_L", "SCAN": "SCAN_L"}
+_ARANGE_LAYOUT = {"BLOCK_I": "ROW_L", "BLOCK_J": "COL_L", "BLOCK_E": "COL_L", "BLOCK_D": "COL_L", "SCAN": "SCANV_L"}
+
+
+def scan_layouts(nw, lookups: bool) -> list:
+    """The mask analysis' layouts (after ``SCAN_L``'s definition): its vectors over a scan step's
+    key tiles (``SCANV_L``), and where a lookup's interval loads those tiles' values
+    (masks.MaskAnalysis._lookup_interval: ``[SCAN, BLOCK_J]`` indices) the 2-d layout they slice
+    and its key axis (``SCANJ_L``)."""
+    if not lookups:
+        return ["    SCANV_L: gl.constexpr = SCAN_L"]
+    return [f"    SCAN2_L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [{nw}, 1], [1, 0])   # a scan step's key tiles",
+            "    SCANV_L: gl.constexpr = gl.SliceLayout(1, SCAN2_L)",
+            "    SCANJ_L: gl.constexpr = gl.SliceLayout(0, SCAN2_L)"]
 
 
 def _shape_layout(shape: str) -> str:
@@ -39,6 +51,9 @@ def _gluonize(src: str) -> str:
         n = m.group(1).strip()
         lay = _ARANGE_LAYOUT.get(n) or _fail(f"tl.arange(0, {n})")
         return f"gl.arange(0, {n}, layout={lay})"
+    # (a lookup's key positions over a scan step: MaskAnalysis._lookup_interval)
+    src = src.replace("start[:, None] + tl.arange(0, BLOCK_J)[None, :]",
+                      "start[:, None] + gl.arange(0, BLOCK_J, layout=SCANJ_L)[None, :]")
     src = re.sub(r"tl\.arange\(0, ([A-Za-z_0-9]+)\)", arange, src)
 
     def full(m):

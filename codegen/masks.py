@@ -210,6 +210,10 @@ class MaskAnalysis:
         looks = any(u.op == "Take" and _lookup_ok(self, u) for _, c in self.mask_sites() for u in c.walk())
         return 32 if looks else 256
 
+    def scan_lookups(self) -> bool:
+        """A lookup's interval loads key tiles' values in the scan (scan_max; Gluon's layouts)."""
+        return self.scan_max() != 256
+
     def _interval_ok(self, t: Term) -> bool:
         return _interval_ok(self, t)
 

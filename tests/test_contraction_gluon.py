@@ -28,6 +28,7 @@ q = af.tensor("q", "b h i d")
 k = af.tensor("k", "b h j d")
 v = af.tensor("v", "b h j e")
 slope = af.tensor("slope", "h")
+seg = af.tensor("seg", "b n")   # integer segment ids
 i, j = af.index("i"), af.index("j")
 
 
@@ -47,6 +48,8 @@ PROGS = {   # neutral names: the source must not get a workload's name from the 
     "p_band": lambda: _prog("p_band", af.where((j <= i) & (i - j < BAND), score, af.NEG_INF)),
     # rows below LAG see no key: their output is 0 (the template's empty-row convention)
     "p_lag": lambda: _prog("p_lag", af.where(j <= i - LAG, score, af.NEG_INF)),
+    # a mask from data: a segment id per position read by lookups (the scan loads key tiles' ids)
+    "p_seg": lambda: _prog("p_seg", af.where(seg.at(n=i).eq(seg.at(n=j)) & (j <= i), score, af.NEG_INF)),
 }
 WORKLOADS = ("softmax", "attention", "attn", "flash", "causal", "alibi", "softcap", "window", "welford",
              "decode", "prefill")
@@ -583,6 +586,93 @@ def test_gpu_against_float64(name, N, BJ, mode):
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
     assert err < 2e-2, f"{name} N={N} BLOCK_J={BJ} mode={mode}: relative error {err:.3e}"
+
+
+def _segments(B, N, g, device="cpu"):
+    """Sorted random segment ids per batch row (runs of 1 to about N/3 positions), int32."""
+    return torch.sort(torch.randint(0, 5, (B, N), generator=g, device=device), dim=1).values.to(torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES) + list(PERSISTENT))
+@pytest.mark.parametrize("N,BJ", [(1000, 128), (4096, 64), (333, 128)])
+def test_gpu_lookup_mask_against_float64(N, BJ, mode):
+    """A mask read from data (segment ids by lookups, and causal): the mask analysis loads each
+    scan step's key tiles' ids ([SCAN, BLOCK_J] in the scan's 2-d layout), the tiles the ids
+    per element; against float64 on fresh inputs, the last segment ending inside a tile."""
+    if not _on_hopper():
+        pytest.skip("the Gluon kernel needs an sm_90+ GPU")
+    kern = _kernel("p_seg", mode)
+    g = torch.Generator(device="cuda").manual_seed(N * 3 + BJ + len(mode))
+    B, H = 2, 3
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)   # noqa: E731
+    qx, kx, vx = x(B, H, N, D), x(B, H, N, D), x(B, H, N, D)
+    sg = _segments(B, N, g, "cuda")
+    out = kern(BLOCK_J=BJ, q=qx, k=kx, v=vx, seg=sg)["o"]
+    s = (qx.double() @ kx.double().transpose(-1, -2)) * SCALE
+    ii, jj = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
+    keep = (sg[:, None, :, None] == sg[:, None, None, :]) & (jj <= ii)
+    ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vx.double()
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < 2e-2, f"N={N} BLOCK_J={BJ} mode={mode}: relative error {err:.3e}"
+
+
+_COMPILE_LOOKUP = """
+import inspect, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, sys.argv[1])
+from test_contraction_gluon import PROGS, _segments
+from acefuse.codegen.contraction_gluon import compile_gluon
+for opts in (dict(), dict(ws=True), dict(ws=True, persistent=True, dynamic=True)):
+    kern = compile_gluon(PROGS["p_seg"](), **opts)
+    x = lambda *s: torch.empty(*s, dtype=torch.bfloat16)
+    ins = dict(q=x(2, 3, 1024, 128), k=x(2, 3, 1024, 128), v=x(2, 3, 1024, 128),
+               seg=_segments(2, 1024, torch.Generator().manual_seed(0)))
+    grid, args, kw, _ = kern.launch_args(ins)[:4]
+    fn = kern.fn_persistent if len(grid) == 1 else kern.fn
+    sig, consts = {}, {}
+    kw = {a: v for a, v in kw.items() if a != "maxnreg"}
+    for i, p in enumerate(inspect.signature(fn.fn).parameters):
+        a = args[i] if p not in kw else None
+        if p in kw or (not isinstance(a, torch.Tensor) and a == 1):
+            sig[p], consts[(i,)] = "constexpr", kw.get(p, 1)
+        elif isinstance(a, torch.Tensor):
+            sig[p] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32"}[a.dtype]
+        else:
+            sig[p] = "i32"
+    ck = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 128),
+                        options=dict(num_warps=kw.get("num_warps", 4)))
+    ptx = ck.asm["ptx"]
+    print(sorted(opts), "WGMMA", ptx.count("wgmma.mma_async"), "LD_S32", ptx.count("ld.global.b32") + ptx.count("ld.global.u32") + ptx.count("ld.global.s32"))
+"""
+
+
+def test_lookup_mask_compiles_for_sm90_offline(tmp_path):
+    """The mask from data (p_seg) in the plain, one-shot and persistent Gluon kernels: the scan's
+    [SCAN, BLOCK_J] key positions in their own 2-d layout (gluon_text.scan_layouts), the ids read
+    as int32, compiled for sm_90 without a GPU (in a subprocess, outside the interpreter)."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton.experimental.gluon")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests run the kernels themselves")
+    src = gluon_source(PROGS["p_seg"](), ws=True, persistent=True)
+    assert "SCANJ_L" in src and "SCAN2_L" in src and "seg_ptr" in src
+    script = tmp_path / "compile_lookup.py"
+    script.write_text(_COMPILE_LOOKUP)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    r = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas here")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if "WGMMA" in ln]
+    assert len(lines) == 3 and all(int(ln.split()[-3]) > 0 and int(ln.split()[-1]) > 0 for ln in lines), r.stdout
 
 
 @pytest.mark.gpu

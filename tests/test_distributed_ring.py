@@ -173,6 +173,7 @@ def test_folding_ring_uneven_contiguous_shards():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow   # (19 s on 2 cores; the zigzag layout stays in the default run through the lookup-positions ring)
 def test_folding_ring_zigzag():
     """2 ranks, the zig-zag layout (chunks r and 2W-1-r): causal and the strict mask."""
     bad = _check("zigzag", [12, 12], ["causal", "strict"], (torch.float32, torch.bfloat16))

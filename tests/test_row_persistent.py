@@ -121,7 +121,8 @@ def test_per_sm_must_be_positive(bad):
 # chunk; partial states merged in the kernel with the derived merge. The interpreter runs it as
 # two launches (states and counts, then merge and outputs): the same kernel, PHASE 1 and 2.
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("name", [n if n != "log_softmax" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in PROGRAMS])   # (log_softmax: softmax's states; 16 s on 2 cores)
 @pytest.mark.parametrize("R,N", [LONG_ROWS, (3, 16411)])
 def test_onepass_matches_float64(name, R, N):
     mod = _module(name)
@@ -141,8 +142,8 @@ def test_onepass_bfloat16_and_masked_rows():
     everywhere (a fully masked row: 0, as the single-tile schedule gives), 4 splits."""
     mod = _module("softmax")
     g = torch.Generator().manual_seed(23)
-    x = torch.randn(6, 20011, generator=g, dtype=torch.float64) * 5
-    x[1, :15000] = float("-inf")      # chunks 0-2 of row 1 hold no finite element
+    x = torch.randn(6, 10007, generator=g, dtype=torch.float64) * 5
+    x[1, :7506] = float("-inf")       # chunks 0-2 (2502 elements each) of row 1 hold no finite element
     x[4] = float("-inf")
     xb = x.to(torch.bfloat16)
     got = mod.run(x=xb, schedule="onepass", nsplit=4, block_r=2).double()
