@@ -139,10 +139,10 @@ def test_onepass_bfloat16_masked_rows_and_large_values(kw):
     bfloat16's largest, one -inf among finite values."""
     mod = _module("softmax")
     g = torch.Generator().manual_seed(29 + len(kw))
-    x = torch.randn(7, 8191, generator=g, dtype=torch.float64) * 5
-    x[1, :6000] = float("-inf")
+    x = torch.randn(7, 4099, generator=g, dtype=torch.float64) * 5   # (4099: session 21's suite time)
+    x[1, :3000] = float("-inf")
     x[4] = float("-inf")
-    x[5] = 3.0e38 - torch.rand(8191, generator=g, dtype=torch.float64) * 1e37
+    x[5] = 3.0e38 - torch.rand(4099, generator=g, dtype=torch.float64) * 1e37
     x[6, 17] = float("-inf")
     xb = x.to(torch.bfloat16)
     got = mod.run(x=xb, schedule="onepass", **kw).double()
