@@ -120,7 +120,6 @@ class GContext(CContext):
             out, sh = em.bind(f"{out} * {em._bcast(e, s, 'tile')}", "tile")
         return out, sh
 
-
     def key_rows(self, t: Term, inner: str, em):
         g = self.g
         if t.op == "In" and t.args[0] == g.v_name:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from acefuse.codegen.emit import CodegenError
+from acefuse.codegen.masks import SCAN_KEYS
 from acefuse.codegen.contraction import TANH_MM
 from acefuse.codegen.row import HEADER
 
@@ -52,8 +53,7 @@ def _gluonize(src: str) -> str:
         lay = _ARANGE_LAYOUT.get(n) or _fail(f"tl.arange(0, {n})")
         return f"gl.arange(0, {n}, layout={lay})"
     # (a lookup's key positions over a scan step: MaskAnalysis._lookup_interval)
-    src = src.replace("start[:, None] + tl.arange(0, BLOCK_J)[None, :]",
-                      "start[:, None] + gl.arange(0, BLOCK_J, layout=SCANJ_L)[None, :]")
+    src = src.replace(SCAN_KEYS, SCAN_KEYS.replace("tl.arange(0, BLOCK_J)", "gl.arange(0, BLOCK_J, layout=SCANJ_L)"))
     src = re.sub(r"tl\.arange\(0, ([A-Za-z_0-9]+)\)", arange, src)
 
     def full(m):

@@ -47,6 +47,9 @@ _ARITH = frozenset(("Num", "Idx", "Size", "Neg", "Add", "Sub", "Mul", "Abs", "Fl
 _CMPS = ("CmpLt", "CmpLe", "CmpGt", "CmpGe", "CmpEq", "CmpNe")
 # an unknown truth value as a block (a 0-d boolean next to a block fails in Triton's interpreter)
 UNKNOWN = "(start < 0)"
+# a lookup's key positions over a scan step's tiles, [SCAN, BLOCK_J] (_lookup_interval; the Gluon
+# text gives them their own 2-d layout: gluon_text._gluonize)
+SCAN_KEYS = "start[:, None] + tl.arange(0, BLOCK_J)[None, :]"
 # float32 holds every integer of magnitude up to 2**24 exactly (bounds are kept below it)
 _EXACT = "16777216.0"
 _WIDE = ("float('-inf')", "float('inf')")
@@ -345,7 +348,7 @@ class MaskAnalysis:
         n = len(L)
         base = f"{name}_ptr + off_{name}_g"
         if a == _loop(self):
-            L.append(f"iv{n}p = start[:, None] + tl.arange(0, BLOCK_J)[None, :]")
+            L.append(f"iv{n}p = {SCAN_KEYS}")
             L.append(f"iv{n}in = (iv{n}p * 1.0 <= j_hi[:, None]) & valid[:, None]")
             red = 1
         else:
