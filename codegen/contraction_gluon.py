@@ -417,11 +417,20 @@ class GluonGen(WarpSpecialised, ContractionGen):
         one axis, the rows themselves; several, each axis' index range over the contiguous rows
         ``row0 .. row1`` (the exact range where the axis does not wrap in it, else all of it)."""
         R = self.R
+        L = []
+        if self.row_lookups():
+            # the values a lookup reads at both consumers' rows (the analysis' ``pr_`` names:
+            # masks.MaskAnalysis.ROWS_OF_ANALYSIS)
+            L += ["    pr_rows = pid_r * (2 * BLOCK_I) + gl.arange(0, 2 * BLOCK_I, layout=ROW_L)   # both consumers' rows",
+                  "    pr_rmask = pr_rows < n_rows",
+                  "    pr_rem = pr_rows.to(tl.int64)"]
+            for a in reversed(R):
+                L += [f"    pr_idx_{a} = pr_rem % len_{a}", f"    pr_rem = pr_rem // len_{a}"]
         if len(R) == 1:
             r = R[0]
-            return [f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows",
-                    f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"]
-        L = ["    row0 = pid_r * (2 * BLOCK_I)   # both consumers' rows: row0 .. row1",
+            return L + [f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows",
+                        f"    {r}_hi = (tl.minimum(pid_r * (2 * BLOCK_I) + 2 * BLOCK_I, n_rows) - 1) * 1.0"]
+        L += ["    row0 = pid_r * (2 * BLOCK_I)   # both consumers' rows: row0 .. row1",
              "    row1 = tl.minimum(row0 + 2 * BLOCK_I, n_rows) - 1"]
         for k, a in enumerate(R):
             inner = " * ".join(f"len_{b}" for b in R[k + 1:]) or "1"

@@ -39,7 +39,12 @@ class WarpSpecialised:
         self._begin()
         pro, body, store = [], [], []
         self.prologue(pro)
-        self.key_loop(body, "0", "n_j")
+        # the mask analysis' lookups at the query rows read both consumers' rows (_pair_bounds)
+        self.ROWS_OF_ANALYSIS = "pr_" if self.row_lookups() else ""
+        try:
+            self.key_loop(body, "0", "n_j")
+        finally:
+            del self.ROWS_OF_ANALYSIS
         self.store_outputs(store)
         cut = [i for i, ln in enumerate(body) if ln.startswith("    b = ")]
         pid = [i for i, ln in enumerate(pro) if ln.startswith(tuple(pids or ()))]

@@ -213,6 +213,16 @@ class MaskAnalysis:
         looks = any(u.op == "Take" and _lookup_ok(self, u) for _, c in self.mask_sites() for u in c.walk())
         return 32 if looks else 256
 
+    # the prefix of the row indices and mask a lookup's interval over the row tile reads
+    # (``idx_{a}``, ``rmask``): the warp-specialised Gluon kernels' analysis covers both consumers'
+    # rows under ``pr_`` names (contraction_gluon_ws)
+    ROWS_OF_ANALYSIS = ""
+
+    def row_lookups(self) -> bool:
+        """A lookup's interval reads the values of the row tile's rows (a row axis' index)."""
+        return any(u.op == "Take" and _lookup_ok(self, u) and u.args[1].args[0] in self.R
+                   for _, c in self.mask_sites() for u in c.walk())
+
     def scan_lookups(self) -> bool:
         """A lookup's interval loads key tiles' values in the scan (scan_max; Gluon's layouts)."""
         return self.scan_max() != 256
@@ -351,9 +361,10 @@ class MaskAnalysis:
             L.append(f"iv{n}p = {SCAN_KEYS}")
             L.append(f"iv{n}in = (iv{n}p * 1.0 <= j_hi[:, None]) & valid[:, None]")
             red = 1
-        else:
-            L.append(f"iv{n}p = idx_{a}")
-            L.append(f"iv{n}in = rmask")
+        else:   # the row tile's values (``ROWS_OF_ANALYSIS``: another row range's names)
+            pre = self.ROWS_OF_ANALYSIS
+            L.append(f"iv{n}p = {pre if a in self.R else ''}idx_{a}")
+            L.append(f"iv{n}in = {pre}rmask")
             red = 0
         L.append(f"iv{n}ok = iv{n}in & (iv{n}p < len_{ax})")
         L.append(f"iv{n}x = tl.load({base} + tl.where(iv{n}ok, iv{n}p, 0) * s_{name}_{ax}, mask=iv{n}ok, "

@@ -651,6 +651,30 @@ for opts in (dict(ws=True, persistent=True, dynamic=True),):
 """
 
 
+@pytest.mark.parametrize("opts", [dict(ws=True), dict(ws=True, pingpong=True), dict(ws=True, persistent=True)],
+                         ids=["ws", "wspp", "persistent"])
+def test_ws_lookup_analysis_reads_both_consumers_rows(opts):
+    """The warp-specialised kernels' mask analysis decides which key tiles a program of
+    2 * BLOCK_I rows visits, for both consumers: a lookup at the query rows (seg[i]) must read
+    the values of all those rows, not the first BLOCK_I (session 21's kernels did: on the GPU
+    the second consumer's rows were wrong wherever a segment began inside the pair). Every
+    function that runs the analysis reads the row lookup through names defined over
+    ``2 * BLOCK_I`` rows; the programs without a row lookup keep their text (no ``pr_`` names)."""
+    src = gluon_source(PROGS["p_seg"](), **opts)
+    funcs = re.split(r"\n@gluon\.jit\n", src)
+    analysed = [f for f in funcs if "iv0p = " in f]
+    assert analysed, "no mask analysis in the kernel"
+    for f in analysed:
+        name = re.search(r"def (\w+)\(", f).group(1)
+        row_reads = re.findall(r"iv\d+p = (\w+)\n\s*iv\d+in = (\w+)", f)
+        assert row_reads, name
+        for idx, msk in row_reads:
+            assert (idx, msk) == ("pr_idx_i", "pr_rmask"), f"{name}: the analysis reads {idx}, {msk}"
+        assert re.search(r"pr_rows = pid_r \* \(2 \* BLOCK_I\) \+ gl\.arange\(0, 2 \* BLOCK_I, layout=ROW_L\)", f), name
+        assert "pr_idx_i = pr_rem % len_i" in f and "pr_rmask = pr_rows < n_rows" in f, name
+    assert "pr_" not in gluon_source(PROGS["p_slope"](), **opts)
+
+
 def test_lookup_mask_compiles_for_sm90_offline(tmp_path):
     """The mask from data (p_seg) in the persistent Gluon kernel (its load partition and consumers
     run the mask analysis; the plain and one-shot kernels share the layouts; all three compiled in
