@@ -165,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variants")
     ap.add_argument("--source", default="auto", choices=["auto", "compile", "export"])
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the Triton module over bench_attention's SWEEP_WINDOWS tiles (sweep_*_ms)")
     args = ap.parse_args(argv)
     args.source = _common.set_source(args.source)
     if args.export:
@@ -218,8 +220,28 @@ def main(argv=None):
                 res["acefuse_ms"] = bench(lambda: mod.run(q=q, k=k, v=v, **extra))
                 if hasattr(mod, "kept"):
                     res["kept"] = mod.kept()
+                    # what the automatic choice timed (seconds per kernel) or why it timed nothing
+                    kern = getattr(mod, "kernel", None)
+                    for a in ("_gluon_all_times", "_gluon_times", "_gluon_reason"):
+                        if kern is not None and a in vars(kern):
+                            val = vars(kern)[a]
+                            res["choice" + a[len("_gluon"):]] = ({str(k): v for k, v in val.items()}
+                                                                if isinstance(val, dict) else str(val))
             else:
                 res["acefuse_wrong"] = True
+            if args.sweep and err < 2e-2:
+                from bench_attention import SWEEP_WINDOWS
+                for c in SWEEP_WINDOWS:
+                    lab = f"bi{c['block_i']}/bj{c['block_j']}/w{c['num_warps']}/s{c['num_stages']}"
+                    try:
+                        o = mod.run(q=q, k=k, v=v, **extra, **c)
+                        o = o["o"] if isinstance(o, dict) else o
+                        e = ((o[:1].float() - ref).norm() / ref.norm()).item()
+                        res[f"sweep_{lab}_ms"] = bench(lambda: mod.run(q=q, k=k, v=v, **extra, **c)) if e < 2e-2 else None
+                    except Exception as exc:
+                        res[f"sweep_{lab}_err"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                    t = res.get(f"sweep_{lab}_ms")
+                    print(f"  {name} sweep {lab}: {t if t is None else round(t * 1e3, 1)} us", flush=True)
         except Exception as exc:
             res["acefuse_err"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         try:
