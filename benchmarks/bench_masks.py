@@ -223,8 +223,8 @@ def main(argv=None):
                     # what the automatic choice timed (seconds per kernel) or why it timed nothing
                     kern = getattr(mod, "kernel", None)
                     for a in ("_gluon_all_times", "_gluon_times", "_gluon_reason"):
-                        if kern is not None and a in vars(kern):
-                            val = vars(kern)[a]
+                        val = getattr(kern, a, None)   # (af.compile's kernel hands these on from its own)
+                        if val is not None:
                             res["choice" + a[len("_gluon"):]] = ({str(k): v for k, v in val.items()}
                                                                 if isinstance(val, dict) else str(val))
             else:
