@@ -220,6 +220,10 @@ def main(argv=None):
                 res["acefuse_ms"] = bench(lambda: mod.run(q=q, k=k, v=v, **extra))
                 if hasattr(mod, "kept"):
                     res["kept"] = mod.kept()
+                    # the Triton module's timed tile choice (the launcher's _TUNED: tiles and path per shapes)
+                    tuned = getattr(getattr(mod, "module", None), "_TUNED", None)
+                    if tuned:
+                        res["triton_tiles"] = [str(v) for v in tuned.values()]
                     # what the automatic choice timed (seconds per kernel) or why it timed nothing
                     kern = getattr(mod, "kernel", None)
                     for a in ("_gluon_all_times", "_gluon_times", "_gluon_reason"):
