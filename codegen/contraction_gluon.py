@@ -420,8 +420,10 @@ class GluonGen(WarpSpecialised, ContractionGen):
         L = []
         if self.row_lookups():
             # the values a lookup reads at both consumers' rows (the analysis' ``pr_`` names:
-            # masks.MaskAnalysis.ROWS_OF_ANALYSIS)
-            L += ["    pr_rows = pid_r * (2 * BLOCK_I) + gl.arange(0, 2 * BLOCK_I, layout=ROW_L)   # both consumers' rows",
+            # masks.MaskAnalysis.ROWS_OF_ANALYSIS), spread over the partition's threads (SCAN_L:
+            # the analysis only reduces them; the load partition's one-warp ROW_L would give
+            # every thread all 2 * BLOCK_I of them, and its 24 registers spilled)
+            L += ["    pr_rows = pid_r * (2 * BLOCK_I) + gl.arange(0, 2 * BLOCK_I, layout=SCAN_L)   # both consumers' rows",
                   "    pr_rmask = pr_rows < n_rows",
                   "    pr_rem = pr_rows.to(tl.int64)"]
             for a in reversed(R):

@@ -340,7 +340,13 @@ class WarpSpecialised:
                   "        mbarrier.wait(q_free.index(w), (it & 1) ^ 1)"]
                  + (["    item_buf.index(0).store(gl.full([1], item, gl.int32, layout=SCAN_L))   # this item, for the consumers",
                      "    for w in gl.static_range(2):"] if dyn else []))
-        ld_body = pro + analysis + qload + [
+        # the load partition's scan: with lookups over the key tiles, one tile a step (SCAN_LD),
+        # since its one warp of 24 registers would hold [SCAN, BLOCK_J] values per thread array and
+        # spill (offline sm_90, the document mask: 1402 local loads in it at SCAN = 16, 36 at 1);
+        # first and end, all it reads, come out the same at any step width
+        lk = self.scan_lookups()
+        ld_analysis = [re.sub(r"\bSCAN\b", "SCAN_LD", ln) for ln in analysis] if lk else analysis
+        ld_body = pro + ld_analysis + qload + [
             f"        mbarrier.expect(q_bar.index(w), {qn}_desc.block_type.nbytes)",
             f"        _tma_load({qn}_desc, [pid_g * {qrows} + (pid_r * 2 + w) * BLOCK_I, 0], q_bar.index(w), "
             "q_bufs.index(w))",
@@ -361,7 +367,8 @@ class WarpSpecialised:
               "    ROW_L: gl.constexpr = gl.SliceLayout(1, MMA)",
               "    COL_L: gl.constexpr = gl.SliceLayout(0, MMA)",
               "    SCAN_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])",
-              *scan_layouts(1, self.scan_lookups())] + loop_over_items(ld_body, "load")
+              *scan_layouts(1, lk)] + (["    SCAN_LD: gl.constexpr = 1   # key tiles a scan step (above)"] if lk else []) \
+            + loop_over_items(ld_body, "load")
 
         con_body = con_pro + analysis + ["    q_smem = q_bufs.index(WG)"]
         if not dyn:   # (dynamic: waited on before the item is read)

@@ -17,7 +17,8 @@ STORE_LAYOUTS = ("    STORE_L: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [
                  "    SCOL_L: gl.constexpr = gl.SliceLayout(0, STORE_L)")
 
 # layouts of the aranges the template writes, by their length
-_ARANGE_LAYOUT = {"BLOCK_I": "ROW_L", "BLOCK_J": "COL_L", "BLOCK_E": "COL_L", "BLOCK_D": "COL_L", "SCAN": "SCANV_L"}
+_ARANGE_LAYOUT = {"BLOCK_I": "ROW_L", "BLOCK_J": "COL_L", "BLOCK_E": "COL_L", "BLOCK_D": "COL_L", "SCAN": "SCANV_L",
+                  "SCAN_LD": "SCANV_L"}   # (SCAN_LD: the persistent load partition's scan step)
 
 
 def scan_layouts(nw, lookups: bool) -> list:

@@ -670,9 +670,36 @@ def test_ws_lookup_analysis_reads_both_consumers_rows(opts):
         assert row_reads, name
         for idx, msk in row_reads:
             assert (idx, msk) == ("pr_idx_i", "pr_rmask"), f"{name}: the analysis reads {idx}, {msk}"
-        assert re.search(r"pr_rows = pid_r \* \(2 \* BLOCK_I\) \+ gl\.arange\(0, 2 \* BLOCK_I, layout=ROW_L\)", f), name
+        # (spread over the partition's threads: SCAN_L; the load partition's ROW_L repeats every row in each thread)
+        assert re.search(r"pr_rows = pid_r \* \(2 \* BLOCK_I\) \+ gl\.arange\(0, 2 \* BLOCK_I, layout=SCAN_L\)", f), name
         assert "pr_idx_i = pr_rem % len_i" in f and "pr_rmask = pr_rows < n_rows" in f, name
     assert "pr_" not in gluon_source(PROGS["p_slope"](), **opts)
+
+
+def test_persistent_load_partition_scans_one_tile_a_step_with_lookups():
+    """The persistent kernel's load partition (one warp, 24 registers) runs the consumers' mask
+    analysis with one key tile a scan step (SCAN_LD) where lookups load [SCAN, BLOCK_J] values:
+    at SCAN = 16 the document mask's load partition spilled (1402 local loads offline for sm_90).
+    Its analysis is the consumers' text with SCAN renamed, no other change, so the first and last
+    visible tiles it walks (a min and a max over the tiles) are theirs at any step width; programs
+    without lookups keep SCAN there (their kernels unchanged)."""
+    def funcs(src):
+        return {re.search(r"def (\w+)\(", f).group(1): f for f in re.split(r"\n@gluon\.jit\n", src) if "def " in f}
+
+    def analysis(f):
+        lines = f.splitlines()
+        a = next(i for i, ln in enumerate(lines) if "BIG = 2147483647" in ln)
+        b = next(i for i, ln in enumerate(lines) if "first = gl.where(first == BIG, 0, first)" in ln)
+        return [ln.strip() for ln in lines[a:b + 1]]
+
+    fs = funcs(gluon_source(PROGS["p_seg"](), ws=True, persistent=True, dynamic=True))
+    load = next(f for n, f in fs.items() if n.endswith("_p_load"))   # (the persistent kernel's)
+    cons = next(f for n, f in fs.items() if n.endswith("_p_consume"))
+    assert "SCAN_LD: gl.constexpr = 1" in load and "SCAN_LD" not in cons
+    la, ca = analysis(load), analysis(cons)
+    assert la == [re.sub(r"\bSCAN\b", "SCAN_LD", ln) for ln in ca] and la != ca
+    plain = funcs(gluon_source(PROGS["p_lower"](), ws=True, persistent=True, dynamic=True))
+    assert not any("SCAN_LD" in f for f in plain.values())
 
 
 def test_lookup_mask_compiles_for_sm90_offline(tmp_path):
