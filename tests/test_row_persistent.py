@@ -91,7 +91,11 @@ def test_persistent_loop_matches_float64(name, R, N):
     mod = _module(name)
     ins = _inputs(name, R, N, seed=R * 100003 + N + len(name))
     ref = _reference(name, ins)
-    for per_sm in (None, 1, 0.5):   # full grid; 2 programs over R row blocks; 1 program for all
+    # full grid; 2 programs over R row blocks; 1 program for all. At 16411 the other programs
+    # run the middle one only by default (session 22: the 2-core suite over 15 minutes; the states
+    # differ, the grids are softmax's): ``pytest -m slow`` runs rows of 70001 with all three
+    grids = (None, 1, 0.5) if name == "softmax" or N != 16411 else (1,)
+    for per_sm in grids:
         got = mod.run(**ins, schedule="loop", block_r=1, block_j=2048, per_sm=per_sm)
         _check(got, ref, rtol=2e-5, stol=2e-6)
         plan = [p for k, p in mod._PLANS.items()
@@ -128,7 +132,12 @@ def test_onepass_matches_float64(name, R, N):
     mod = _module(name)
     ins = _inputs(name, R, N, seed=R * 7919 + N + 3 * len(name))
     ref = _reference(name, ins)
-    for kw in (dict(), dict(nsplit=3, block_r=1)):
+    # the automatic chunk count and three chunks of one row a block: at 16411 softmax runs the
+    # first and cross-entropy the second by default (session 22: 22 s each for both on 2 cores)
+    kws = (dict(), dict(nsplit=3, block_r=1))
+    if N == 16411 and name in ("softmax", "cross_entropy"):
+        kws = kws[:1] if name == "softmax" else kws[1:]
+    for kw in kws:
         got = mod.run(**ins, schedule="onepass", **kw)
         _check(got, ref, rtol=2e-5, stol=2e-6)
         plan = [p for k, p in mod._PLANS.items() if k[0][0] == "onepass" and k[0][3] == kw.get("nsplit")
