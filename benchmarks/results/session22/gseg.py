@@ -18,6 +18,13 @@ if os.environ.get("PATCH"):   # the load partition's scan over PATCH tiles a ste
         body = src[i0:i1].replace("SCAN * BLOCK_J", f"{ld} * BLOCK_J").replace("gl.arange(0, SCAN, layout=SCANV_L)", f"gl.arange(0, {ld}, layout=SCANV_L)")
         return src[:i0] + body + src[i1:]
     _cg.GluonGen.module = _mod
+if os.environ.get("MASKLOAD"):   # key lookups as masked loads (contiguous addresses)
+    _orig2 = _cg.GluonGen.module
+    def _mod2(self):
+        src = _orig2(self)
+        return re.sub(r"gl\.load\(seg_ptr \+ off_seg_g \+ gl\.where\((_c\d+), (_ix\d+), 0\) \* s_seg_n\)",
+                      lambda m: f"gl.load(seg_ptr + off_seg_g + {m.group(2)} * s_seg_n, mask={m.group(1)}, other=0)", src)
+    _cg.GluonGen.module = _mod2
 FORMS = {"wsov": dict(ws=True, overlap=True), "wsPD": dict(ws=True, persistent=True, dynamic=True)}
 name = sys.argv[1] if len(sys.argv) > 1 else "p_seg"
 for form in sys.argv[2:] or list(FORMS):
