@@ -128,15 +128,18 @@ def classify(prog, tensors, terms, out_axes, j, C):
     return R, E, G, Lk
 
 
-def row_indices(R, G) -> list:
+def row_indices(R, G, rows="pid_r * BLOCK_I + tl.arange(0, BLOCK_I)", pre="") -> list:
     """A row tile's indices from ``pid_r`` and ``pid_g``: its rows and their mask, each row
     axis' index (the rows are the row axes flattened, the last innermost) and each grid axis'
-    (``pid_g`` over the grid axes, the last innermost), in int64."""
-    L = ["    rows = pid_r * BLOCK_I + tl.arange(0, BLOCK_I)",
-         "    rmask = rows < n_rows",
-         "    rem = rows.to(tl.int64)"]
+    (``pid_g`` over the grid axes, the last innermost), in int64. ``rows``: another row range
+    (its names prefixed ``pre``); ``G`` None: no grid axes' indices."""
+    L = [f"    {pre}rows = {rows}",
+         f"    {pre}rmask = {pre}rows < n_rows",
+         f"    {pre}rem = {pre}rows.to(tl.int64)"]
     for a in reversed(R):
-        L += [f"    idx_{a} = rem % len_{a}", f"    rem = rem // len_{a}"]
+        L += [f"    {pre}idx_{a} = {pre}rem % len_{a}", f"    {pre}rem = {pre}rem // len_{a}"]
+    if G is None:
+        return L
     L.append("    gem = pid_g.to(tl.int64)")
     for a in reversed(G):
         L += [f"    idx_{a} = gem % len_{a}", f"    gem = gem // len_{a}"]

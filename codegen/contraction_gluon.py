@@ -56,7 +56,7 @@ import sys
 from acefuse.rewrite.terms import Term, pretty
 from acefuse.codegen.auto_choice import Family, choose
 from acefuse.codegen.emit import CodegenError
-from acefuse.codegen.contraction import ContractionGen, _drop_dead, _flat_mul
+from acefuse.codegen.contraction import ContractionGen, _drop_dead, _flat_mul, row_indices
 from acefuse.codegen.contraction_ctx import CContext
 from acefuse.codegen.contraction_gluon_ws import WarpSpecialised
 # the template's text -> Gluon text; the module header's helpers as Gluon functions
@@ -423,11 +423,7 @@ class GluonGen(WarpSpecialised, ContractionGen):
             # masks.MaskAnalysis.ROWS_OF_ANALYSIS), spread over the partition's threads (SCAN_L:
             # the analysis only reduces them; the load partition's one-warp ROW_L would give
             # every thread all 2 * BLOCK_I of them, and its 24 registers spilled)
-            L += ["    pr_rows = pid_r * (2 * BLOCK_I) + gl.arange(0, 2 * BLOCK_I, layout=SCAN_L)   # both consumers' rows",
-                  "    pr_rmask = pr_rows < n_rows",
-                  "    pr_rem = pr_rows.to(tl.int64)"]
-            for a in reversed(R):
-                L += [f"    pr_idx_{a} = pr_rem % len_{a}", f"    pr_rem = pr_rem // len_{a}"]
+            L += row_indices(R, None, "pid_r * (2 * BLOCK_I) + gl.arange(0, 2 * BLOCK_I, layout=SCAN_L)", "pr_")
         if len(R) == 1:
             r = R[0]
             return L + [f"    {r}_lo = (pid_r * (2 * BLOCK_I)) * 1.0   # both consumers' rows",

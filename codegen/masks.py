@@ -363,7 +363,7 @@ class MaskAnalysis:
             red = 1
         else:   # the row tile's values (``ROWS_OF_ANALYSIS``: another row range's names)
             pre = self.ROWS_OF_ANALYSIS
-            L.append(f"iv{n}p = {pre if a in self.R else ''}idx_{a}")
+            L.append(f"iv{n}p = {pre}idx_{a}")   # (a row axis: _lookup_ok)
             L.append(f"iv{n}in = {pre}rmask")
             red = 0
         L.append(f"iv{n}ok = iv{n}in & (iv{n}p < len_{ax})")
